@@ -1,0 +1,18 @@
+"""keepkv: KV-cache compression for Hugging Face LLMs (KeepKV and the methods it is measured against)."""
+
+from .attention import enable
+from .cache import CompressedCache
+from .generation import GenerationResult, generate
+from .methods import Method, describe_methods, get_method
+from .models import load_model
+
+__all__ = [
+    "CompressedCache",
+    "GenerationResult",
+    "Method",
+    "describe_methods",
+    "enable",
+    "generate",
+    "get_method",
+    "load_model",
+]

@@ -1,0 +1,172 @@
+"""The attention path: softmax(q·K^T·scaling + bias)·V over a layer's kept entries.
+
+Registered with transformers' AttentionInterface as ``"keepkv"``, together with a mask
+builder of the same name. The mask builder returns only the *new block's* mask
+[B, 1, q, q] (causal, padded keys off): once a layer is compressed, physical slots no
+longer line up with logical positions, so the stored entries are masked by their bias.
+
+Grouped-query attention: the g = H / H_kv query heads of KV head h are heads h·g … h·g+g−1
+(HF's ``repeat_kv`` order). They are viewed as [B, H_kv, g, q, D] so keys are never repeated.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+NEG_INF = float("-inf")
+# Floats in one chunk of prefill logits: bounds the workspace, never a full T×T matrix.
+CHUNK_ELEMENTS = 1 << 24
+
+# The attention function is not handed the cache; CompressedCache.update() names it here.
+ACTIVE_CACHE: contextvars.ContextVar = contextvars.ContextVar("keepkv_active_cache", default=None)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a method asks the attention path to compute for it."""
+
+    probs: bool = False  # attention probabilities of every query row (decode steps)
+    colsum: bool = False  # column sums of the probabilities over all query rows (prefill)
+    window: int = 0  # probabilities of the last `window` query rows (prefill)
+
+
+@dataclass
+class StepStats:
+    """What one attention call saw, handed to the method.
+
+    query        [B, H_kv, g, q, D]   the new queries, after RoPE
+    probs        [B, H_kv, g, q, S]   attention probabilities (if asked)
+    colsum       [B, H_kv, g, S]      Σ over query rows of the probabilities (if asked)
+    window_probs [B, H_kv, g, w, S]   probabilities of the last w query rows (if asked)
+    S is the layer's size after the new block was appended.
+    """
+
+    query: torch.Tensor
+    scaling: float
+    is_prefill: bool
+    probs: torch.Tensor | None = None
+    colsum: torch.Tensor | None = None
+    window_probs: torch.Tensor | None = None
+
+
+def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, q, D] -> [B, H_kv, g, q, D]."""
+    batch, heads, length, head_dim = query.shape
+    return query.view(batch, kv_heads, heads // kv_heads, length, head_dim)
+
+
+def entry_logits(query_g, keys, bias, scaling, block_mask_rows=None) -> torch.Tensor:
+    """Logits q·k·scaling + bias, fp32 [B, H_kv, g, r, S].
+
+    query_g [B, H_kv, g, r, D]; keys [B, H_kv, S, D]; bias [B, H_kv, S];
+    block_mask_rows [B, r, q] masks the last q columns (the new block), if given.
+    """
+    logits = torch.matmul(query_g, keys[:, :, None].transpose(-1, -2)).float() * scaling
+    logits = logits + bias[:, :, None, None, :]
+    if block_mask_rows is not None:
+        block = block_mask_rows.shape[-1]
+        logits[..., -block:] = logits[..., -block:].masked_fill(~block_mask_rows[:, None, None], NEG_INF)
+    return logits
+
+
+def softmax_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over entries; rows with no visible entry (padded queries) get zeros."""
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+
+def attend(query, keys, values, bias, block_mask, scaling: float, needs: Needs = Needs(), is_prefill: bool = False):
+    """Attend the new queries over the entries, whose last q are the new block.
+
+    query [B, H, q, D]; keys, values [B, H_kv, S, D]; bias [B, H_kv, S];
+    block_mask [B, 1, q, q] bool. Returns the output [B, q, H, D] and the StepStats that
+    ``needs`` asked for.
+    """
+    kv_heads = keys.shape[1]
+    query_g = group_queries(query, kv_heads)
+    batch, _, group, block, head_dim = query_g.shape
+    size = keys.shape[2]
+    stats = StepStats(query=query_g, scaling=scaling, is_prefill=is_prefill)
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, batch * kv_heads * group * size))
+
+    def row_probs(start: int, stop: int) -> torch.Tensor:
+        """[B, H_kv, g, stop-start, S] probabilities of query rows start..stop."""
+        rows = query_g[:, :, :, start:stop]
+        return softmax_probs(entry_logits(rows, keys, bias, scaling, block_mask[:, 0, start:stop]))
+
+    if size == block and block > 1:
+        # Nothing stored before this block, so the bias only marks padding, which the mask holds.
+        output = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=block_mask, scale=scaling, enable_gqa=True
+        ).transpose(1, 2)
+        if needs.probs:
+            stats.probs = row_probs(0, block)
+    else:
+        output_chunks, prob_chunks = [], []
+        for start in range(0, block, rows_per_chunk):
+            probs = row_probs(start, min(block, start + rows_per_chunk))
+            output_chunks.append(torch.matmul(probs.to(values.dtype), values[:, :, None]))
+            if needs.probs:
+                prob_chunks.append(probs)
+        output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, head_dim).transpose(1, 2)
+        if needs.probs:
+            stats.probs = torch.cat(prob_chunks, dim=3)
+
+    if needs.colsum:
+        stats.colsum = sum(
+            row_probs(start, min(block, start + rows_per_chunk)).sum(3) for start in range(0, block, rows_per_chunk)
+        )
+    if needs.window:
+        stats.window_probs = row_probs(max(0, block - needs.window), block)
+    return output.contiguous(), stats
+
+
+def keepkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The function transformers calls for ``attn_implementation="keepkv"``."""
+    cache = ACTIVE_CACHE.get()
+    if cache is None:
+        raise RuntimeError(
+            "attn_implementation='keepkv' needs a keepkv.CompressedCache as past_key_values "
+            "(use keepkv.generate(), or pass past_key_values=CompressedCache(model.config, ...))"
+        )
+    ACTIVE_CACHE.set(None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if attention_mask is None or attention_mask.shape[-1] != query.shape[2]:
+        attention_mask = block_causal_mask(query.shape[0], query.shape[2], None, query.device)
+    return cache.forward_layer(module.layer_idx, query, key, value, attention_mask, scaling), None
+
+
+def block_causal_mask(batch: int, block: int, padding_2d, device) -> torch.Tensor:
+    """[B, 1, q, q] bool: causal within the new block, padded keys off.
+
+    ``padding_2d`` is HF's 2-D attention mask (1 = real token) over the logical sequence; its
+    last q columns are the new block. A padded query still sees itself, so no row is empty.
+    """
+    causal = torch.ones(block, block, dtype=torch.bool, device=device).tril()
+    mask = causal.expand(batch, 1, block, block)
+    if padding_2d is not None:
+        key_is_real = padding_2d[:, -block:].to(device=device, dtype=torch.bool)
+        mask = mask & key_is_real[:, None, None, :]
+        mask = mask | torch.eye(block, dtype=torch.bool, device=device)
+    return mask
+
+
+def keepkv_mask(batch_size: int, q_length: int, kv_length: int = 0, attention_mask=None, device="cpu", **kwargs):
+    """Mask builder registered for ``"keepkv"``: the new block's mask only (see module doc)."""
+    return block_causal_mask(batch_size, q_length, attention_mask, device)
+
+
+AttentionInterface.register("keepkv", keepkv_attention)
+AttentionMaskInterface.register("keepkv", keepkv_mask)
+
+
+def enable(model) -> None:
+    """Switch ``model`` to keepkv's attention path (works for any Llama-family model)."""
+    if model.config._attn_implementation != "keepkv":
+        model.set_attn_implementation("keepkv")

@@ -1,0 +1,283 @@
+"""CompressedCache: the kept KV entries of every layer, and when to compress them.
+
+One storage layout serves every method (DESIGN.md, "Storage"). Per layer, for B rows
+and H_kv KV heads:
+
+    keys, values : [B, H_kv, S, D]  the kept entries; S is the layer's physical capacity,
+                                    the most any row or head keeps
+    bias         : [B, H_kv, S]     fp32, added to every query's logit for that entry:
+                                    0 plain token, log p for p Electoral Votes, -inf empty slot
+    positions    : [B, H_kv, S]     int64 original position of the entry within its row
+                                    (first real token = 0), -1 for an empty slot
+    extras[name] : [B, H_kv, S,...] per-entry state of the method (scores, counts), kept
+                                    aligned with the entries through every append and select
+
+The tensors really shrink when a method compresses: nothing is masked in place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .attention import ACTIVE_CACHE, StepStats, attend
+from .methods import Method, get_method
+from .models import check_architecture
+
+NEG_INF = float("-inf")
+
+
+class LayerStore(CacheLayerMixin):
+    """The kept entries of one layer (shapes in the module docstring).
+
+    Beside the tensors it tracks
+    ``seen``: tokens fed so far, padding included (the logical length HF sees);
+    ``real_seen`` [B]: real tokens fed so far per row;
+    ``budget`` [B, H_kv]: entries each row and head may keep after compression (None: unlimited);
+    ``pending``: tokens appended since the last compression;
+    ``state``: the method's per-layer state that is not per entry.
+    """
+
+    is_sliding = False
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.bias: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.extras: dict[str, torch.Tensor] = {}
+        self.extra_fill: dict[str, float] = {}
+        self.state: dict = {}
+        self.seen = 0
+        self.real_seen: torch.Tensor | None = None
+        self.budget: torch.Tensor | None = None
+        self.capacity = 0
+        self.min_budget = 0
+        self.pending = 0
+        self.prefill_stats: StepStats | None = None
+
+    # -- CacheLayerMixin -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, kv_heads, _, head_dim = key_states.shape
+        device = key_states.device
+        self.dtype, self.device = key_states.dtype, device
+        self.keys = key_states.new_zeros(batch, kv_heads, 0, head_dim)
+        self.values = value_states.new_zeros(batch, kv_heads, 0, value_states.shape[-1])
+        self.bias = torch.zeros(batch, kv_heads, 0, device=device)
+        self.positions = torch.zeros(batch, kv_heads, 0, dtype=torch.long, device=device)
+        self.real_seen = torch.zeros(batch, dtype=torch.long, device=device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # The attention function appends (it needs the padding mask); see CompressedCache.update.
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.layer_idx)
+
+    # -- storage ---------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Physical capacity S."""
+        return 0 if self.bias is None else self.bias.shape[-1]
+
+    def live(self) -> torch.Tensor:
+        """[B, H_kv, S] bool: slots holding an entry."""
+        return self.bias > NEG_INF
+
+    def live_counts(self) -> torch.Tensor:
+        """[B, H_kv] entries kept per row and head."""
+        return self.live().sum(-1)
+
+    def add_extra(self, name: str, fill: float = 0.0, dtype=torch.float32, trailing=()) -> None:
+        """Register a per-entry tensor that follows the entries; new tokens get ``fill``."""
+        if name in self.extras:
+            return
+        batch, kv_heads, size = self.bias.shape
+        self.extras[name] = torch.full((batch, kv_heads, size, *trailing), fill, dtype=dtype, device=self.device)
+        self.extra_fill[name] = fill
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, is_real: torch.Tensor) -> None:
+        """Append a block of q new tokens.
+
+        keys, values: [B, H_kv, q, D]; is_real: [B, q] bool, False for left padding.
+        """
+        batch, kv_heads, block = keys.shape[:3]
+        block_pos = self.real_seen[:, None] + is_real.long().cumsum(-1) - 1
+        block_pos = block_pos.masked_fill(~is_real, -1)
+        block_bias = torch.zeros(batch, block, device=self.device).masked_fill(~is_real, NEG_INF)
+        self.keys = torch.cat([self.keys, keys], dim=-2)
+        self.values = torch.cat([self.values, values], dim=-2)
+        self.bias = torch.cat([self.bias, block_bias[:, None].expand(batch, kv_heads, block)], dim=-1)
+        self.positions = torch.cat([self.positions, block_pos[:, None].expand(batch, kv_heads, block)], dim=-1)
+        for name, extra in self.extras.items():
+            fresh = extra.new_full((batch, kv_heads, block, *extra.shape[3:]), self.extra_fill[name])
+            self.extras[name] = torch.cat([extra, fresh], dim=2)
+        self.seen += block
+        self.real_seen = self.real_seen + is_real.sum(-1)
+        self.pending += block
+
+    def select(self, index: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep only the entries at ``index`` [B, H_kv, K]; slots where ``valid`` is False become empty."""
+        head_dim = self.keys.shape[-1]
+        self.keys = self.keys.gather(2, index[..., None].expand(*index.shape, head_dim))
+        self.values = self.values.gather(2, index[..., None].expand(*index.shape, self.values.shape[-1]))
+        self.bias = self.bias.gather(2, index).masked_fill(~valid, NEG_INF)
+        self.positions = self.positions.gather(2, index).masked_fill(~valid, -1)
+        for name, extra in self.extras.items():
+            extra_index = index.view(*index.shape, *([1] * (extra.dim() - 3))).expand(*index.shape, *extra.shape[3:])
+            self.extras[name] = extra.gather(2, extra_index)
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer: entries, bias, positions and per-entry method state."""
+        if not self.is_initialized:
+            return 0
+        tensors = [self.keys, self.values, self.bias, self.positions, *self.extras.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class CacheSummary:
+    """Per-row memory summary of a CompressedCache."""
+
+    kept_entries: list[float]  # mean live entries per layer and KV head, per row
+    cache_bytes: list[int]  # this cache's bytes, split evenly over rows (empty slots included)
+    full_cache_bytes: list[int]  # bytes an uncompressed cache of the row's tokens would hold
+
+
+def validate_budget(budget) -> None:
+    """Raise ValueError unless budget is a float in (0, 1] or an int >= 1."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget must be a float in (0, 1] or an int >= 1, got {budget!r}")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"an integer budget is an entry count and must be >= 1, got {budget}")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"a float budget is a fraction of the prompt and must be in (0, 1], got {budget}")
+
+
+def row_budgets(budget: int | float, prompt_lengths: torch.Tensor) -> torch.Tensor:
+    """[B] entries per layer and head each row may keep: a fraction of its prompt, or a count."""
+    if isinstance(budget, float):
+        return (prompt_lengths.double() * budget).round().long().clamp(min=1)
+    return torch.full_like(prompt_lengths, budget)
+
+
+class CompressedCache(Cache):
+    """A KV cache that keeps at most ``budget`` entries per layer and head, chosen by ``method``.
+
+    Pass it as ``past_key_values`` to ``model.generate()`` or a forward loop of a model whose
+    attention implementation is ``"keepkv"`` (``keepkv.enable(model)`` sets it).
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config (Llama, Mistral, Qwen2 or Qwen3).
+    method : str or Method
+        A registered method name (``keepkv methods``) or an instance.
+    budget : float or int
+        A float in (0, 1]: that fraction of each row's prompt length. An int >= 1: an entry count.
+        Methods may split it unevenly over layers and heads; the mean stays at the budget.
+    **method_params
+        Parameters of the method when it is given by name.
+    """
+
+    def __init__(self, config, method: str | Method = "full", budget: int | float = 1.0, **method_params):
+        check_architecture(config)
+        validate_budget(budget)
+        if isinstance(method, Method):
+            if method_params:
+                raise ValueError("pass method parameters either to get_method() or here, not with an instance")
+            self.method = method
+        else:
+            self.method = get_method(method, **method_params)
+        self.budget = budget
+        self.num_layers = config.num_hidden_layers
+        self.config = config
+        super().__init__(layers=[LayerStore(i) for i in range(self.num_layers)])
+        self.prompt_lengths: torch.Tensor | None = None
+        self.method.check_budget(self)
+
+    # -- HF Cache API ------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        ACTIVE_CACHE.set(self)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    # -- one attention call --------------------------------------------------------------
+    def forward_layer(self, layer_idx, query, keys, values, block_mask, scaling) -> torch.Tensor:
+        """Append the new block, attend over the kept entries, let the method compress.
+
+        query [B, H, q, D]; keys, values [B, H_kv, q, D]; block_mask [B, 1, q, q] bool
+        (causal within the block, False for padded keys). Returns [B, q, H, D].
+        """
+        layer = self.layers[layer_idx]
+        is_prefill = self.prompt_lengths is None
+        if layer.seen == 0:
+            self.method.setup_layer(layer)
+        layer.append(keys, values, block_mask[:, 0, -1, :])
+        needs = self.method.needs(is_prefill)
+        output, stats = attend(query, *self.method.attention_entries(layer), block_mask, scaling, needs, is_prefill)
+        self.method.observe(layer, stats)
+        if is_prefill:
+            layer.prefill_stats = stats
+            if layer_idx == self.num_layers - 1:
+                self._end_prefill()
+        elif layer.budget is not None and layer.pending >= self.method.interval:
+            self.method.compress(layer, stats)
+            layer.pending = 0
+        return output
+
+    def _end_prefill(self) -> None:
+        """Fix every layer's budget from the prompt, then compress all layers."""
+        self.prompt_lengths = self.layers[0].real_seen.clone()
+        per_row = row_budgets(self.budget, self.prompt_lengths)
+        budgets = self.method.allocate(self, per_row)
+        if budgets is not None:
+            # A prompt that fits its mean budget is not compressed in any layer (as PyramidKV's code).
+            fits = (self.prompt_lengths <= per_row)[None, :, None]
+            budgets = torch.where(fits, per_row[None, :, None], budgets)
+        for layer in self.layers:
+            if budgets is not None:
+                layer.budget = budgets[layer.layer_idx]
+                layer.capacity = int(layer.budget.max())
+                layer.min_budget = int(layer.budget.min())
+                self.method.compress(layer, layer.prefill_stats)
+            layer.prefill_stats = None
+            layer.pending = 0
+
+    # -- reporting -------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def summary(self) -> CacheSummary:
+        """Kept entries and bytes per row, next to what an uncompressed cache would hold."""
+        first = self.layers[0]
+        batch, kv_heads, _, head_dim = first.keys.shape
+        kept = torch.stack([layer.live_counts().double().mean(-1) for layer in self.layers]).mean(0)
+        per_entry = 2 * head_dim * first.keys.element_size() * kv_heads * self.num_layers
+        tokens = first.real_seen
+        return CacheSummary(
+            kept_entries=[round(float(k), 2) for k in kept],
+            cache_bytes=[math.ceil(self.nbytes() / batch)] * batch,
+            full_cache_bytes=[int(t) * per_entry for t in tokens],
+        )

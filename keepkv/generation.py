@@ -1,0 +1,149 @@
+"""keepkv.generate(): prompts in, answers and memory figures out."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from .attention import enable
+from .cache import CompressedCache
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's answer and what its cache held at the end."""
+
+    answer: str
+    prompt_tokens: int
+    kept_entries: float  # mean live entries per layer and KV head
+    cache_bytes: int
+    full_cache_bytes: int
+    method: str
+    budget: float | int
+    new_tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Progress(StoppingCriteria):
+    """A progress bar over generated tokens that never stops generation."""
+
+    def __init__(self, total: int):
+        self.bar = tqdm(total=total, desc="generating", unit="tok", leave=False)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.bar.update(1)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def build_prompts(tokenizer, prompts: list[str], chat: bool, answer_prefix: str) -> list[str]:
+    """Wrap each prompt in the chat template (if asked and available) and start the reply."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            + answer_prefix
+            for p in prompts
+        ]
+    return [p + answer_prefix for p in prompts]
+
+
+def encode(tokenizer, texts: list[str], chat: bool, device) -> dict:
+    """Left-padded input_ids and attention_mask."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    has_template = chat and getattr(tokenizer, "chat_template", None)
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not has_template)
+    return {key: value.to(device) for key, value in batch.items() if key in ("input_ids", "attention_mask")}
+
+
+def validate_prompts(prompts) -> list[str]:
+    """A str or a non-empty list of non-empty str."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+        raise ValueError("prompts must be a non-empty string or a non-empty list of non-empty strings")
+    return list(prompts)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    tokenizer,
+    prompts,
+    method="full",
+    budget: int | float = 1.0,
+    max_new_tokens: int = 64,
+    chat: bool = True,
+    answer_prefix: str = "",
+    progress: bool = False,
+    **method_params,
+) -> list[GenerationResult]:
+    """Greedy generation with a compressed KV cache, one result per prompt.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A Llama-family causal LM and its tokenizer (``keepkv.load_model()``).
+    prompts : str or list of str
+        Batched with left padding; each row is compressed independently.
+    method : str or Method
+        A registered method (``keepkv.describe_methods()``).
+    budget : float or int
+        Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head.
+    max_new_tokens : int
+        Tokens to generate (>= 0; 0 runs the prefill and compression only).
+    chat : bool
+        Apply the tokenizer's chat template.
+    answer_prefix : str
+        Text that starts the assistant's reply.
+    progress : bool
+        Show a progress bar over generated tokens.
+    **method_params
+        Parameters of the method.
+    """
+    prompts = validate_prompts(prompts)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    cache = CompressedCache(model.config, method, budget, **method_params)
+    device = next(model.parameters()).device
+    inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
+    enable(model)
+    prompt_length = inputs["input_ids"].shape[1]
+    if max_new_tokens == 0:
+        model(**inputs, past_key_values=cache, use_cache=True)
+        new_tokens = inputs["input_ids"][:, :0]
+    else:
+        stopping = StoppingCriteriaList([_Progress(max_new_tokens)]) if progress else None
+        output = model.generate(
+            **inputs,
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tokenizer.pad_token_id,
+            stopping_criteria=stopping,
+        )
+        new_tokens = output[:, prompt_length:]
+    summary = cache.summary()
+    answers = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    real_new = (new_tokens != tokenizer.pad_token_id).sum(-1) if new_tokens.numel() else new_tokens.sum(-1)
+    return [
+        GenerationResult(
+            answer=answers[row].strip(),
+            prompt_tokens=int(inputs["attention_mask"][row].sum()),
+            kept_entries=summary.kept_entries[row],
+            cache_bytes=summary.cache_bytes[row],
+            full_cache_bytes=summary.full_cache_bytes[row],
+            method=cache.method.name,
+            budget=budget,
+            new_tokens=int(real_new[row]),
+        )
+        for row in range(len(prompts))
+    ]

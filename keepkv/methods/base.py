@@ -1,0 +1,217 @@
+"""What every compression method is, and the selection machinery eviction methods share.
+
+A method never touches the model. The cache hands it a layer's store (see cache.py for the
+shapes) and the StepStats of each attention call; the method scores entries in ``observe``
+and rewrites the store in ``compress`` with tensor operations over all rows and heads at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..attention import Needs, StepStats
+
+NEG_INF = float("-inf")
+METHODS: dict[str, type["Method"]] = {}
+
+
+def register(cls):
+    """Class decorator: make a method reachable by ``get_method(cls.name)``."""
+    METHODS[cls.name] = cls
+    return cls
+
+
+def get_method(name: str, **params) -> "Method":
+    """Return the method registered as ``name``, built with ``params``.
+
+    Raises ValueError naming the valid methods or parameters.
+    """
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
+    cls = METHODS[name]
+    valid = [field.name for field in dataclasses.fields(cls)]
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"unknown parameter(s) {', '.join(unknown)} for method {name!r}; valid: {', '.join(valid) or 'none'}"
+        )
+    return cls(**params)
+
+
+def describe_methods() -> list[dict]:
+    """Name, paper, parameters and defaults of every registered method."""
+    return [
+        {
+            "name": name,
+            "paper": cls.paper,
+            "params": {field.name: field.default for field in dataclasses.fields(cls)},
+        }
+        for name, cls in sorted(METHODS.items())
+    ]
+
+
+def check_range(name: str, value, low, high, *, low_open=False, high_open=False) -> None:
+    """Raise ValueError unless low <(=) value <(=) high; the message names the range."""
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if below or above:
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
+
+
+@dataclass
+class Method:
+    """Base class. Subclasses are small dataclasses registered with ``@register``.
+
+    Parameters
+    ----------
+    interval : int
+        During decoding, compress once every ``interval`` new tokens; between compressions a
+        layer holds up to ``budget + interval - 1`` entries (the method's declared slack).
+    """
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    interval: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"interval must be an int >= 1, got {self.interval!r}")
+
+    @property
+    def slack(self) -> int:
+        """Entries a layer may hold above its budget between compressions."""
+        return self.interval - 1
+
+    def needs(self, is_prefill: bool) -> Needs:
+        """Statistics the attention path must compute for this method."""
+        return Needs()
+
+    def check_budget(self, cache) -> None:
+        """Raise ValueError if the cache's budget cannot work for this method."""
+
+    def setup_layer(self, layer) -> None:
+        """Register per-entry extras on a layer before its first token."""
+
+    def attention_entries(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, bias) the new queries attend over; the new block must come last.
+
+        The stored entries by default. KVReviver prepends tokens rebuilt from its sketch;
+        they live only for this call.
+        """
+        return layer.keys, layer.values, layer.bias
+
+    def observe(self, layer, stats: StepStats) -> None:
+        """Update scores after every attention call."""
+
+    def allocate(self, cache, row_budget: torch.Tensor) -> torch.Tensor | None:
+        """Budgets [L, B, H_kv] from each row's mean per-layer budget [B]; None = never compress."""
+        kv_heads = cache.layers[0].keys.shape[1]
+        return row_budget[None, :, None].expand(cache.num_layers, -1, kv_heads).clone()
+
+    def compress(self, layer, stats: StepStats) -> None:
+        """Bring every row and head of ``layer`` to at most its budget."""
+        raise NotImplementedError
+
+
+@dataclass
+class EvictionPlan:
+    """Which entries stay and which leave, per row and head.
+
+    keep_idx [B, H_kv, K] in position order, keep_valid [B, H_kv, K];
+    evict_idx [B, H_kv, E], evict_valid [B, H_kv, E].
+    """
+
+    keep_idx: torch.Tensor
+    keep_valid: torch.Tensor
+    evict_idx: torch.Tensor
+    evict_valid: torch.Tensor
+
+
+def plan_eviction(layer, priority: torch.Tensor) -> EvictionPlan:
+    """Keep the ``layer.budget`` live entries of highest ``priority`` [B, H_kv, S] per row and head.
+
+    Kept entries stay in their physical order, so a budget that keeps everything changes
+    nothing, bit for bit. No host sync: sizes come from the layer's host-side counters.
+    """
+    live = layer.live()
+    size = live.shape[-1]
+    keep_count = min(size, layer.capacity)
+    ranked = priority.masked_fill(~live, NEG_INF).topk(keep_count, dim=-1)
+    rank = torch.arange(keep_count, device=live.device)
+    chosen = (rank < layer.budget[..., None]) & live.gather(-1, ranked.indices)
+    keep_sorted = ranked.indices.masked_fill(~chosen, size).sort(-1).values
+    keep_valid = keep_sorted < size
+    keep_idx = keep_sorted.clamp(max=size - 1)
+
+    kept = torch.zeros_like(live).scatter_(-1, keep_idx, keep_valid)
+    evicted = live & ~kept
+    evict_count = min(size, size - layer.min_budget)
+    evict_idx = (~evicted).to(torch.uint8).argsort(dim=-1, stable=True)[..., :evict_count]
+    return EvictionPlan(keep_idx, keep_valid, evict_idx, evicted.gather(-1, evict_idx))
+
+
+def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, S] bool: the first ``sinks`` tokens and the ``recent`` [B, H_kv] newest ones.
+
+    Sinks are capped by the budget, and recent by what the sinks leave, so protected entries
+    never outnumber the budget.
+    """
+    sink_count = layer.budget.clamp(max=sinks)
+    recent = torch.minimum(recent, layer.budget - sink_count)
+    positions = layer.positions
+    is_sink = (positions >= 0) & (positions < sink_count[..., None])
+    is_recent = positions >= (layer.real_seen[:, None, None] - recent[..., None])
+    return (is_sink | is_recent) & layer.live()
+
+
+def pool_group(probs: torch.Tensor, row_dim: int | None = None) -> torch.Tensor:
+    """Pool attention over a GQA group (mean over the g query heads), summing query rows first.
+
+    probs [B, H_kv, g, (r,) S] -> [B, H_kv, S].
+    """
+    if row_dim is not None:
+        probs = probs.sum(row_dim)
+    return probs.mean(2)
+
+
+@dataclass
+class ScoredEviction(Method):
+    """Keep sinks, a recent window and the highest-scoring of the rest.
+
+    Subclasses say how many recent tokens to protect (``recent_count``) and how scores are
+    accumulated (``observe``, into the per-entry extra ``"score"``).
+    """
+
+    sinks: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+
+    def setup_layer(self, layer) -> None:
+        layer.add_extra("score")
+
+    def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
+        """[B, H_kv] recent tokens always kept."""
+        return torch.zeros_like(budget)
+
+    def priority(self, layer) -> torch.Tensor:
+        """[B, H_kv, S]: +inf for protected entries, else the score."""
+        is_protected = protected(layer, self.sinks, self.recent_count(layer.budget))
+        return layer.extras["score"].masked_fill(is_protected, float("inf"))
+
+    def compress(self, layer, stats: StepStats) -> None:
+        if layer.size <= layer.min_budget:
+            return
+        plan = plan_eviction(layer, self.priority(layer))
+        self.apply(layer, plan, stats)
+
+    def apply(self, layer, plan: EvictionPlan, stats: StepStats) -> None:
+        """Rewrite the store from a plan. Eviction keeps; merging methods merge first."""
+        layer.select(plan.keep_idx, plan.keep_valid)

@@ -1,0 +1,47 @@
+"""PyramidKV: SnapKV scores with more budget in lower layers."""
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import check_range, register
+from .snapkv import SnapKV
+
+
+@register
+@dataclass
+class PyramidKV(SnapKV):
+    """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+    Information Funneling", 2024).
+
+    SnapKV's selection, with layer budgets decreasing linearly from the first layer to the
+    last: the last layer gets (b − w)/β + w and the first 2(b − w) − (b − w)/β + w, where b is
+    the mean budget and w the window, so the mean stays b (the authors' code).
+
+    Parameters
+    ----------
+    beta : float
+        Steepness of the pyramid (paper: 20).
+    window, kernel, interval
+        As in SnapKV.
+    """
+
+    name = "pyramidkv"
+    paper = "Cai et al. 2024, arXiv 2406.02069"
+    beta: float = 20.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("beta", self.beta, 1.0, float("inf"))
+
+    def allocate(self, cache, row_budget):
+        layers = cache.num_layers
+        kv_heads = cache.layers[0].keys.shape[1]
+        window = row_budget.clamp(max=self.window).double()
+        spare = row_budget.double() - window
+        smallest = spare / self.beta
+        largest = 2 * spare - smallest
+        depth = torch.linspace(0, 1, layers, dtype=torch.float64, device=row_budget.device)
+        per_layer = largest[None] - depth[:, None] * (largest - smallest)[None] + window[None]
+        budgets = per_layer.round().long().clamp(min=1)
+        return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
