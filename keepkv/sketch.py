@@ -1,0 +1,547 @@
+"""KVReviver's "Vague" store: a batched Count-Sketch variant, plus Fisher layer budgets.
+
+Source: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based
+Token Reconstruction" (paper 004), section "Vague Sketch" (Algorithms 1 and 2),
+Algorithm 3 (query → delete → re-insert swap), the appendix "Parameter Settings"
+(r = 3) and the appendix "Fisher Information".
+
+Naming. The paper calls the r hash rows "buckets" and b the "bucket length"
+("The Vague Part consists of r buckets, each containing b tensors"). Here we use the
+usual Count-Sketch names: ``rows`` = r (one hash function each), ``buckets`` = b
+(slots per row). Each slot holds one key vector and one value vector, so a sketch
+costs r·b token entries, whatever the number of tokens inserted.
+
+Everything is vectorised over batch rows, KV heads, tokens and sketch rows: inserts
+and deletes are one ``index_add_`` each for keys and values, queries one
+``index_select`` plus a median over the row axis.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CountSketch",
+    "buckets_for_budget",
+    "fisher_layer_scores",
+    "allocate_layer_budgets",
+    "fisher_layer_budgets",
+]
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+# --------------------------------------------------------------------------- hashing
+#
+# All arithmetic stays inside [0, 2**48] so no int64 operation ever overflows: the
+# hash is bit-identical on every device and does not rely on wrap-around of signed
+# integer multiplication (undefined behaviour in C++, whatever torch happens to do).
+# The helpers work on Python ints and on int64 tensors alike.
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32) and a constant c in [0, 2**32), overflow-free."""
+    lo = x & 0xFFFF
+    hi = x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser: a bijection on [0, 2**32) with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    h = h ^ (h >> 16)
+    return h
+
+
+def _salts(seed: int, rows: int, device: torch.device) -> Tensor:
+    """Per-(purpose, row) 32-bit salts, shape [2, rows]; purpose 0 = bucket, 1 = sign."""
+    s = int(seed) & _MASK64
+    s_lo, s_hi = s & _MASK32, s >> 32
+    j = torch.arange(rows, dtype=torch.int64, device=device)
+    p = torch.arange(2, dtype=torch.int64, device=device)[:, None]
+    code = (2 * j[None, :] + p + 1) & _MASK32  # distinct, non-zero per (purpose, row)
+    salt = _fmix32(_mul32(code, 0x9E3779B9) ^ s_lo)
+    salt = _fmix32(salt ^ _fmix32((s_hi ^ 0x5BD1E995) & _MASK32))
+    return salt
+
+
+def _hash_positions(token_ids: Tensor, salts: Tensor) -> Tensor:
+    """h[..., p, j] = fmix32(fmix32(lo32(pos) ^ salt[p, j]) ^ hi32(pos)), in [0, 2**32)."""
+    pos = token_ids.to(torch.int64)[..., None, None]
+    lo = pos & _MASK32
+    hi = (pos >> 32) & _MASK32  # arithmetic shift, masked: fine for negative positions too
+    return _fmix32(_fmix32(lo ^ salts) ^ hi)
+
+
+# ---------------------------------------------------------------------------- sketch
+
+
+@dataclass(eq=False)
+class CountSketch:
+    """KVReviver's Vague Part: a Count Sketch whose counters are key/value vectors.
+
+    Shapes: keys, values [B, H_kv, r, b, D]; token_ids [B, H_kv, N] (int64 token
+    positions; size-1 leading dims broadcast); per-token keys/values [B, H_kv, N, D];
+    masks [B, H_kv, N] bool. Every (batch row, KV head) pair has its own independent
+    r × b sketch; the hash functions are shared (they depend on the position only).
+
+    Hashes. For sketch row j and token position t (int64, split into 32-bit halves
+    lo, hi), with ``fmix32`` = MurmurHash3's 32-bit finaliser::
+
+        H_p,j(t) = fmix32(fmix32(lo(t) XOR salt[p, j]) XOR hi(t))
+        h_j(t)   = H_0,j(t) mod b                  (bucket, in [0, b))
+        g_j(t)   = +1 if bit 31 of H_1,j(t) is 0 else -1   (sign)
+
+    The salts are themselves fmix32 mixes of (seed, j, p), so each (seed, row) pair
+    gets its own bucket hash and an independent sign hash. Everything is computed in
+    int64 torch ops that never overflow, so the same token maps to the same buckets
+    and signs on every device, call and process; a different seed gives different
+    hashes. (mod b has a bias of at most b / 2**32, negligible.)
+
+    Insert (Algorithm 1 of the paper), for every row j::
+
+        keys[j, h_j(t)]   += k_t
+        values[j, h_j(t)] += v_t * g_j(t)
+
+    Keys get no sign. That is the paper's choice, not an omission: "randomly
+    multiplying the value embeddings by coefficients of ±1 during both insertion and
+    query operations (g_i in pseudocodes) ... It is worth noting that key embeddings
+    do not require such unbiasedness, as the subsequent computation of
+    Softmax(QK^T) involves a nonlinear Softmax operation". Algorithm 1 adds
+    ``T.key`` unsigned and ``T.value × g_i(J)``. Consequence: a key estimate is
+    biased by the sum of the colliding keys; it is centred only when keys have zero
+    mean, which the paper assumes (K ~ N(0, σ_k)) but real (RoPE'd) keys often
+    violate. ``sign_keys=True`` (not in the paper) signs keys too and makes the key
+    estimate unbiased as well; the default follows the paper.
+
+    Query (Algorithm 2): per row the slot contents, values multiplied back by g_j(t);
+    then the coordinate-wise median over the r rows. For odd r that is the middle
+    value; for even r it is torch.median's *lower* median (the smaller of the two
+    middle values), not their mean. r = 3 uses an exact min/max network.
+
+    Delete subtracts exactly what insert adds. Algorithm 3 deletes the *estimate*
+    (``tmp ← V.Query(i); V.Delete(tmp)``), so after a swap the sketch keeps the
+    residual (true − estimate) of that token in its slots; with no collision the
+    estimate is exact and the sketch returns bit-for-bit to its state without the
+    token. :meth:`pop` does query-then-delete in one call.
+
+    Memory: r·b key vectors + r·b value vectors per (batch row, head), fixed.
+    For a vague budget of E token entries use ``b = E // r`` (see
+    :func:`buckets_for_budget`); the paper fixes r = 3.
+
+    Precision: accumulating many tokens (and deleting estimates) in fp16/bf16 adds
+    rounding error on top of the collision error; fp32 sketches avoid that at 2× the
+    bytes of a bf16 one.
+    """
+
+    keys: Tensor  # [B, H_kv, r, b, D]
+    values: Tensor  # [B, H_kv, r, b, D]
+    seed: int = 0
+    sign_keys: bool = False
+    _salts: Tensor = field(init=False, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ construction
+    def __post_init__(self) -> None:
+        if not isinstance(self.keys, Tensor) or not isinstance(self.values, Tensor):
+            raise TypeError("keys and values must be torch tensors")
+        if self.keys.dim() != 5:
+            raise ValueError(
+                f"keys must have shape [B, H_kv, rows, buckets, D], got {tuple(self.keys.shape)}"
+            )
+        if self.values.shape != self.keys.shape:
+            raise ValueError(
+                f"values shape {tuple(self.values.shape)} != keys shape {tuple(self.keys.shape)}"
+            )
+        if self.values.dtype != self.keys.dtype or self.values.device != self.keys.device:
+            raise ValueError("keys and values must share dtype and device")
+        if not self.keys.is_floating_point():
+            raise ValueError(f"sketch tensors must be floating point, got {self.keys.dtype}")
+        _check_positive("rows", self.keys.shape[2])
+        _check_positive("buckets", self.keys.shape[3])
+        self.seed = operator.index(self.seed)
+        if not self.keys.is_contiguous():
+            self.keys = self.keys.contiguous()
+        if not self.values.is_contiguous():
+            self.values = self.values.contiguous()
+        self._salts = _salts(self.seed, self.rows, self.keys.device)
+
+    @classmethod
+    def empty(
+        cls,
+        batch: int,
+        kv_heads: int,
+        rows: int,
+        buckets: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        seed: int = 0,
+        sign_keys: bool = False,
+    ) -> "CountSketch":
+        """An all-zero sketch of shape [batch, kv_heads, rows, buckets, head_dim]."""
+        _check_positive("rows", rows)
+        _check_positive("buckets", buckets)
+        _check_positive("batch", batch)
+        _check_positive("kv_heads", kv_heads)
+        _check_positive("head_dim", head_dim)
+        shape = (batch, kv_heads, rows, buckets, head_dim)
+        return cls(
+            keys=torch.zeros(shape, dtype=dtype, device=device),
+            values=torch.zeros(shape, dtype=dtype, device=device),
+            seed=seed,
+            sign_keys=sign_keys,
+        )
+
+    # ------------------------------------------------------------------- properties
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def buckets(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[4]
+
+    def nbytes(self) -> int:
+        """Bytes held by the sketch: 2 · B · H_kv · r · b · D · element_size."""
+        return (
+            self.keys.numel() * self.keys.element_size()
+            + self.values.numel() * self.values.element_size()
+        )
+
+    # ----------------------------------------------------------------------- hashes
+    def _hashes(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        h = _hash_positions(token_ids.to(self.keys.device), self._salts)  # [..., 2, r]
+        buckets = h[..., 0, :] % self.buckets
+        signs = (1 - 2 * ((h[..., 1, :] >> 31) & 1)).to(self.keys.dtype)
+        return buckets, signs
+
+    def buckets_of(self, token_ids: Tensor) -> Tensor:
+        """token_ids [...] int64 → bucket index h_j(t) [..., r], int64 in [0, b)."""
+        return self._hashes(token_ids)[0]
+
+    def signs_of(self, token_ids: Tensor) -> Tensor:
+        """token_ids [...] int64 → sign g_j(t) [..., r] in {-1, +1}, sketch dtype."""
+        return self._hashes(token_ids)[1]
+
+    # ---------------------------------------------------------------- index helpers
+    def _flat_index(self, token_ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """Linear slot index [B, H, N, r] into keys.view(-1, D), and signs [B, H, N, r]."""
+        B, H, r, b = self.batch, self.kv_heads, self.rows, self.buckets
+        if token_ids.dim() != 3:
+            raise ValueError(
+                f"token_ids must have shape [B, H_kv, N], got {tuple(token_ids.shape)}"
+            )
+        if token_ids.shape[-1] != n or any(
+            s not in (1, full) for s, full in zip(token_ids.shape[:2], (B, H))
+        ):
+            raise ValueError(
+                f"token_ids shape {tuple(token_ids.shape)} does not broadcast to {(B, H, n)}"
+            )
+        # Hash before broadcasting: ids shared by all rows/heads are hashed once.
+        bucket, sign = self._hashes(token_ids)
+        base = torch.arange(B * H * r, device=self.keys.device, dtype=torch.int64)
+        base = base.view(B, H, 1, r) * b
+        return base + bucket, sign.expand(B, H, n, r)
+
+    def _check_kv(self, token_ids: Tensor, keys: Tensor, values: Tensor) -> int:
+        B, H, D = self.batch, self.kv_heads, self.head_dim
+        if keys.dim() != 4 or keys.shape[0] != B or keys.shape[1] != H or keys.shape[3] != D:
+            raise ValueError(f"keys must have shape [{B}, {H}, N, {D}], got {tuple(keys.shape)}")
+        if values.shape != keys.shape:
+            raise ValueError(
+                f"values shape {tuple(values.shape)} != keys shape {tuple(keys.shape)}"
+            )
+        if token_ids.dim() != 3 or token_ids.shape[-1] != keys.shape[2]:
+            raise ValueError(
+                f"token_ids must have shape [B, H_kv, N] with N = {keys.shape[2]}, "
+                f"got {tuple(token_ids.shape)}"
+            )
+        return keys.shape[2]
+
+    def _accumulate(self, token_ids, keys, values, mask, sign_of_update: float) -> None:
+        n = self._check_kv(token_ids, keys, values)
+        if n == 0:
+            return
+        B, H, r, D = self.batch, self.kv_heads, self.rows, self.head_dim
+        idx, g = self._flat_index(token_ids, n)
+        dt, dev = self.keys.dtype, self.keys.device
+        k = keys.to(device=dev, dtype=dt)
+        v = values.to(device=dev, dtype=dt)
+        if mask is not None:
+            m = mask.to(device=dev, dtype=torch.bool).expand(B, H, n)[..., None]
+            # where(), not multiply: a masked-out slot may hold inf/nan padding.
+            k = torch.where(m, k, torch.zeros((), dtype=dt, device=dev))
+            v = torch.where(m, v, torch.zeros((), dtype=dt, device=dev))
+        if sign_of_update < 0:
+            k, v = -k, -v
+        gk = g[..., None]  # [B, H, N, r, 1]
+        k_src = k[:, :, :, None, :] * gk if self.sign_keys else k[:, :, :, None, :].expand(B, H, n, r, D)
+        v_src = v[:, :, :, None, :] * gk
+        flat_idx = idx.reshape(-1)
+        self.keys.view(-1, D).index_add_(0, flat_idx, k_src.reshape(-1, D))
+        self.values.view(-1, D).index_add_(0, flat_idx, v_src.reshape(-1, D))
+
+    # ------------------------------------------------------------------- operations
+    def insert(
+        self, token_ids: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None
+    ) -> None:
+        """Add tokens: keys[j, h_j(t)] += k (× g_j(t) if sign_keys), values[j, h_j(t)] += v·g_j(t).
+
+        token_ids [B, H_kv, N]; keys/values [B, H_kv, N, D]; mask [B, H_kv, N] bool
+        (None = all): only True entries go in. In place.
+        """
+        self._accumulate(token_ids, keys, values, mask, +1.0)
+
+    def delete(
+        self, token_ids: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None
+    ) -> None:
+        """Subtract a contribution: the exact inverse of :meth:`insert` (same arguments)."""
+        self._accumulate(token_ids, keys, values, mask, -1.0)
+
+    def row_estimates(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-row estimates before the median: keys, values [B, H_kv, N, r, D].
+
+        Values are already multiplied back by g_j(t) (keys too when sign_keys).
+        """
+        n = token_ids.shape[-1] if token_ids.dim() == 3 else -1
+        if n < 0:
+            raise ValueError(
+                f"token_ids must have shape [B, H_kv, N], got {tuple(token_ids.shape)}"
+            )
+        B, H, r, D = self.batch, self.kv_heads, self.rows, self.head_dim
+        idx, g = self._flat_index(token_ids, n)
+        flat_idx = idx.reshape(-1)
+        k = self.keys.view(-1, D).index_select(0, flat_idx).view(B, H, n, r, D)
+        v = self.values.view(-1, D).index_select(0, flat_idx).view(B, H, n, r, D)
+        gk = g[..., None]
+        if self.sign_keys:
+            k = k * gk
+        return k, v * gk
+
+    def query(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Estimates [B, H_kv, N, D] for keys and values: coordinate-wise median over rows."""
+        k, v = self.row_estimates(token_ids)
+        return _median_rows(k), _median_rows(v)
+
+    def pop(self, token_ids: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Algorithm 3's ``tmp ← V.Query(i); V.Delete(tmp)``: query, then delete the estimate.
+
+        Returns the estimates for every token; only masked-in tokens are deleted.
+        """
+        k, v = self.query(token_ids)
+        self.delete(token_ids, k, v, mask)
+        return k, v
+
+    def zero_(self) -> "CountSketch":
+        """Reset every slot to zero (in place)."""
+        self.keys.zero_()
+        self.values.zero_()
+        return self
+
+
+def _median_rows(x: Tensor) -> Tensor:
+    """Coordinate-wise median over dim -2 (the sketch-row axis) of [..., r, D]."""
+    r = x.shape[-2]
+    if r == 1:
+        return x[..., 0, :]
+    if r == 3:
+        a, b, c = x[..., 0, :], x[..., 1, :], x[..., 2, :]
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    return torch.median(x, dim=-2).values  # even r: the lower of the two middle values
+
+
+def _check_positive(name: str, value) -> int:
+    try:
+        v = operator.index(value)
+    except TypeError as e:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from e
+    if v < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (valid range: 1, 2, ...), got {v}")
+    return v
+
+
+def buckets_for_budget(vague_entries: int, rows: int = 3) -> int:
+    """Buckets b per row for a Vague Part of ``vague_entries`` token entries: b = entries // r.
+
+    The sketch then costs r·b ≤ vague_entries entries (the paper: "the total size of the
+    Vague Part is determined by rb, the bucket length b becomes fixed once r is set",
+    with r = 3). Raises ValueError when the budget cannot hold one bucket per row.
+    """
+    rows = _check_positive("rows", rows)
+    vague_entries = operator.index(vague_entries)
+    if vague_entries < rows:
+        raise ValueError(
+            f"vague_entries must be >= rows (= {rows}) to give at least one bucket per row, "
+            f"got {vague_entries}"
+        )
+    return vague_entries // rows
+
+
+# ----------------------------------------------------------------- Fisher budgets
+
+
+def fisher_layer_scores(
+    k_proj_weights: Sequence[Tensor] | Tensor,
+    v_proj_weights: Sequence[Tensor] | Tensor,
+    *,
+    k_fisher: Sequence[Tensor] | Tensor | None = None,
+    v_fisher: Sequence[Tensor] | Tensor | None = None,
+) -> Tensor:
+    """Per-layer Fisher score, float64 [L]: F(W_k) + F(W_v) for each layer.
+
+    What the paper says (appendix "Fisher Information"), in full: "KVReviver computes
+    the Fisher Information of a layer by summing the Fisher Information of the Key and
+    Value weight matrices within the same layer. This value is then used to determine
+    the memory budget allocation ratio across different layers." It gives no formula,
+    no data set and no estimator; it cites Palu (Chang et al. 2024) for the idea.
+
+    What is computed here:
+
+    * With ``k_fisher``/``v_fisher`` (one tensor per layer, e.g. Palu's per-weight
+      empirical Fisher, the mean over calibration batches of (∂L/∂W)², or its square
+      root as Palu's code stores it): F(W) = sum of that tensor's entries, i.e. the
+      trace of the diagonal Fisher. Use this when you can run backward passes.
+    * Without them, a weights-only proxy: F(W) = ||W||_F² (squared Frobenius norm).
+      This is a documented stand-in, not the Fisher information: for a linear map the
+      true Fisher depends on the inputs and the loss, not on ||W||. It only ranks
+      layers by the energy of their K/V projections.
+    """
+    if len(k_proj_weights) != len(v_proj_weights):
+        raise ValueError(
+            f"got {len(k_proj_weights)} key and {len(v_proj_weights)} value projections; "
+            "need one of each per layer"
+        )
+    L = len(k_proj_weights)
+    if L == 0:
+        raise ValueError("need at least one layer")
+    if (k_fisher is None) != (v_fisher is None):
+        raise ValueError("pass both k_fisher and v_fisher, or neither")
+    if k_fisher is not None:
+        if len(k_fisher) != L or len(v_fisher) != L:
+            raise ValueError(f"k_fisher/v_fisher must have one entry per layer ({L})")
+        terms = [
+            torch.as_tensor(k_fisher[i]).double().sum() + torch.as_tensor(v_fisher[i]).double().sum()
+            for i in range(L)
+        ]
+    else:
+        terms = [
+            k_proj_weights[i].detach().double().pow(2).sum()
+            + v_proj_weights[i].detach().double().pow(2).sum()
+            for i in range(L)
+        ]
+    scores = torch.stack([t.cpu() for t in terms])
+    if not torch.isfinite(scores).all() or (scores < 0).any():
+        raise ValueError(f"Fisher scores must be finite and >= 0, got {scores.tolist()}")
+    return scores
+
+
+def allocate_layer_budgets(
+    scores: Sequence[float] | Tensor, total_budget: int, min_per_layer: int = 1
+) -> list[int]:
+    """Integer budgets proportional to ``scores`` that sum to ``total_budget`` exactly.
+
+    Proportional shares s_l · T / Σs; layers whose share falls below ``min_per_layer``
+    are pinned at the minimum and the rest of the budget is re-shared among the others
+    (water-filling), then shares are floored and the leftover units go to the largest
+    fractional remainders (ties: lower layer index first). A layer with a larger score
+    never gets a smaller budget. All-zero scores give a uniform split.
+    """
+    s = torch.as_tensor(scores, dtype=torch.float64).flatten().cpu()
+    L = s.numel()
+    if L == 0:
+        raise ValueError("need at least one layer")
+    if not torch.isfinite(s).all() or (s < 0).any():
+        raise ValueError(f"scores must be finite and >= 0, got {s.tolist()}")
+    total_budget = operator.index(total_budget)
+    min_per_layer = operator.index(min_per_layer)
+    if min_per_layer < 0:
+        raise ValueError(f"min_per_layer must be >= 0, got {min_per_layer}")
+    if total_budget < L * min_per_layer:
+        raise ValueError(
+            f"total_budget must be >= layers * min_per_layer = {L} * {min_per_layer} = "
+            f"{L * min_per_layer}, got {total_budget}"
+        )
+    if s.sum() == 0:
+        s = torch.ones_like(s)
+
+    pinned = torch.zeros(L, dtype=torch.bool)
+    share = torch.zeros(L, dtype=torch.float64)
+    for _ in range(L):  # at most L rounds; runs once per model, not on a hot path
+        free = ~pinned
+        left = total_budget - min_per_layer * int(pinned.sum())
+        w = s[free]
+        w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1.0 / w.numel())
+        share[free] = w * left
+        share[pinned] = float(min_per_layer)
+        low = free & (share < min_per_layer)
+        if not low.any():
+            break
+        pinned |= low
+
+    base = torch.floor(share).to(torch.int64)
+    base[pinned] = min_per_layer
+    base = torch.clamp(base, min=min_per_layer)
+    leftover = total_budget - int(base.sum())
+    # Float round-off guard (exact arithmetic gives 0 <= leftover < #free layers).
+    while leftover < 0:
+        i = int(torch.argmax(torch.where(base > min_per_layer, base, torch.zeros_like(base))))
+        base[i] -= 1
+        leftover += 1
+    if leftover > 0:
+        rem = share - base.double()
+        free_ids = [i for i in range(L) if not bool(pinned[i])]
+        order = sorted(free_ids, key=lambda i: (-float(rem[i]), -float(s[i]), i))
+        for step in range(leftover):
+            base[order[step % len(order)]] += 1
+    out = [int(x) for x in base]
+    assert sum(out) == total_budget
+    return out
+
+
+def fisher_layer_budgets(
+    k_proj_weights: Sequence[Tensor] | Tensor,
+    v_proj_weights: Sequence[Tensor] | Tensor,
+    total_budget: int,
+    min_per_layer: int = 1,
+    *,
+    k_fisher: Sequence[Tensor] | Tensor | None = None,
+    v_fisher: Sequence[Tensor] | Tensor | None = None,
+) -> list[int]:
+    """KVReviver's per-layer budgets: proportional to each layer's Fisher score.
+
+    ``k_proj_weights[l]``, ``v_proj_weights[l]``: layer l's K and V projection weights
+    (any shape). ``total_budget``: the sum over layers (e.g. layers × per-layer
+    average, in token entries). Budgets sum to it exactly and are each
+    ≥ ``min_per_layer``. The score is :func:`fisher_layer_scores` (the paper's
+    "Fisher Information of the Key and Value weight matrices", summed; with the
+    squared-Frobenius proxy unless real Fisher tensors are passed), the allocation is
+    :func:`allocate_layer_budgets` ("used to determine the memory budget allocation
+    ratio across different layers": budget ∝ score). The caller caches per model.
+    """
+    scores = fisher_layer_scores(
+        k_proj_weights, v_proj_weights, k_fisher=k_fisher, v_fisher=v_fisher
+    )
+    return allocate_layer_budgets(scores, total_budget, min_per_layer)

@@ -1,0 +1,88 @@
+"""Tiny random-weight models built from configs, shared by the unit tests."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import keepkv
+
+VOCAB = 128
+
+
+def tiny_model(kind: str = "llama-gqa", layers: int = 2, seed: int = 0):
+    """A small random model; initializer_range 0.2 makes greedy choices robust to rounding."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+    )
+    if kind == "llama-mha":
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
+    elif kind == "llama-gqa":
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+@pytest.fixture(params=["llama-mha", "llama-gqa", "qwen2"])
+def any_model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture
+def gqa_model():
+    return tiny_model("llama-gqa")
+
+
+@pytest.fixture
+def mha_model():
+    return tiny_model("llama-mha")
+
+
+def random_batch(batch=2, length=24, pad=(0, 6), seed=1):
+    """Left-padded random prompts: row i has pad[i] padding tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row, count in enumerate(pad[:batch]):
+        attention_mask[row, :count] = 0
+        input_ids[row, :count] = 0
+    return input_ids, attention_mask
+
+
+@torch.no_grad()
+def run_generate(model, input_ids, attention_mask, method="full", budget=1.0, new_tokens=10, **params):
+    """Greedy generate with a CompressedCache; returns (new token ids, cache)."""
+    keepkv.enable(model)
+    cache = keepkv.CompressedCache(model.config, method, budget, **params)
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return output[:, input_ids.shape[1]:], cache
+
+
+@torch.no_grad()
+def decode_loop(model, input_ids, attention_mask, cache, steps):
+    """Prefill then `steps` greedy decode steps with a plain forward loop; yields the cache after each step."""
+    keepkv.enable(model)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits
+    mask = attention_mask
+    for _ in range(steps):
+        token = logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+        logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits
+        yield cache

@@ -1,0 +1,143 @@
+"""The cache and attention path: equality with HF, masking reference, budgets, bytes, bad input."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import GPT2Config
+
+import keepkv
+from keepkv.methods.base import ScoredEviction
+
+from conftest import random_batch, run_generate, tiny_model
+
+
+@pytest.mark.parametrize("kind", ["llama-mha", "llama-gqa", "qwen2"])
+def test_full_equals_hf_generate(kind):
+    model = tiny_model(kind)
+    input_ids, attention_mask = random_batch(length=20, pad=(0, 6))
+    model.set_attn_implementation("sdpa")
+    reference = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=15, min_new_tokens=15,
+        do_sample=False, pad_token_id=0,
+    )[:, 20:]
+    tokens, _ = run_generate(model, input_ids, attention_mask, "full", new_tokens=15)
+    assert torch.equal(tokens, reference)
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "streamingllm"])
+@pytest.mark.parametrize("kind", ["llama-mha", "llama-gqa"])
+@torch.no_grad()
+def test_compressed_logits_equal_masked_full_cache(method, kind):
+    """Keeping entries physically must equal keeping all and masking the others out."""
+    model = tiny_model(kind)
+    keepkv.enable(model)
+    input_ids, attention_mask = random_batch(length=40, pad=(0, 8))
+    compressed = keepkv.CompressedCache(model.config, method, 12, **({"window": 4} if method == "snapkv" else {}))
+    model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=compressed)
+    masked = keepkv.CompressedCache(model.config, "full")
+    model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=masked)
+    for small, big in zip(compressed.layers, masked.layers):
+        assert small.size < big.size
+        kept = (big.positions[..., :, None] == small.positions[..., None, :]) & small.live()[..., None, :]
+        big.bias = big.bias.masked_fill(~kept.any(-1), float("-inf"))
+    token = torch.randint(3, 100, (2, 1), generator=torch.Generator().manual_seed(5))
+    mask = torch.cat([attention_mask, torch.ones_like(token)], dim=-1)
+    logits = model(input_ids=token, attention_mask=mask, past_key_values=compressed).logits
+    reference = model(input_ids=token, attention_mask=mask, past_key_values=masked).logits
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+
+
+@dataclass
+class _HeadSplit(ScoredEviction):
+    """Test method: head h of layer l keeps budget·(1 + h)/H_kv + l entries (ragged)."""
+
+    name = "_head_split"
+
+    def allocate(self, cache, row_budget):
+        kv_heads = cache.layers[0].keys.shape[1]
+        heads = torch.arange(1, kv_heads + 1)
+        layers = torch.arange(cache.num_layers)
+        per_head = row_budget[None, :, None] * heads[None, None, :] // kv_heads
+        return per_head + layers[:, None, None]
+
+    def observe(self, layer, stats):
+        layer.extras["score"] = layer.positions.float()
+
+
+@torch.no_grad()
+def test_per_layer_and_per_head_budgets_and_real_bytes(gqa_model):
+    keepkv.enable(gqa_model)
+    input_ids, attention_mask = random_batch(length=40, pad=(0, 0))
+    cache = keepkv.CompressedCache(gqa_model.config, _HeadSplit(), 12)
+    gqa_model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache)
+    for layer in cache.layers:
+        expected = torch.tensor([6, 12]) + layer.layer_idx
+        assert torch.equal(layer.live_counts(), expected.expand(2, 2))
+        assert layer.size == int(expected.max())  # tensors shrank to the largest head's budget
+    real_bytes = sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (layer.keys, layer.values, layer.bias, layer.positions, *layer.extras.values())
+    )
+    assert cache.nbytes() == real_bytes
+    summary = cache.summary()
+    assert summary.kept_entries == [9.5, 9.5]
+    head_dim, kv_heads = 16, 2
+    assert summary.full_cache_bytes[0] == 40 * 2 * head_dim * 4 * kv_heads * 2
+
+
+@pytest.mark.parametrize("budget", [0, -3, 0.0, 1.5, -0.1, "10", None, True])
+def test_bad_budget(gqa_model, budget):
+    with pytest.raises(ValueError, match="budget"):
+        keepkv.CompressedCache(gqa_model.config, "h2o", budget)
+
+
+def test_unknown_method_and_parameter(gqa_model):
+    with pytest.raises(ValueError, match="choose one of"):
+        keepkv.CompressedCache(gqa_model.config, "nope", 0.1)
+    with pytest.raises(ValueError, match="recent_ratio"):
+        keepkv.get_method("h2o", bogus=1)
+    with pytest.raises(ValueError, match=r"\[0.0, 1.0\]"):
+        keepkv.get_method("h2o", recent_ratio=2.0)
+    with pytest.raises(ValueError, match="interval"):
+        keepkv.get_method("window", interval=0)
+
+
+def test_unsupported_architecture():
+    with pytest.raises(ValueError, match="llama"):
+        keepkv.CompressedCache(GPT2Config(), "full")
+
+
+class _Tokenizer:
+    """Just enough tokenizer for the validation paths."""
+
+    chat_template = None
+    pad_token = eos_token = "<eos>"
+    pad_token_id = 0
+
+
+def test_bad_prompts_and_lengths(gqa_model):
+    for prompts in ["", "   ", [], ["ok", ""]]:
+        with pytest.raises(ValueError, match="non-empty"):
+            keepkv.generate(gqa_model, _Tokenizer(), prompts)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        keepkv.generate(gqa_model, _Tokenizer(), "hello", max_new_tokens=-1)
+
+
+def test_attention_without_compressed_cache_is_a_clear_error(gqa_model):
+    keepkv.enable(gqa_model)
+    with pytest.raises(RuntimeError, match="CompressedCache"):
+        gqa_model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+
+
+@torch.no_grad()
+def test_true_rope_positions_after_compression(gqa_model):
+    """New tokens get the number of tokens seen as position, not the physical cache length."""
+    keepkv.enable(gqa_model)
+    input_ids, attention_mask = random_batch(length=30, pad=(0, 4))
+    cache = keepkv.CompressedCache(gqa_model.config, "window", 8)
+    gqa_model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache)
+    assert cache.get_seq_length() == 30
+    assert cache.layers[0].size == 8
+    assert cache.layers[0].positions[:, 0].max(-1).values.tolist() == [29, 25]
