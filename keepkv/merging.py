@@ -1,0 +1,516 @@
+"""Merge arithmetic shared by the merging methods (KeepKV, D2O, KVMerger, ZeroMerge, CaM).
+
+Every function works on the cache's storage layout and is fully vectorised: all batch rows,
+KV heads and merge groups are handled by the same few gathers and scatters. The plan is first
+numbered into a compact *group space* of E positions per (row, head) (a sort of the targets),
+so the arithmetic costs O(E·D) and the only O(S·D) work is the copy of the output; a decode
+step that merges one entry does not touch the rest of the cache.
+
+Storage layout
+--------------
+keys, values : [B, H_kv, S, D], any float dtype (math is done in fp32, results cast back)
+bias         : [B, H_kv, S] fp32, additive attention bias; KeepKV stores ln p (p = Electoral
+               Votes, 0 for a plain token), -inf marks an empty slot.
+
+Eviction plan
+-------------
+src   : [B, H_kv, E] int64, slot of each evicted entry.
+dst   : [B, H_kv, E] int64, slot of the kept entry it merges into (many-to-one allowed).
+merge : [B, H_kv, E] bool, True = merge into ``dst``, False = dropped or padding.
+
+Padded plan entries must have ``merge=False``; their ``src``/``dst`` may hold anything
+(-1 included). Merged entries need 0 <= src, dst < S, and the set of merged ``src`` slots
+must be disjoint from the set of ``dst`` slots (no chains within one call). The merge *group*
+of a target c is G_c = {c} ∪ {e : dst[e] = c, merge[e]}.
+
+Every function returns new tensors of the full [.., S, ..] size in which only the targets
+of at least one merge differ from the input; all other slots (the evicted ones included)
+are bit-identical copies. The caller gathers the kept slots afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "GROUP_RIDGE",
+    "KEY_RULES",
+    "PAPER_MAX_KEY_GAIN",
+    "attention_mass",
+    "convex_merge",
+    "cosine_nearest",
+    "momentum_merge",
+    "spread_values",
+    "zip_merge",
+]
+
+PAPER_MAX_KEY_GAIN = 10.0
+"""Default bound G for the "paper" key rule: eq. 25's key is the weighted mean key scaled by
+g = t / m̄, and it is kept only where 1/G <= g <= G (see :func:`zip_merge`)."""
+
+GROUP_RIDGE = 1e-6
+"""Ridge of the "group" key rule, relative to the mean squared norm of the group's queries."""
+
+KEY_RULES = ("paper", "projection", "group")
+
+
+class _Groups(NamedTuple):
+    """An eviction plan in compact group space: group j of a (row, head) is its j-th distinct target.
+
+    Group space has E positions per (row, head), enough for E distinct targets; the unused ones,
+    and the one collecting all unmerged plan entries, are invalid.
+    """
+
+    entry_group: torch.Tensor  # [..., E] int64, group of each plan entry
+    slot: torch.Tensor  # [..., E] int64, target slot of each group (0 where invalid)
+    valid: torch.Tensor  # [..., E] bool, the group is a real merge target
+    src: torch.Tensor  # [..., E] int64, slot of each plan entry (0 where unmerged: safe to gather)
+
+
+def _group_plan(src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, num_slots: int) -> _Groups:
+    """Number the distinct merge targets of each (row, head) by sorting the plan's targets."""
+    target_key = dst.where(merge, num_slots)  # [..., E]; unmerged entries sort last, into one invalid group
+    sorted_key, order = target_key.sort(dim=-1)
+    is_first = torch.ones_like(merge)
+    is_first[..., 1:] = sorted_key[..., 1:] != sorted_key[..., :-1]
+    sorted_group = is_first.long().cumsum(-1) - 1
+    entry_group = torch.empty_like(sorted_group).scatter_(-1, order, sorted_group)
+    # every entry of a group writes the same key, so the scatter is deterministic
+    group_key = torch.full_like(target_key, num_slots).scatter_(-1, sorted_group, sorted_key)
+    valid = group_key < num_slots
+    return _Groups(entry_group, group_key.where(valid, 0), valid, src.where(merge, 0))
+
+
+def _gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Gather slots along the sequence axis: x [..., S] -> [..., E], x [..., S, D] -> [..., E, D]."""
+    if x.dim() == index.dim():
+        return x.gather(-1, index)
+    return x.gather(-2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+
+
+def _group_sum(own: torch.Tensor, incoming: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
+    """Sum over each group: own [..., E(, D)] (the target's term) plus incoming [..., E(, D)] per entry."""
+    if own.dim() == entry_group.dim():
+        return own.scatter_add(-1, entry_group, incoming)
+    return own.scatter_add(-2, entry_group.unsqueeze(-1).expand_as(incoming), incoming)
+
+
+def _write_groups(x: torch.Tensor, groups: _Groups, merged: torch.Tensor) -> torch.Tensor:
+    """Copy of x [B, H_kv, S(, D)] with each valid group's merged row [B, H_kv, E(, D)] at its slot.
+
+    Invalid group ids rewrite a value that is written anyway (group 0's, or slot 0's own value
+    in a (row, head) without merges), so all writes to one slot agree and every slot that is no
+    target stays bit-identical.
+    """
+    merged = merged.to(x.dtype)
+    row_merges = groups.valid[..., :1]  # group 0 is valid iff the (row, head) merges anything
+    slot = groups.slot.where(groups.valid, groups.slot[..., :1])  # [B, H_kv, E]
+    if x.dim() == slot.dim():
+        first = merged[..., :1].where(row_merges, x[..., :1])
+        rows = merged.where(groups.valid, first)
+    else:
+        first = merged[..., :1, :].where(row_merges.unsqueeze(-1), x[..., :1, :])
+        rows = merged.where(groups.valid.unsqueeze(-1), first)
+    batch, heads = x.shape[:2]
+    batch_idx = torch.arange(batch, device=x.device).view(batch, 1, 1)
+    head_idx = torch.arange(heads, device=x.device).view(1, heads, 1)
+    return x.clone().index_put_((batch_idx, head_idx, slot), rows)
+
+
+def _group_weights(
+    log_own: torch.Tensor, log_incoming: torch.Tensor, entry_group: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights of each group from log-weights, shifted by the group max so that none overflows.
+
+    Parameters
+    ----------
+    log_own : [..., E] log-weight of each group's target.
+    log_incoming : [..., E] log-weight of each plan entry.
+    entry_group : [..., E] group of each plan entry.
+
+    Returns
+    -------
+    group_max : [..., E] max log-weight over the group.
+    own_weight : [..., E] exp(log_own - group_max), in [0, 1].
+    incoming_weight : [..., E] exp(log_incoming - group_max of the entry's group), in [0, 1].
+    """
+    group_max = log_own.scatter_reduce(-1, entry_group, log_incoming, "amax", include_self=True)
+    own_weight = (log_own - group_max).exp()
+    incoming_weight = (log_incoming - group_max.gather(-1, entry_group)).exp()
+    return group_max, own_weight, incoming_weight
+
+
+def _group_logsumexp(log_own: torch.Tensor, log_incoming: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
+    """[..., E] logsumexp of the log-values over each group (target and incoming entries)."""
+    group_max, own_weight, incoming_weight = _group_weights(log_own, log_incoming, entry_group)
+    return group_max + _group_sum(own_weight, incoming_weight, entry_group).log()
+
+
+def _shift_along_query(
+    mean_keys: torch.Tensor, query: torch.Tensor, logit_gap: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Move each key along the query so that its logit q·k·scaling changes by exactly logit_gap.
+
+    mean_keys [B, H_kv, E, D] fp32, query [B, H_kv, D], logit_gap [B, H_kv, E] -> [B, H_kv, E, D].
+    """
+    q = query.float()
+    # q / (scaling ‖q‖²) raises q·k·scaling by exactly 1; a zero query moves nothing.
+    unit_logit_step = q / (scaling * q.square().sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+    return mean_keys + logit_gap.unsqueeze(-1) * unit_logit_step.unsqueeze(-2)
+
+
+def _min_norm_shift(
+    mean_keys: torch.Tensor, queries: torch.Tensor, logit_gaps: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Smallest key change (in the span of the g queries) that shifts every head's logit by its gap.
+
+    k_r = k̄ + Qᵀ (Q Qᵀ + λI)⁻¹ (gap / scaling): one g×g system per (row, KV head), all groups
+    solved at once as right-hand-side columns. λ = GROUP_RIDGE · mean_h ‖q_h‖² keeps nearly
+    parallel query heads solvable; the key condition then holds up to a relative error of about
+    λ / σ_min(Q Qᵀ).
+
+    mean_keys [B, H_kv, E, D] fp32, queries [B, H_kv, g, D], logit_gaps [B, H_kv, g, E]
+    -> [B, H_kv, E, D].
+    """
+    q = queries.float()
+    gram = q @ q.transpose(-1, -2)  # [B, H_kv, g, g]
+    mean_sq_norm = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(torch.float32).tiny)  # [B, H_kv]
+    eye = torch.eye(q.shape[-2], dtype=q.dtype, device=q.device)
+    gram = gram + (GROUP_RIDGE * mean_sq_norm)[..., None, None] * eye
+    coeff = torch.linalg.solve(gram, logit_gaps / scaling)  # [B, H_kv, g, E]
+    return mean_keys + coeff.transpose(-1, -2) @ q  # [B, H_kv, E, g] @ [B, H_kv, g, D]
+
+
+def zip_merge(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    log_scores: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    merge: torch.Tensor,
+    *,
+    key_rule: str = "projection",
+    queries: torch.Tensor | None = None,
+    scaling: float | None = None,
+    group_log_scores: torch.Tensor | None = None,
+    paper_max_gain: float = PAPER_MAX_KEY_GAIN,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KeepKV's ZIP-Merging with Electoral Votes (eq. 7, many-to-one eq. 25; EMA scores eq. 26).
+
+    For each target c with group G = G_c, p_i = exp(bias_i) the votes and ln ŝ_i = log_scores_i
+    (an exact logit q·k_i·scaling, or an EMA log-score, eq. 8):
+
+    - w_i = p_i ŝ_i, handled as ln w_i = bias_i + ln ŝ_i and shifted by the group max before exp
+      (no overflow in any dtype, whatever the logits);
+    - v_r = Σ w_i v_i / Σ w_i                                   (eq. 23 / 25)
+    - p_r = Σ p_i, stored as bias_r = logsumexp_G(bias)          (eq. 6)
+    - target logit t = ln(Σ w_i / Σ p_i)                          (eq. 22: p_r s_r = Σ p_i s_i)
+    - key by ``key_rule``, with k̄ = Σ w_i k_i / Σ w_i and m̄ = Σ w_i ln ŝ_i / Σ w_i. Note
+      m̄ - t = KL(w/Σw ‖ p/Σp) >= 0: merging costs exactly this much logit ("attention sag"):
+
+      "paper"
+          k_r = (Σ w_i k_i) t / (Σ w_i ln ŝ_i) = (t / m̄) k̄  (eq. 25), needs no query.
+          Safeguard: the key is the weighted mean key scaled by the gain g = t / m̄. Near m̄ = 0
+          (logits of opposite sign cancelling) g explodes, and for 0 < m̄ < KL it is negative
+          (the key flips direction); for m̄ -> 0⁺ with t > 0 it collapses towards 0. The
+          eq. 25 key is therefore kept only where 1/G <= g <= G, G = ``paper_max_gain``
+          (default 10); elsewhere (and where m̄ = 0 exactly) the group falls back to the
+          "projection" key when ``queries`` is given, else to k̄. A bound on the gain rather
+          than on |m̄| alone because near-cancellation of m̄ always implies a large |g| (the
+          spread logits that cancel make KL, hence |t|, large), whereas a small |m̄| with a
+          small |t| (all logits ≈ 0) is harmless; and the sign flip, which is exact for the
+          current query but inverts the key for every later one, is caught too.
+          ``paper_max_gain=math.inf`` keeps eq. 25 everywhere except sign flips and m̄ = 0.
+      "projection"
+          k_r = k̄ + (t - m̄) q / (scaling ‖q‖²): the weighted mean key moved along the query
+          by the logit the merge loses. When ``log_scores`` are the exact logits of ``queries``,
+          m̄ = scaling·q·k̄, so q·k_r·scaling = t exactly (Theorem 3). With EMA scores only the
+          score-implied gap t - m̄ (-KL) is applied, so identical entries are left in place
+          (Lemma 6) instead of being pulled to the EMA's absolute level.
+      "group"
+          GQA: for the g query heads Q [g, D] sharing this KV head, per-head targets
+          t_h = ln(Σ p_i s_i^h / Σ p_i) and gaps t_h - m̄_h with m̄_h = Σ w_i ln s_i^h / Σ w_i;
+          k_r = k̄ + Qᵀ (Q Qᵀ + λI)⁻¹ (t - m̄)/scaling, the min-norm correction (λ = GROUP_RIDGE
+          relative). With exact per-head logits, q_h·k_r·scaling = t_h for every head. The
+          weights of v_r and k̄ come from ``log_scores`` (the caller's pooled score): the value
+          condition cannot hold for all g heads at once in general.
+
+    Parameters
+    ----------
+    keys, values : [B, H_kv, S, D], any float dtype.
+    bias : [B, H_kv, S] fp32, ln p per entry (0 for a plain token). Targets must be occupied
+        slots (finite bias).
+    log_scores : [B, H_kv, S], ln ŝ per entry (finite on every slot the plan touches).
+    src, dst, merge : [B, H_kv, E] eviction plan (see module docstring).
+    key_rule : "paper", "projection" or "group".
+    queries : [B, H_kv, D] for "projection" (and the "paper" fallback): one query direction per
+        KV head (the current query, or the caller's pooling over the group / window);
+        [B, H_kv, g, D] for "group".
+    scaling : attention scale (1/√D); needed whenever ``queries`` is.
+    group_log_scores : [B, H_kv, g, S], per-query-head ln s^h, only for "group".
+    paper_max_gain : bound G on the eq. 25 key gain, only for "paper".
+
+    Returns
+    -------
+    keys, values : [B, H_kv, S, D] in the input dtype.
+    bias : [B, H_kv, S] fp32, logsumexp of the group's bias at each target (votes add).
+    Slots that receive no merge are bit-identical to the input.
+    """
+    if key_rule not in KEY_RULES:
+        raise ValueError(f"key_rule must be one of {KEY_RULES}, got {key_rule!r}")
+    if key_rule in ("projection", "group") and queries is None:
+        raise ValueError(f"key_rule={key_rule!r} needs queries")
+    if queries is not None and scaling is None:
+        raise ValueError("queries need scaling")
+    if key_rule == "group" and (group_log_scores is None or queries.dim() != 4):
+        raise ValueError('key_rule="group" needs queries [B, H_kv, g, D] and group_log_scores [B, H_kv, g, S]')
+    if key_rule != "group" and queries is not None and queries.dim() != 3:
+        raise ValueError(f"key_rule={key_rule!r} takes one query per KV head: [B, H_kv, D]")
+
+    groups = _group_plan(src, dst, merge, keys.shape[-2])
+    entry_group = groups.entry_group  # [B, H_kv, E]
+
+    def own_and_incoming(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, H_kv, S(, D)] at each group's target and at each plan entry, in fp32."""
+        return _gather_entries(x, groups.slot).float(), _gather_entries(x, groups.src).float()
+
+    own_log_votes, incoming_log_votes = own_and_incoming(bias)  # [B, H_kv, E]  ln p
+    own_log_scores, incoming_log_scores = own_and_incoming(log_scores)  # [B, H_kv, E]  ln ŝ
+
+    # Weights w = p ŝ relative to the group max (the common factor cancels in every ratio).
+    group_max, own_w, incoming_w = _group_weights(
+        own_log_votes + own_log_scores, incoming_log_votes + incoming_log_scores, entry_group
+    )
+    weight_sum = _group_sum(own_w, incoming_w, entry_group)  # [B, H_kv, E]
+
+    def weighted_mean(own: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
+        """Σ w_i x_i / Σ w_i over each group; own, incoming [.., E(, D)]."""
+        if own.dim() == own_w.dim():
+            return _group_sum(own_w * own, incoming_w * incoming, entry_group) / weight_sum
+        summed = _group_sum(own_w.unsqueeze(-1) * own, incoming_w.unsqueeze(-1) * incoming, entry_group)
+        return summed / weight_sum.unsqueeze(-1)
+
+    merged_values = weighted_mean(*own_and_incoming(values))  # [B, H_kv, E, D]  v_r
+    mean_keys = weighted_mean(*own_and_incoming(keys))  # [B, H_kv, E, D]  k̄
+    merged_log_votes = _group_logsumexp(own_log_votes, incoming_log_votes, entry_group)  # ln Σ p
+    target_logit = group_max + weight_sum.log() - merged_log_votes  # [B, H_kv, E]  t = ln(Σw / Σp)
+    mean_logit = weighted_mean(own_log_scores, incoming_log_scores)  # [B, H_kv, E]  m̄
+
+    if key_rule == "paper":
+        gain = target_logit / mean_logit  # ±inf or NaN where m̄ = 0: rejected below
+        use_eq25 = (gain >= 1.0 / paper_max_gain) & (gain <= paper_max_gain)
+        if queries is None:
+            fallback_keys = mean_keys
+        else:
+            fallback_keys = _shift_along_query(mean_keys, queries, target_logit - mean_logit, scaling)
+        merged_keys = torch.where(use_eq25.unsqueeze(-1), gain.unsqueeze(-1) * mean_keys, fallback_keys)
+    elif key_rule == "projection":
+        merged_keys = _shift_along_query(mean_keys, queries, target_logit - mean_logit, scaling)
+    else:
+        num_heads = group_log_scores.shape[-2]
+        head_groups = entry_group.unsqueeze(-2).expand(-1, -1, num_heads, -1)  # [B, H_kv, g, E]
+        own_head_log_scores = group_log_scores.gather(
+            -1, groups.slot.unsqueeze(-2).expand(-1, -1, num_heads, -1)
+        ).float()  # [B, H_kv, g, E]  ln s^h
+        incoming_head_log_scores = group_log_scores.gather(
+            -1, groups.src.unsqueeze(-2).expand(-1, -1, num_heads, -1)
+        ).float()
+        head_targets = _group_logsumexp(
+            own_log_votes.unsqueeze(-2) + own_head_log_scores,
+            incoming_log_votes.unsqueeze(-2) + incoming_head_log_scores,
+            head_groups,
+        ) - merged_log_votes.unsqueeze(-2)  # [B, H_kv, g, E]  t_h
+        head_mean_logits = _group_sum(
+            own_w.unsqueeze(-2) * own_head_log_scores, incoming_w.unsqueeze(-2) * incoming_head_log_scores, head_groups
+        ) / weight_sum.unsqueeze(-2)  # [B, H_kv, g, E]  m̄_h = scaling·q_h·k̄ for exact logits
+        merged_keys = _min_norm_shift(mean_keys, queries, head_targets - head_mean_logits, scaling)
+
+    return (
+        _write_groups(keys, groups, merged_keys),
+        _write_groups(values, groups, merged_values),
+        _write_groups(bias, groups, merged_log_votes),
+    )
+
+
+def convex_merge(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    merge: torch.Tensor,
+    weights: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Classic convex (weighted) merge of keys and values (KeepKV eq. 5 / eq. 11).
+
+    Each target becomes x_r = (x_c + Σ_e w_e x_e) / (1 + Σ_e w_e): the target has weight 1 and
+    each merged entry its unnormalised weight w_e relative to it, normalised per group, so the
+    coefficients are >= 0 and sum to 1. Weight conventions of the methods (KeepKV eq. 12):
+
+    - D2O (its eq. 10-11): target weight e = exp(cos(k_c, k_c)), entry weight exp(u_e), so pass
+      ``weights = exp(u_e - 1)`` with u_e the cosine similarity to the target.
+    - KVMerger: Gaussian kernel, 1 for the target itself, so pass exp(-‖k_e - k_c‖² / 2σ²).
+
+    No votes are kept, so the merged entry's attention mass sags (Theorem 2 / 7).
+
+    Parameters
+    ----------
+    keys, values : [B, H_kv, S, D], any float dtype.
+    src, dst, merge : [B, H_kv, E] eviction plan (see module docstring).
+    weights : [B, H_kv, E], >= 0, weight of each evicted entry relative to its target's 1.
+
+    Returns
+    -------
+    keys, values : [B, H_kv, S, D] in the input dtype; slots with no incoming merge unchanged.
+    """
+    groups = _group_plan(src, dst, merge, keys.shape[-2])
+    incoming_w = weights.float().unsqueeze(-1)  # [B, H_kv, E, 1]
+    weight_sum = _group_sum(torch.ones_like(incoming_w), incoming_w, groups.entry_group)  # 1 + Σ w_e
+
+    def merged(x: torch.Tensor) -> torch.Tensor:
+        own = _gather_entries(x, groups.slot).float()  # [B, H_kv, E, D]
+        incoming = incoming_w * _gather_entries(x, groups.src).float()
+        return _write_groups(x, groups, _group_sum(own, incoming, groups.entry_group) / weight_sum)
+
+    return merged(keys), merged(values)
+
+
+def momentum_merge(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    counts: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    merge: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ZeroMerge's momentum merge into residual slots (ZeroMerge eq. 7), many sources at once.
+
+    One source: x_slot <- (w x_slot + x) / (w + 1), w <- w + 1. Applied for n sources in turn
+    this telescopes to x_slot <- (w x_slot + Σ x) / (w + n), w <- w + n, which is computed here
+    in one scatter. Each source counts as one token (as in the paper), whatever its own count.
+    The method then adds α·ln w to the slot's logit (ZeroMerge eq. 8).
+
+    Parameters
+    ----------
+    keys, values : [B, H_kv, S, D], any float dtype.
+    counts : [B, H_kv, S] float, fusion count w of each slot (1 for a plain token).
+    src, dst, merge : [B, H_kv, E] eviction plan (see module docstring).
+
+    Returns
+    -------
+    keys, values : [B, H_kv, S, D] in the input dtype.
+    counts : [B, H_kv, S] in the input dtype, w + n at each target.
+    Slots with no incoming merge are unchanged.
+    """
+    groups = _group_plan(src, dst, merge, keys.shape[-2])
+    own_counts = counts.gather(-1, groups.slot).float().unsqueeze(-1)  # [B, H_kv, E, 1]  w
+    new_counts = _group_sum(own_counts, torch.ones_like(own_counts), groups.entry_group)  # w + n
+
+    def merged(x: torch.Tensor) -> torch.Tensor:
+        own = own_counts * _gather_entries(x, groups.slot).float()  # [B, H_kv, E, D]
+        incoming = _gather_entries(x, groups.src).float()
+        return _write_groups(x, groups, _group_sum(own, incoming, groups.entry_group) / new_counts)
+
+    return merged(keys), merged(values), _write_groups(counts, groups, new_counts.squeeze(-1))
+
+
+def spread_values(
+    values: torch.Tensor,
+    src: torch.Tensor,
+    merge: torch.Tensor,
+    m: int,
+    kept_next_idx: torch.Tensor,
+) -> torch.Tensor:
+    """CaM's value merge: the evicted value v_e / m is added to each of the next m kept values.
+
+    The share is v_e / m even where fewer than m successors exist (index -1, skipped): those
+    shares are dropped, as in CaM. Keys are untouched.
+
+    Parameters
+    ----------
+    values : [B, H_kv, S, D], any float dtype.
+    src : [B, H_kv, E] slot of each evicted entry.
+    merge : [B, H_kv, E] bool, True = spread this entry (CaM's Bernoulli draw), False = drop.
+    m : number of successors each value is spread over.
+    kept_next_idx : [B, H_kv, E, m] int64, slots of the next m kept entries, -1 = none.
+
+    Returns
+    -------
+    values : [B, H_kv, S, D] in the input dtype; slots receiving nothing unchanged.
+    """
+    if kept_next_idx.shape[-1] != m:
+        raise ValueError(f"kept_next_idx has {kept_next_idx.shape[-1]} successors per entry, expected m={m}")
+    # one plan entry per (evicted entry, successor): [B, H_kv, E*m]
+    receives = (kept_next_idx >= 0) & merge.unsqueeze(-1)
+    sources = src.unsqueeze(-1).expand_as(kept_next_idx)
+    groups = _group_plan(sources.flatten(-2), kept_next_idx.flatten(-2), receives.flatten(-2), values.shape[-2])
+    own = _gather_entries(values, groups.slot).float()  # [B, H_kv, E*m, D]
+    shares = _gather_entries(values, groups.src).float() / m
+    return _write_groups(values, groups, _group_sum(own, shares, groups.entry_group))
+
+
+def cosine_nearest(
+    keys: torch.Tensor, src: torch.Tensor, candidates_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Most cosine-similar candidate of each evicted key (D2O eq. 8; KeepKV's merge target).
+
+    One batched matmul of unit keys, O(B·H_kv·E·S) memory; chunk the plan to bound it.
+
+    Parameters
+    ----------
+    keys : [B, H_kv, S, D].
+    src : [B, H_kv, E] slot of each evicted entry (negative padding is clamped to 0).
+    candidates_mask : [B, H_kv, S] bool, slots allowed as targets (normally the kept ones).
+
+    Returns
+    -------
+    best_idx : [B, H_kv, E] int64, slot of the most similar candidate.
+    best_sim : [B, H_kv, E] fp32, its cosine similarity; -inf (with index 0) where a row has no
+        candidate.
+    """
+    unit_keys = F.normalize(keys.float(), dim=-1)  # [B, H_kv, S, D]
+    src_unit = _gather_entries(unit_keys, src.clamp_min(0))  # [B, H_kv, E, D]
+    similarity = src_unit @ unit_keys.transpose(-1, -2)  # [B, H_kv, E, S]
+    similarity = similarity.masked_fill(~candidates_mask.unsqueeze(-2), -math.inf)
+    best_sim, best_idx = similarity.max(dim=-1)
+    return best_idx, best_sim
+
+
+def attention_mass(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention softmax(q·k·scaling + bias)·V and the per-entry scores s = exp(q·k·scaling).
+
+    For tests and diagnostics. Computed in fp32, or fp64 when ``query`` is fp64.
+
+    Parameters
+    ----------
+    query : [B, H_kv, D] (one query per KV head) or [B, H_kv, g, D] (a GQA group).
+    keys, values : [B, H_kv, S, D].
+    bias : [B, H_kv, S], -inf removes an entry from the output.
+    scaling : attention scale (1/√D).
+
+    Returns
+    -------
+    output : [B, H_kv, D] or [B, H_kv, g, D].
+    weights : [B, H_kv, S] or [B, H_kv, g, S], the unnormalised score s_i = exp(q·k_i·scaling)
+        of KeepKV eq. 3, *without* the bias: multiply by exp(bias) for the attention mass with
+        votes, p_i s_i (eq. 6). May overflow past a logit of ~88 in fp32.
+    """
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    one_query = query.dim() == 3
+    q = query.to(dtype).unsqueeze(-2) if one_query else query.to(dtype)  # [B, H_kv, g, D]
+    logits = (q @ keys.to(dtype).transpose(-1, -2)) * scaling  # [B, H_kv, g, S]
+    output = (logits + bias.to(dtype).unsqueeze(-2)).softmax(dim=-1) @ values.to(dtype)  # [B, H_kv, g, D]
+    weights = logits.exp()
+    if one_query:
+        return output.squeeze(-2), weights.squeeze(-2)
+    return output, weights
