@@ -230,6 +230,11 @@ class CompressedCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
+    def reset(self) -> None:
+        """Forget every entry; the next forward is a new prefill."""
+        super().reset()
+        self.prompt_lengths = None
+
     # -- one attention call --------------------------------------------------------------
     def forward_layer(self, layer_idx, query, keys, values, block_mask, scaling) -> torch.Tensor:
         """Append the new block, attend over the kept entries, let the method compress.

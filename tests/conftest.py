@@ -7,6 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 import keepkv
 
 VOCAB = 128
+# Tiny tensors: thread fan-out costs far more than it saves, most of all on a busy 2-core machine.
+torch.set_num_threads(1)
 
 
 def tiny_model(kind: str = "llama-gqa", layers: int = 2, seed: int = 0):

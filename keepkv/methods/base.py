@@ -123,13 +123,14 @@ class EvictionPlan:
     """Which entries stay and which leave, per row and head.
 
     keep_idx [B, H_kv, K] in position order, keep_valid [B, H_kv, K];
-    evict_idx [B, H_kv, E], evict_valid [B, H_kv, E].
+    evict_idx [B, H_kv, E], evict_valid [B, H_kv, E]; kept [B, H_kv, S] bool.
     """
 
     keep_idx: torch.Tensor
     keep_valid: torch.Tensor
     evict_idx: torch.Tensor
     evict_valid: torch.Tensor
+    kept: torch.Tensor
 
 
 def plan_eviction(layer, priority: torch.Tensor) -> EvictionPlan:
@@ -148,11 +149,12 @@ def plan_eviction(layer, priority: torch.Tensor) -> EvictionPlan:
     keep_valid = keep_sorted < size
     keep_idx = keep_sorted.clamp(max=size - 1)
 
-    kept = torch.zeros_like(live).scatter_(-1, keep_idx, keep_valid)
+    # Invalid picks are clamped onto slot S-1: add, so they cannot erase a real pick there.
+    kept = torch.zeros_like(live, dtype=torch.int32).scatter_add_(-1, keep_idx, keep_valid.int()) > 0
     evicted = live & ~kept
     evict_count = min(size, size - layer.min_budget)
     evict_idx = (~evicted).to(torch.uint8).argsort(dim=-1, stable=True)[..., :evict_count]
-    return EvictionPlan(keep_idx, keep_valid, evict_idx, evicted.gather(-1, evict_idx))
+    return EvictionPlan(keep_idx, keep_valid, evict_idx, evicted.gather(-1, evict_idx), kept)
 
 
 def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,513 @@
+"""KeepKV: Electoral Votes, ZIP-Merging, EMA attention scores and periodic lossless refresh."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import CHUNK_ELEMENTS, Needs, StepStats
+from ..merging import KEY_RULES, zip_merge
+from ..offload import FullKVCopy, offload_report
+from .base import ScoredEviction, check_range, plan_eviction, protected, register
+
+NEG_INF = float("-inf")
+SCORE_MODES = ("ema", "exact")
+PREFILL_ORDERS = ("merge_first", "evict_first")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _group_logsumexp(own: torch.Tensor, incoming: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Per-slot logsumexp over its merge group, overflow-free.
+
+    own [..., S] the slot's own log-value; incoming [..., E] log-values of the merged entries
+    (-inf where an entry does not merge); dst [..., E] their target slots (any valid index where
+    they do not merge).
+    """
+    peak = own.scatter_reduce(-1, dst, incoming, "amax", include_self=True)
+    peak = peak.where(torch.isfinite(peak), 0.0)
+    total = (own - peak).exp().scatter_add(-1, dst, (incoming - peak.gather(-1, dst)).exp())
+    return peak + total.log()
+
+
+def pool_log_scores(head_scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Pool per-query-head log-scores of a GQA group into one log-score per entry.
+
+    head_scores [B, H_kv, g, S] (ln s^h, -inf on empty slots), bias [B, H_kv, S] (ln p)
+    -> [B, H_kv, S].
+
+    The pooled score is the mean over the group's heads of each entry's per-vote attention share
+    s_i^h / Z_h (Z_h = Σ_j p_j s_j^h), mapped back to the logit scale by the geometric mean of
+    the heads' partition functions:
+
+        ln ŝ_i = ln( (1/g) Σ_h s_i^h / Z_h ) + (1/g) Σ_h ln Z_h.
+
+    Weighting each head by its normalised attention makes the merge weights w_i = p_i ŝ_i
+    proportional to the attention mass the entry carries summed over the heads, which is the
+    weighting under which one merged value best serves all heads at once. With g = 1 it is the
+    identity (ln ŝ = ln s exactly, no rounding), so MHA keeps Theorem 3's exact logits.
+    """
+    if head_scores.shape[2] == 1:
+        return head_scores[:, :, 0]
+    log_z = torch.logsumexp(head_scores + bias[:, :, None], dim=-1)  # [B, H_kv, g]
+    log_z = log_z.where(torch.isfinite(log_z), 0.0)
+    shares = torch.logsumexp(head_scores - log_z[..., None], dim=2) - math.log(head_scores.shape[2])
+    return shares + log_z.mean(-1, keepdim=True)
+
+
+@register
+@dataclass
+class KeepKV(ScoredEviction):
+    """KeepKV (Tian et al., "KeepKV: Achieving Periodic Lossless KV Cache Compression for
+    Efficient LLM Inference", arXiv 2504.09936).
+
+    What is kept: ``sinks`` leading tokens, a recent window and heavy hitters (recent:heavy =
+    ``recent_ratio``:(1 - ``recent_ratio``)) ranked by their attention mass ln p + ln ŝ, with
+    PyramidInfer's cosine-decayed layer budgets. Every entry chosen for eviction is ZIP-merged
+    (eq. 7 / 25) into the kept entry (sinks and recent included) whose key is most
+    cosine-similar, if that similarity is at least ``threshold``; otherwise it is evicted.
+    Every entry carries Electoral Votes p (1 for a token; a merge adds them), stored as ln p in
+    the cache's bias, so attention computes Σ p s v / Σ p s.
+
+    Scores
+    ------
+    s_i^h = exp(scaling q_h·k_i) is the unnormalised per-vote score of query head h (eq. 3).
+    Per entry and query head the cache keeps, as per-entry extras that follow every select,
+
+    - ``ema_log_s`` [B, H_kv, S, g]: ln S_i^h, the log of the EMA numerator of eq. 8,
+      S ← α S + (1 - α) s, updated with logaddexp so no score is ever exponentiated;
+    - ``ema_log_n`` [B, H_kv, S]: ln N_i, the log of the same EMA applied to the constant 1
+      over the queries that have seen the entry, N = 1 - α^n after n queries.
+
+    The bias-corrected EMA score is ln ŝ = ln S - ln N (eq. 8's 1 / (1 - α^t), with t counted
+    per entry as the number of queries that saw it: an entry born during decoding is corrected
+    for its own age, and ŝ is always a weighted mean of observed scores). At the end of
+    prefill the EMA is initialised over the last ``window`` query rows (eq. 8, t = L; causal:
+    a row only scores the entries it can see) and then updated at every decode step. A merged
+    entry's EMA is set to the per-vote group mean ŝ_r = Σ p ŝ / Σ p, so p_r ŝ_r = Σ p ŝ
+    (eq. 27) and the votes and the scores stay consistent.
+
+    Which scores merges use
+    -----------------------
+    - prefill (``prefill_scores``): "exact" (default) uses the logits of the last prompt query:
+      Theorem 3 holds for it, so the compression step itself is lossless for that query on an
+      MHA model (up to entries evicted below the threshold); "ema" uses the window-initialised
+      ŝ^L (Algorithm 1 read literally).
+    - decoding (``scores``): "ema" (default, the paper) uses ŝ; "exact" uses the current step's
+      query logits, so every decode merge is lossless for the query of its step.
+    The key rules "projection" and the "paper" fallback move the key along the current query
+    (the last prompt query at prefill, the newest query during decoding).
+
+    GQA
+    ---
+    The g query heads of a KV head are pooled by :func:`pool_log_scores` (mean of normalised
+    attention, on the logit scale) for ranking and for the merge weights of values and the
+    mean key. ``zip_key="projection"``/``"paper"`` use one query direction per KV head, the mean
+    of the group's current queries; ``zip_key="group"`` keeps per-head scores and applies the
+    min-norm key correction in the span of the group's queries, so the key condition (each
+    head's attention mass of the merged entry) holds for every head at once. The value
+    condition cannot hold for all heads in general, so on GQA models no rule is lossless.
+
+    Periodic refresh
+    ----------------
+    With ``refresh_interval=N`` a bit-exact copy of every appended K/V is kept off the cache
+    (:class:`keepkv.offload.FullKVCopy`, host memory, pinned and copied asynchronously on CUDA),
+    together with the last ``window`` queries. Every N decode steps the layer's store is rebuilt
+    from that copy exactly as at the end of prefill, as if the whole sequence so far were the
+    prompt: votes reset to 1, the EMA re-initialised over the last ``window`` queries, and
+    merge-first compression with the exact scores of the current query, so that step is
+    lossless on MHA (Theorem 3) and the error accumulated since the last refresh is gone.
+    The copy is kept only when ``refresh_interval`` is set; see :meth:`offload_report`.
+
+    Parameters
+    ----------
+    threshold : float
+        Merge threshold T on key cosine similarity, in [-1, 1] (paper: 0.8). T = -1 merges every
+        evicted entry (nothing is evicted unmerged).
+    alpha : float
+        EMA decay α in (0, 1). Default 0.94 ≈ 1 - 2/(w + 1) for w = 32: the EMA whose centre of
+        mass matches a w-row window (so the prefill window carries 86% of the initial weight).
+        The paper gives no value.
+    window : int
+        w >= 1, query rows the EMA is initialised over at the end of prefill (paper: 32).
+    recent_ratio : float
+        Recent window as a share of the budget left after the sinks, in [0, 1]. Default 0.2:
+        recent:heavy = 1:4, the upper end of the 1:5-1:4 range in Appendix B.3 (whose wording
+        "ratio between the recent window and the heavy hitter ... 5:1 and 4:1" we read, as the
+        project's design notes do, as recent:heavy = 1:5 to 1:4).
+    last_layer_share : float
+        PyramidInfer cosine decay: the heavy-hitter share of a layer falls from 1.0 at layer 0 to
+        this at the last layer (Appendix B.3: 0.8), rescaled so the mean budget is the budget.
+    zip_key : str
+        ZIP key rule, see :func:`keepkv.merging.zip_merge`: "paper" (eq. 25 with a gain
+        safeguard), "projection" (singularity-free, default for now) or "group" (GQA min-norm).
+    scores : str
+        "ema" or "exact": scores of decode-time merges (see above).
+    prefill_scores : str
+        "exact" or "ema": scores of prefill merges (see above).
+    prefill_order : str
+        "merge_first" (Appendix B, Table 3): every non-protected entry that has a more important
+        entry at least T similar first merges into its most similar "root" (an entry with no more
+        important entry at least T similar), then eviction (with merging) brings the layer to its
+        budget. "evict_first": eviction with merging only. Decode-time compression is always
+        evict-then-merge.
+    refresh_interval : int or None
+        N >= 1: rebuild every layer from the full copy every N decode steps. None: never, and no
+        full copy is kept.
+    sinks : int
+        Leading tokens always kept (4).
+    interval : int
+        Compress every ``interval`` decode steps.
+
+    Notes
+    -----
+    Merge-first prefill compares every key with every other key (O(S²) per head, chunked), at
+    prefill and at each refresh.
+    """
+
+    name = "keepkv"
+    paper = "Tian et al. 2025, arXiv 2504.09936"
+    sinks: int = 4
+    threshold: float = 0.8
+    alpha: float = 0.94
+    window: int = 32
+    recent_ratio: float = 0.2
+    last_layer_share: float = 0.8
+    zip_key: str = "projection"
+    scores: str = "ema"
+    prefill_scores: str = "exact"
+    prefill_order: str = "merge_first"
+    refresh_interval: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("threshold", "alpha", "recent_ratio", "last_layer_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        check_range("threshold", self.threshold, -1.0, 1.0)
+        check_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=True)
+        check_range("recent_ratio", self.recent_ratio, 0.0, 1.0)
+        check_range("last_layer_share", self.last_layer_share, 0.0, 1.0, low_open=True)
+        if not _is_int(self.window) or self.window < 1:
+            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+        if self.refresh_interval is not None and (not _is_int(self.refresh_interval) or self.refresh_interval < 1):
+            raise ValueError(f"refresh_interval must be None or an int >= 1, got {self.refresh_interval!r}")
+        choices = {
+            "zip_key": KEY_RULES,
+            "scores": SCORE_MODES,
+            "prefill_scores": SCORE_MODES,
+            "prefill_order": PREFILL_ORDERS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
+
+    # -- hooks of Method -------------------------------------------------------------------
+    def needs(self, is_prefill: bool) -> Needs:
+        return Needs()  # the method computes the unnormalised logits it needs itself
+
+    def setup_layer(self, layer) -> None:
+        pass  # extras need the GQA group size, known at the first observe()
+
+    def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
+        sinks = budget.clamp(max=self.sinks)
+        return ((budget - sinks).double() * self.recent_ratio).round().long()
+
+    def allocate(self, cache, row_budget: torch.Tensor) -> torch.Tensor:
+        """PyramidInfer cosine decay of the heavy share; sinks and recent equal in every layer.
+
+        Per row with mean budget b: heavy_l = (b - sinks - recent) · f_l / mean(f), with
+        f_l = c + (1 - c)(1 + cos(π l / (L - 1))) / 2 falling from 1 to c = ``last_layer_share``.
+        Layer budgets are rounded cumulatively, so they sum to exactly L·b.
+        """
+        layers = cache.num_layers
+        kv_heads = cache.layers[0].keys.shape[1]
+        budget = row_budget.double()
+        recent = self.recent_count(row_budget)
+        fixed = budget.clamp(max=self.sinks) + recent
+        depth = torch.linspace(0.0, 1.0, layers, dtype=torch.float64, device=row_budget.device)
+        if layers == 1:
+            depth = torch.zeros(1, dtype=torch.float64, device=row_budget.device)
+        share = self.last_layer_share + (1 - self.last_layer_share) * (1 + torch.cos(math.pi * depth)) / 2
+        per_layer = fixed[None] + (budget - fixed)[None] * (share / share.mean())[:, None]  # [L, B]
+        cumulative = per_layer.cumsum(0).round()
+        budgets = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1])).long().clamp(min=1)
+        for layer in cache.layers:
+            layer.state["recent"] = recent[:, None].expand(-1, kv_heads).clone()
+        return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
+
+    def observe(self, layer, stats: StepStats) -> None:
+        query = stats.query  # [B, H_kv, g, q, D]
+        rows = query.shape[3]
+        if stats.is_prefill:
+            self._start_layer(layer, query.shape[2], stats.scaling)
+            window = min(self.window, rows)
+            query_pos = layer.positions[:, 0, -window:]
+            self._absorb(layer, query[:, :, :, -window:], query_pos)
+        else:
+            query_pos = layer.positions[:, 0, -rows:]
+            self._absorb(layer, query, query_pos)
+            layer.state["steps"] += rows
+        if self.refresh_interval is None:
+            return
+        is_real = layer.positions[:, 0, -rows:] >= 0
+        layer.state["offload"].append(layer.keys[:, :, -rows:], layer.values[:, :, -rows:], is_real)
+        keep = min(self.window, rows)
+        layer.state["query_window"] = torch.cat([layer.state["query_window"], query[:, :, :, -keep:]], dim=3)[
+            :, :, :, -self.window :
+        ]
+        layer.state["query_window_pos"] = torch.cat(
+            [layer.state["query_window_pos"], layer.positions[:, 0, -keep:]], dim=1
+        )[:, -self.window :]
+        if not stats.is_prefill and layer.budget is not None:
+            steps = layer.state["steps"]
+            if steps // self.refresh_interval > (steps - rows) // self.refresh_interval:
+                self.refresh(layer)
+                layer.pending = 0
+
+    def compress(self, layer, stats: StepStats) -> None:
+        if layer.size <= layer.min_budget:
+            return
+        if stats.is_prefill:
+            self._compress_prefill(layer, exact=self.prefill_scores == "exact")
+        else:
+            self._evict_and_merge(layer, exact=self.scores == "exact")
+
+    # -- reporting -------------------------------------------------------------------------
+    @staticmethod
+    def votes(layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, H_kv] votes on live entries, [B, H_kv] tokens evicted unmerged), both float64.
+
+        Their sum is the number of real tokens seen (vote conservation).
+        """
+        live_votes = layer.bias.double().exp().sum(-1)
+        return live_votes, layer.state["lost_votes"].clone()
+
+    @staticmethod
+    def offload_report(cache) -> dict:
+        """Memory and transfer cost of the full copies (see :func:`keepkv.offload.offload_report`)."""
+        return offload_report(cache)
+
+    # -- scores ------------------------------------------------------------------------------
+    def _start_layer(self, layer, group: int, scaling: float) -> None:
+        batch, kv_heads = layer.bias.shape[:2]
+        layer.add_extra("ema_log_s", fill=NEG_INF, trailing=(group,))
+        layer.add_extra("ema_log_n", fill=NEG_INF)
+        layer.state.update(
+            scaling=scaling,
+            steps=0,
+            refreshes=0,
+            lost_votes=torch.zeros(batch, kv_heads, dtype=torch.float64, device=layer.device),
+        )
+        if self.refresh_interval is not None:
+            layer.state["offload"] = FullKVCopy(layer.keys, layer.values)
+            head_dim = layer.keys.shape[-1]
+            layer.state["query_window"] = layer.keys.new_zeros(batch, kv_heads, group, 0, head_dim)
+            layer.state["query_window_pos"] = layer.positions.new_zeros(batch, 0)
+
+    def _logits(self, layer, queries: torch.Tensor) -> torch.Tensor:
+        """fp32 scaling·q·k of queries [B, H_kv, g, r, D] against every slot: [B, H_kv, g, r, S]."""
+        keys = layer.keys.float()[:, :, None].transpose(-1, -2)
+        return torch.matmul(queries.float(), keys) * layer.state["scaling"]
+
+    def _absorb(self, layer, queries: torch.Tensor, query_pos: torch.Tensor) -> None:
+        """Fold r query rows (oldest first) into the EMA (eq. 8) and keep the newest row's logits.
+
+        queries [B, H_kv, g, r, D]; query_pos [B, r] their positions (-1: padding, skipped).
+        Row r' of r gets weight (1 - α) α^(r-1-r'); the old state decays by α^r. A row scores only
+        the live entries at or before its position (causal, padding excluded).
+        """
+        rows = queries.shape[3]
+        live = layer.live()
+        logits = self._logits(layer, queries)  # [B, H_kv, g, r, S]
+        log_fresh = math.log1p(-self.alpha)
+        decay = rows * math.log(self.alpha)
+        old_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S]
+        if rows == 1:  # a decode step: the newest query sees every live entry
+            new_s = logits[:, :, :, 0] + log_fresh
+            new_n = torch.full_like(layer.bias, log_fresh)
+        else:
+            key_pos = layer.positions[:, :, None, :]  # [B, H_kv, 1, S]
+            visible = live[:, :, None, :] & (key_pos <= query_pos[:, None, :, None]) & (query_pos >= 0)[:, None, :, None]
+            ages = torch.arange(rows - 1, -1, -1, device=layer.device, dtype=torch.float32)
+            weights = (log_fresh + ages * math.log(self.alpha))[:, None].masked_fill(~visible, NEG_INF)  # [B, H_kv, r, S]
+            new_s = torch.logsumexp(weights[:, :, None] + logits, dim=3)  # [B, H_kv, g, S]
+            new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
+        log_s = torch.logaddexp(old_s + decay, new_s).masked_fill(~live[:, :, None], NEG_INF)
+        log_n = torch.logaddexp(layer.extras["ema_log_n"] + decay, new_n).masked_fill(~live, NEG_INF)
+        layer.extras["ema_log_s"] = log_s.permute(0, 1, 3, 2).contiguous()
+        layer.extras["ema_log_n"] = log_n
+        layer.state["query"] = queries[:, :, :, -1]  # [B, H_kv, g, D]
+        layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
+
+    @staticmethod
+    def ema_scores(layer, live: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, H_kv, g, S] bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (-inf on empty slots)."""
+        live = layer.live() if live is None else live
+        log_n = layer.extras["ema_log_n"].masked_fill(~live, 0.0)[:, :, None]
+        return (layer.extras["ema_log_s"].permute(0, 1, 3, 2) - log_n).masked_fill(~live[:, :, None], NEG_INF)
+
+    def priority(self, layer, pooled: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, H_kv, S]: +inf for sinks and recent, else the predicted attention mass ln p + ln ŝ.
+
+        ``pooled``: the pooled EMA log-scores, if already computed.
+        """
+        recent = layer.state.get("recent")
+        if recent is None:
+            recent = self.recent_count(layer.budget)
+        if pooled is None:
+            pooled = pool_log_scores(self.ema_scores(layer), layer.bias)
+        return (layer.bias + pooled).masked_fill(protected(layer, self.sinks, recent), float("inf"))
+
+    # -- compression -------------------------------------------------------------------------
+    def merge(self, layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, exact: bool, ema=None) -> None:
+        """ZIP-merge the plan (src -> dst where ``merge``) into the layer's store, in place.
+
+        ``exact``: merge with the newest query's logits, else with the EMA scores; ``ema``: the
+        (per-head, pooled) EMA log-scores if already computed. Overridable: a subclass can swap
+        the merge rule while keeping candidates and budgets.
+        """
+        heads_ema, pooled_ema = ema if ema is not None else self._ema(layer)
+        if exact:
+            heads = layer.state["exact_logits"]
+            pooled = pool_log_scores(heads, layer.bias)
+        else:
+            heads, pooled = heads_ema, pooled_ema
+        query = layer.state["query"]  # [B, H_kv, g, D]
+        group = self.zip_key == "group"
+        # Empty slots never take part in a merge; zero them so no 0·(-inf) can reach a scatter.
+        keys, values, bias = zip_merge(
+            layer.keys,
+            layer.values,
+            layer.bias,
+            pooled.where(torch.isfinite(pooled), 0.0),
+            src,
+            dst,
+            merge,
+            key_rule=self.zip_key,
+            queries=query if group else query.mean(2),
+            scaling=layer.state["scaling"],
+            group_log_scores=heads.where(torch.isfinite(heads), 0.0) if group else None,
+        )
+        self._merge_ema(layer, heads_ema, src, dst, merge)
+        layer.keys, layer.values, layer.bias = keys, values, bias
+
+    def _ema(self, layer, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = self.ema_scores(layer, live)
+        return heads, pool_log_scores(heads, layer.bias)
+
+    def _merge_ema(self, layer, heads: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor) -> None:
+        """Set each merge target's EMA to the per-vote group mean Σ p ŝ^h / Σ p (pre-merge bias and
+        EMA log-scores ``heads`` [B, H_kv, g, S])."""
+        src_idx, dst_idx = src.where(merge, 0), dst.where(merge, 0)
+        group = heads.shape[2]
+        log_w = layer.bias[:, :, None] + heads  # ln(p ŝ^h)
+        head_src = src_idx[:, :, None].expand(-1, -1, group, -1)
+        head_dst = dst_idx[:, :, None].expand(-1, -1, group, -1)
+        incoming_w = log_w.gather(-1, head_src).masked_fill(~merge[:, :, None], NEG_INF)
+        incoming_p = layer.bias.gather(-1, src_idx).masked_fill(~merge, NEG_INF)
+        votes = _group_logsumexp(layer.bias, incoming_p, dst_idx)
+        mean_score = _group_logsumexp(log_w, incoming_w, head_dst) - votes[:, :, None]
+        is_target = torch.zeros_like(layer.bias, dtype=torch.int32).scatter_add(-1, dst_idx, merge.int()) > 0
+        log_s = (mean_score + layer.extras["ema_log_n"][:, :, None]).permute(0, 1, 3, 2)
+        layer.extras["ema_log_s"] = torch.where(is_target[..., None], log_s, layer.extras["ema_log_s"])
+
+    def _chunk_rows(self, layer, columns: int) -> int:
+        batch, kv_heads = layer.bias.shape[:2]
+        return max(1, CHUNK_ELEMENTS // max(1, batch * kv_heads * columns))
+
+    def _nearest(self, layer, unit: torch.Tensor, src: torch.Tensor, candidates: torch.Tensor):
+        """Most cosine-similar candidate of each src slot: (best_idx, best_sim) [B, H_kv, E], chunked."""
+        size = unit.shape[2]
+        best_idx, best_sim = [], []
+        step = self._chunk_rows(layer, size)
+        for start in range(0, src.shape[-1], step):
+            part = src[..., start : start + step]
+            src_unit = unit.gather(2, part[..., None].expand(*part.shape, unit.shape[-1]))
+            sim = (src_unit @ unit.transpose(-1, -2)).masked_fill(~candidates[:, :, None], NEG_INF)
+            value, index = sim.max(-1)
+            best_sim.append(value)
+            best_idx.append(index)
+        return torch.cat(best_idx, -1), torch.cat(best_sim, -1)
+
+    def _merge_first(self, layer, exact: bool) -> None:
+        """Prefill phase 1: consolidate similar entries before any eviction (Appendix B, Table 3)."""
+        live = layer.live()
+        ema = self._ema(layer, live)
+        priority = self.priority(layer, ema[1])
+        is_protected = torch.isinf(priority) & (priority > 0)
+        order = priority.masked_fill(~live, NEG_INF).argsort(dim=-1, descending=True, stable=True)
+        ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(-1, order, ranks)
+        unit = F.normalize(layer.keys.float(), dim=-1)
+        size = unit.shape[2]
+        has_better = torch.zeros_like(live)
+        step = self._chunk_rows(layer, size)
+        for start in range(0, size, step):
+            stop = min(size, start + step)
+            sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)  # [B, H_kv, c, S]
+            better = (rank[:, :, None, :] < rank[:, :, start:stop, None]) & live[:, :, None, :]
+            has_better[:, :, start:stop] = ((sim >= self.threshold) & better).any(-1)
+        roots = live & (is_protected | ~has_better)
+        movers = live & ~roots
+        src = torch.arange(size, device=layer.device).expand_as(order)
+        dst, sim = self._nearest(layer, unit, src, roots)
+        merge = movers & (sim >= self.threshold)
+        if not bool(merge.any()):
+            return
+        self.merge(layer, src, dst, merge, exact, ema)
+        layer.bias = layer.bias.masked_fill(merge, NEG_INF)
+        if exact:  # the merged keys changed: the query's exact logits of the new store
+            logits = self._logits(layer, layer.state["query"][:, :, :, None])[:, :, :, 0]
+            layer.state["exact_logits"] = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
+
+    def _evict_and_merge(self, layer, exact: bool) -> None:
+        """Keep the budget by priority; merge each evicted entry into its most similar kept one (>= T)."""
+        live = layer.live()
+        ema = self._ema(layer, live)
+        plan = plan_eviction(layer, self.priority(layer, ema[1]))
+        kept = plan.kept
+        if plan.evict_idx.shape[-1] > 0:
+            dst, sim = self._nearest(layer, F.normalize(layer.keys.float(), dim=-1), plan.evict_idx, kept)
+            merge = plan.evict_valid & (sim >= self.threshold)
+            dropped = plan.evict_valid & ~merge
+            lost = layer.bias.gather(-1, plan.evict_idx).double().exp().masked_fill(~dropped, 0.0).sum(-1)
+            layer.state["lost_votes"] += lost
+            # On CPU skip the merge when nothing merges; on accelerators avoid the host sync.
+            if layer.device.type != "cpu" or bool(merge.any()):
+                self.merge(layer, plan.evict_idx, dst, merge, exact, ema)
+        layer.select(plan.keep_idx, plan.keep_valid)
+
+    def _compress_prefill(self, layer, exact: bool) -> None:
+        if self.prefill_order == "merge_first":
+            self._merge_first(layer, exact)
+        self._evict_and_merge(layer, exact)
+
+    # -- periodic refresh --------------------------------------------------------------------
+    def refresh(self, layer) -> None:
+        """Rebuild the layer's store from the full copy with the current query's exact scores.
+
+        The store becomes every token seen (1 vote each), the EMA is re-initialised over the
+        last ``window`` queries, and the prefill compression (``prefill_order``) runs with the
+        exact logits of the newest query, so the rebuilt store is lossless for it on MHA.
+        """
+        keys, values, is_real = layer.state["offload"].load(layer.device)
+        batch, kv_heads, size = keys.shape[:3]
+        positions = (is_real.long().cumsum(-1) - 1).masked_fill(~is_real, -1)
+        layer.keys, layer.values = keys, values
+        bias = torch.zeros(batch, size, device=layer.device).masked_fill(~is_real, NEG_INF)
+        layer.bias = bias[:, None].expand(-1, kv_heads, -1).contiguous()
+        layer.positions = positions[:, None].expand(-1, kv_heads, -1).contiguous()
+        for name, extra in layer.extras.items():
+            layer.extras[name] = extra.new_full((batch, kv_heads, size, *extra.shape[3:]), layer.extra_fill[name])
+        layer.state["lost_votes"] = torch.zeros_like(layer.state["lost_votes"])
+        self._absorb(layer, layer.state["query_window"], layer.state["query_window_pos"])
+        if size > layer.min_budget:
+            self._compress_prefill(layer, exact=True)
+        layer.state["refreshes"] += 1

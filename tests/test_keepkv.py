@@ -1,0 +1,426 @@
+"""KeepKV: Theorems 2/3, Lemma 6, votes, GQA, numerics, refresh, memory, perturbation, bad input."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import keepkv
+from keepkv.attention import StepStats
+from keepkv.cache import LayerStore
+from keepkv.merging import attention_mass, convex_merge, zip_merge
+from keepkv.methods.keepkv import KeepKV
+from keepkv.offload import FullKVCopy, offload_report
+from keepkv.perturbation import _attend, builtin_document, format_perturbation, perturbation, recompute_logits
+
+from conftest import decode_loop, random_batch, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add waits (tens of ms per op on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class ConvexMerge(KeepKV):
+    """KeepKV's candidates and budgets with a classic convex merge (no votes): Theorem 2's foil."""
+
+    name = "convex-merge-test"
+
+    def merge(self, layer, src, dst, merge, exact, ema=None):
+        weights = torch.ones(src.shape, device=src.device)
+        layer.keys, layer.values = convex_merge(layer.keys, layer.values, src, dst, merge, weights)
+
+
+def prompt_ids(length=40, seed=3):
+    ids, _ = random_batch(batch=1, length=length, pad=(0,), seed=seed)
+    return ids
+
+
+def store_from(keys, values, queries, method, scaling):
+    """A LayerStore holding keys/values [B, H_kv, S, D], observed as a prefill by ``method``."""
+    layer = LayerStore(0)
+    layer.lazy_initialization(keys, values)
+    layer.append(keys, values, torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool))
+    method.observe(layer, StepStats(query=queries, scaling=scaling, is_prefill=True))
+    return layer
+
+
+class Hook:
+    """Wraps forward_layer. Per layer and step: ``errors``, the newest query's output recomputed
+    on the store after the method compressed vs the output it got before; ``full_errors``, the
+    same recomputation vs attention over every K/V appended so far."""
+
+    def __init__(self, cache):
+        self.cache, self.inner = cache, cache.forward_layer
+        cache.forward_layer = self
+        self.errors, self.full_errors, self.appended = [], [], {}
+
+    def __call__(self, index, query, keys, values, mask, scaling):
+        out = self.inner(index, query, keys, values, mask, scaling)
+        self.appended.setdefault(index, []).append((keys.clone(), values.clone(), mask[:, 0, -1].clone()))
+        layer = self.cache.layers[index]
+        after = _attend(query[:, :, -1], layer.keys, layer.values, layer.bias, scaling)
+        blocks = self.appended[index]
+        real = torch.cat([b[2] for b in blocks], 1)
+        full_bias = torch.zeros(real.shape).masked_fill(~real, float("-inf"))[:, None].expand(-1, keys.shape[1], -1)
+        full_keys, full_values = torch.cat([b[0] for b in blocks], 2), torch.cat([b[1] for b in blocks], 2)
+        full = _attend(query[:, :, -1], full_keys, full_values, full_bias, scaling)
+        self.errors.append(relative(after, out[:, -1]))
+        self.full_errors.append(relative(after, full))
+        return out
+
+
+def relative(approx, exact):
+    exact = exact.float()
+    return float(((approx.float() - exact).flatten(1).norm(dim=-1) / exact.flatten(1).norm(dim=-1)).max())
+
+
+# -- Theorem 3 -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "zip_key,order",
+    [("paper", "evict_first"), ("projection", "evict_first"), ("paper", "merge_first"), ("projection", "merge_first")],
+)
+@torch.no_grad()
+def test_theorem3_prefill_merge_is_lossless_on_mha(zip_key, order):
+    model = tiny_model("llama-mha")
+    ids = prompt_ids()
+    params = dict(threshold=-1.0, zip_key=zip_key, prefill_order=order, prefill_scores="exact")
+    result = perturbation(model, None, ids, "keepkv", budget=12, steps=(), **params)
+    assert max(result["layers"]) <= 1e-5, result["layers"]
+    # next-token logits of the last prompt token recomputed on the compressed cache
+    keepkv.enable(model)
+    full = keepkv.CompressedCache(model.config, "full", 1.0)
+    model(input_ids=ids, past_key_values=full)
+    cache = keepkv.CompressedCache(model.config, "keepkv", 12, **params)
+    model(input_ids=ids, past_key_values=cache)
+    reference = recompute_logits(model, full, ids[:, -1:], ids.shape[1] - 1)
+    compressed = recompute_logits(model, cache, ids[:, -1:], ids.shape[1] - 1)
+    assert torch.allclose(compressed, reference, atol=1e-4, rtol=1e-4), (compressed - reference).abs().max()
+    for layer in cache.layers:  # several many-to-one groups per head, nothing dropped
+        votes = layer.bias.exp()
+        assert ((votes >= 3).sum(-1) >= 2).all()
+        assert torch.allclose(votes.sum(-1), torch.tensor(float(ids.shape[1])))
+        assert int(layer.live_counts().max()) <= int(layer.budget.max())
+
+
+@pytest.mark.parametrize("zip_key", ["paper", "projection"])
+@torch.no_grad()
+def test_theorem3_decode_merges_with_exact_scores_are_lossless(zip_key):
+    model = tiny_model("llama-mha")
+    ids = prompt_ids(30)
+    cache = keepkv.CompressedCache(
+        model.config, "keepkv", 10, threshold=-1.0, zip_key=zip_key, scores="exact", prefill_order="evict_first"
+    )
+    hook = Hook(cache)
+    mask = torch.ones_like(ids)
+    keepkv.enable(model)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    token = ids[:, -1:]
+    for step in range(6):
+        hook.errors.clear()
+        token = (token * 7 + step) % 100 + 3
+        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+        logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits[:, -1].float()
+        assert max(hook.errors) <= 1e-5, (step, hook.errors)
+        again = recompute_logits(model, cache, token, int(cache.layers[0].real_seen[0]) - 1)
+        assert torch.allclose(again, logits, atol=1e-4, rtol=1e-4)
+        for layer in cache.layers:  # a merge did happen at this step
+            assert int(layer.live_counts().max()) == int(layer.budget.max())
+            assert torch.allclose(layer.bias.exp().sum(-1), layer.real_seen.float()[:, None])
+
+
+def test_done_when_exact_keepkv_vs_eviction_and_convex_merge():
+    model = tiny_model("llama-mha")
+    ids = prompt_ids()
+    exact = perturbation(model, None, ids, "keepkv", budget=12, steps=(), threshold=-1.0)
+    assert max(exact["layers"]) <= 1e-5
+    for method in ("h2o", "streamingllm", ConvexMerge(threshold=-1.0)):
+        other = perturbation(model, None, ids, method, budget=12, steps=())
+        assert min(other["layers"]) >= 1e-3, (method, other["layers"])
+
+
+# -- Theorem 2 and Lemma 6 -----------------------------------------------------------------------
+def test_theorem2_convex_merge_sags_zip_does_not():
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
+    query, scaling = torch.randn(1, 1, 16), 0.25
+    bias = torch.zeros(1, 1, 8)
+    src, dst = torch.tensor([[[5, 6, 7]]]), torch.tensor([[[0, 0, 1]]])
+    merge = torch.ones(1, 1, 3, dtype=torch.bool)
+    removed = torch.zeros(1, 1, 8).index_fill(-1, src[0, 0], float("-inf"))
+    reference, weights = attention_mass(query, keys, values, bias, scaling)
+    group_mass = weights[0, 0, [0, 5, 6]].sum()
+
+    ck, cv = convex_merge(keys, values, src, dst, merge, torch.ones(1, 1, 3))
+    convex_out, convex_w = attention_mass(query, ck, cv, bias + removed, scaling)
+    sag = float(convex_w[0, 0, 0] / group_mass)
+    convex_error = float((convex_out - reference).norm() / reference.norm())
+    assert sag < 0.95 and convex_error > 1e-2, (sag, convex_error)
+
+    logits = (keys @ query[..., None])[..., 0] * scaling
+    zk, zv, zb = zip_merge(
+        keys, values, bias, logits, src, dst, merge, key_rule="projection", queries=query, scaling=scaling
+    )
+    zip_out, zip_w = attention_mass(query, zk, zv, zb + removed, scaling)
+    assert abs(float(zip_w[0, 0, 0] * zb.exp()[0, 0, 0] / group_mass) - 1) < 1e-5
+    assert float((zip_out - reference).norm() / reference.norm()) < 1e-6
+
+
+@pytest.mark.parametrize("zip_key", ["paper", "projection", "group"])
+def test_lemma6_identical_entries_merge_without_error(zip_key):
+    torch.manual_seed(1)
+    batch, kv_heads, group, size, dim = 2, 2, 2, 10, 8
+    keys, values = torch.randn(batch, kv_heads, size, dim), torch.randn(batch, kv_heads, size, dim)
+    keys[:, :, 7], values[:, :, 7] = keys[:, :, 2], values[:, :, 2]
+    method = KeepKV(zip_key=zip_key, window=3)  # rows at positions 7-9: both copies see the same queries
+    window = torch.randn(batch, kv_heads, group, 3, dim)
+    layer = store_from(keys, values, window, method, 0.35)
+    before = (layer.keys.clone(), layer.values.clone(), layer.bias.clone())
+    src, dst = torch.full((batch, kv_heads, 1), 7), torch.full((batch, kv_heads, 1), 2)
+    method.merge(layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), exact=False)
+    layer.bias = layer.bias.index_fill(-1, torch.tensor([7]), float("-inf"))
+    assert torch.allclose(layer.bias[:, :, 2].exp(), torch.tensor(2.0))
+    for seed in range(5):  # any later query
+        later = torch.randn(batch, kv_heads * group, dim, generator=torch.Generator().manual_seed(seed)) * 3
+        assert torch.allclose(_attend(later, *layer_entries(layer), 0.35), _attend(later, *before, 0.35), atol=1e-6)
+
+
+def layer_entries(layer):
+    return layer.keys, layer.values, layer.bias
+
+
+# -- votes, GQA, numerics -----------------------------------------------------------------------
+@torch.no_grad()
+def test_votes_are_conserved_over_500_decode_steps():
+    model = tiny_model("llama-gqa", layers=1)
+    ids, mask = random_batch(batch=2, length=30, pad=(0, 6))
+    cache = keepkv.CompressedCache(model.config, "keepkv", 12, threshold=0.3)
+    merged = dropped = False
+    for step, cache in enumerate(decode_loop(model, ids, mask, cache, steps=500)):
+        for layer in cache.layers:
+            live, lost = KeepKV.votes(layer)
+            seen = layer.real_seen.double()[:, None]
+            assert torch.allclose(live + lost, seen.expand_as(live), rtol=1e-5, atol=1e-3), (step, live + lost, seen)
+            merged |= bool((layer.bias > 0.5).any())
+            dropped |= bool((lost > 0).any())
+    assert merged and dropped
+
+
+@torch.no_grad()
+def test_gqa_group_key_keeps_every_heads_attention_mass():
+    model = tiny_model("llama-gqa")
+    ids = prompt_ids()
+    captured = {}
+    errors = {}
+    for zip_key in ("group", "projection"):
+        cache = keepkv.CompressedCache(model.config, "keepkv", 12, threshold=-1.0, zip_key=zip_key)
+        inner = cache.forward_layer
+
+        def hook(index, query, keys, values, mask, scaling, inner=inner):
+            captured[index] = (query[:, :, -1], keys, scaling)
+            return inner(index, query, keys, values, mask, scaling)
+
+        cache.forward_layer = hook
+        keepkv.enable(model)
+        model(input_ids=ids, past_key_values=cache)
+        worst = 0.0
+        for layer in cache.layers:
+            query, keys, scaling = captured[layer.layer_idx]
+            q = query.view(1, keys.shape[1], -1, keys.shape[-1])  # [B, H_kv, g, D]
+            full_mass = torch.logsumexp(q @ keys.transpose(-1, -2) * scaling, -1)
+            kept_mass = torch.logsumexp(q @ layer.keys.transpose(-1, -2) * scaling + layer.bias[:, :, None], -1)
+            worst = max(worst, float((kept_mass - full_mass).abs().max()))  # |ln Z' - ln Z| ≈ relative error
+        errors[zip_key] = worst
+    assert errors["group"] <= 1e-5, errors
+    assert errors["projection"] > 1e-4, errors  # the single-direction key cannot satisfy every head
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_low_precision_with_large_logits_stays_finite(dtype):
+    model = tiny_model("llama-gqa")
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.self_attn.q_proj.weight.mul_(4.0)
+            block.self_attn.k_proj.weight.mul_(4.0)
+    model = model.to(dtype)
+    ids, mask = random_batch(batch=2, length=30, pad=(0, 5))
+    largest = []
+    for zip_key in ("paper", "projection", "group"):
+        cache = keepkv.CompressedCache(model.config, "keepkv", 8, threshold=0.0, zip_key=zip_key)
+        inner = cache.forward_layer
+
+        def hook(index, query, keys, values, block_mask, scaling, inner=inner):
+            layer = cache.layers[index]
+            stored = torch.cat([layer.keys, keys], dim=2) if layer.keys is not None else keys
+            q = query.float().view(query.shape[0], keys.shape[1], -1, query.shape[2], query.shape[3])
+            largest.append(float((q @ stored.float()[:, :, None].transpose(-1, -2)).abs().max() * scaling))
+            return inner(index, query, keys, values, block_mask, scaling)
+
+        cache.forward_layer = hook
+        keepkv.enable(model)
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+        assert torch.isfinite(logits).all()
+        token = logits[:, -1:].argmax(-1)
+        for _ in range(12):
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits
+            assert torch.isfinite(logits).all(), zip_key
+            token = logits[:, -1:].argmax(-1)
+        for layer in cache.layers:
+            live = layer.live()
+            assert torch.isfinite(layer.keys[live]).all() and torch.isfinite(layer.values[live]).all()
+            assert torch.isfinite(layer.bias[live]).all()
+        mask = mask[:, : ids.shape[1]]
+    assert max(largest) >= 30, max(largest)
+
+
+def test_opposite_sign_logits_give_finite_keys():
+    """Σ w ln s = 0 (eq. 25's denominator) with logits of opposite sign: the key stays finite."""
+    dim, scaling = 8, 1.0
+    query = torch.zeros(1, 1, 1, 1, dim)
+    query[..., 0] = 1.0
+    keys = torch.zeros(1, 1, 6, dim)
+    keys[0, 0, :, 1] = torch.arange(6.0)  # orthogonal to the query: logit 0
+    keys[0, 0, 4, 0], keys[0, 0, 5, 0] = 0.5, -2.0  # logits +0.5 and -2
+    values = torch.randn(1, 1, 6, dim)
+    for zip_key in ("paper", "projection", "group"):
+        method = KeepKV(zip_key=zip_key, window=1)
+        layer = store_from(keys, values, query, method, scaling)
+        # votes that make p4 s4 ln s4 + p5 s5 ln s5 = 0
+        layer.bias[0, 0, 5] = math.log(0.5 * math.exp(0.5) / (2 * math.exp(-2.0)))
+        reference = _attend(query[:, :, :, 0].reshape(1, 1, dim), layer.keys, layer.values, layer.bias, scaling)
+        src, dst = torch.tensor([[[4]]]), torch.tensor([[[5]]])
+        method.merge(layer, src, dst, torch.ones(1, 1, 1, dtype=torch.bool), exact=True)
+        merged = layer.keys[0, 0, 5]
+        assert torch.isfinite(merged).all() and merged.norm() < 10 * keys.norm(dim=-1).max(), (zip_key, merged)
+        layer.bias[0, 0, 4] = float("-inf")
+        after = _attend(query[:, :, :, 0].reshape(1, 1, dim), layer.keys, layer.values, layer.bias, scaling)
+        assert torch.allclose(after, reference, atol=1e-5)
+
+
+# -- periodic refresh -------------------------------------------------------------------------------
+@torch.no_grad()
+def test_refresh_equals_rebuild_and_full_copy_is_bit_exact():
+    model = tiny_model("llama-mha")
+    ids, mask = random_batch(batch=2, length=24, pad=(0, 5))
+    cache = keepkv.CompressedCache(model.config, "keepkv", 8, threshold=-1.0, refresh_interval=4, window=6)
+    hook = Hook(cache)
+    refreshed = 0
+    for step, cache in enumerate(decode_loop(model, ids, mask, cache, steps=9)):
+        layer = cache.layers[-1]
+        if layer.state["refreshes"] == refreshed:
+            continue
+        refreshed = layer.state["refreshes"]
+        assert (step + 1) % 4 == 0
+        assert max(hook.full_errors[-cache.num_layers:]) <= 1e-5  # the refresh step is lossless (MHA)
+        for layer in cache.layers:
+            copy = layer.state["offload"]
+            keys, values, is_real = copy.load()
+            blocks = hook.appended[layer.layer_idx]
+            assert torch.equal(keys, torch.cat([b[0] for b in blocks], 2))
+            assert torch.equal(values, torch.cat([b[1] for b in blocks], 2))
+            assert torch.equal(is_real, torch.cat([mask, torch.ones(2, step + 1, dtype=mask.dtype)], 1).bool())
+            fresh = LayerStore(layer.layer_idx)
+            fresh.lazy_initialization(keys, values)
+            fresh.append(keys, values, is_real)
+            fresh.budget, fresh.capacity, fresh.min_budget = layer.budget, layer.capacity, layer.min_budget
+            fresh.state["recent"] = layer.state["recent"]
+            window = StepStats(query=layer.state["query_window"], scaling=layer.state["scaling"], is_prefill=True)
+            cache.method.observe(fresh, window)
+            cache.method.compress(fresh, window)
+            for name in ("keys", "values", "bias", "positions"):
+                assert torch.equal(getattr(fresh, name), getattr(layer, name)), name
+            for name, extra in layer.extras.items():
+                assert torch.equal(fresh.extras[name], extra), name
+    assert refreshed == 2
+    report = offload_report(cache)
+    tokens = ids.shape[1] + 9
+    assert report["tokens"] == tokens and report["refreshes"] == 2 * cache.num_layers
+    per_token = 2 * (4 * 2 * 16 * 4 + 1)  # rows · (heads · (k + v) · head_dim · fp32 + mask byte)
+    assert report["bytes"] == cache.num_layers * tokens * per_token
+    assert report["bytes_to_host"] == report["bytes"] and report["bytes_to_device"] > 0
+    assert report["seconds_to_host"] >= 0 and json.dumps(report)
+
+
+def test_full_copy_grows_and_loads_exactly():
+    keys = torch.randn(2, 3, 5, 4, dtype=torch.bfloat16)
+    copy = FullKVCopy(keys, keys, capacity=2)
+    blocks = [torch.randn(2, 3, n, 4, dtype=torch.bfloat16) for n in (5, 1, 1, 7)]
+    for block in blocks:
+        copy.append(block, -block, torch.ones(2, block.shape[2], dtype=torch.bool))
+    loaded, values, is_real = copy.load()
+    assert torch.equal(loaded, torch.cat(blocks, 2)) and torch.equal(values, -torch.cat(blocks, 2))
+    assert is_real.all() and copy.capacity >= 14 and copy.report()["tokens"] == 14
+
+
+# -- memory, allocation, diagnostics, bad input ---------------------------------------------------------
+@torch.no_grad()
+def test_2000_step_decode_stays_within_budget():
+    model = tiny_model("llama-gqa", layers=1)
+    ids, mask = random_batch(batch=2, length=20, pad=(0, 4))
+    cache = keepkv.CompressedCache(model.config, "keepkv", 16)
+    for cache in decode_loop(model, ids, mask, cache, steps=2000):
+        layer = cache.layers[0]
+        assert (layer.live_counts() <= layer.budget).all() and layer.size <= layer.capacity
+    assert int(cache.layers[0].real_seen.min()) == 2016 and cache.layers[0].size == 16
+
+
+def test_layer_budgets_follow_cosine_decay_with_mean_budget():
+    model = tiny_model("llama-gqa", layers=6)
+    method = KeepKV()
+    cache = keepkv.CompressedCache(model.config, method, 100)
+    for layer in cache.layers:
+        layer.keys = torch.zeros(1, 2, 0, 16)
+    budgets = method.allocate(cache, torch.tensor([100, 37]))[:, :, 0]
+    assert budgets.sum(0).tolist() == [600, 6 * 37]
+    assert budgets[0, 0] > budgets[-1, 0]
+    heavy = budgets[:, 0] - 4 - 19  # sinks 4, recent round(0.2 · 96) = 19
+    assert abs(float(heavy[-1] / heavy[0]) - 0.8) < 0.03
+    assert cache.layers[0].state["recent"].tolist() == [[19, 19], [7, 7]]
+
+
+def test_perturbation_result_is_json_and_formats():
+    model = tiny_model("llama-gqa")
+    result = perturbation(model, None, prompt_ids(), "keepkv", budget=0.3, steps=(1, 3))
+    text = json.dumps(result)
+    assert set(json.loads(text)) >= {"overall", "layers", "later", "logits_error"}
+    assert len(result["layers"]) == 2 and set(result["later"]) == {1, 3}
+    assert result["later"][3]["isolated"]["overall"] >= 0
+    table = format_perturbation(result)
+    assert "overall" in table and "+3" in table
+    document = builtin_document()
+    assert document == builtin_document() and "4817-AZURE" in document and 3000 < len(document) < 4400
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"threshold": 1.5},
+        {"threshold": -1.01},
+        {"alpha": 0.0},
+        {"alpha": 1.0},
+        {"window": 0},
+        {"refresh_interval": 0},
+        {"zip_key": "mean"},
+        {"scores": "oracle"},
+        {"prefill_order": "random"},
+        {"recent_ratio": 1.2},
+    ],
+)
+def test_bad_parameters_raise_value_error(params):
+    with pytest.raises(ValueError, match=next(iter(params))):
+        keepkv.get_method("keepkv", **params)
+
+
+def test_perturbation_bad_input():
+    model = tiny_model("llama-gqa")
+    with pytest.raises(ValueError):
+        perturbation(model, None, None)
+    with pytest.raises(ValueError):
+        perturbation(model, None, prompt_ids(), steps=(0,))
