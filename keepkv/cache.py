@@ -141,11 +141,19 @@ class LayerStore(CacheLayerMixin):
             self.extras[name] = extra.gather(2, extra_index)
 
     def nbytes(self) -> int:
-        """Bytes held by this layer: entries, bias, positions and per-entry method state."""
+        """Bytes held by this layer: entries, bias, positions, per-entry and per-layer method state
+        (tensors, and objects with an ``nbytes()`` such as KVReviver's sketch; a host-side copy
+        that declares ``in_cache = False`` is reported on its own)."""
         if not self.is_initialized:
             return 0
         tensors = [self.keys, self.values, self.bias, self.positions, *self.extras.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        state = [value for value in self.state.values() if isinstance(value, torch.Tensor)]
+        owned = sum(
+            value.nbytes()
+            for value in self.state.values()
+            if callable(getattr(value, "nbytes", None)) and getattr(value, "in_cache", True)
+        )
+        return owned + sum(t.numel() * t.element_size() for t in tensors + state)
 
 
 @dataclass

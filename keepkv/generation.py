@@ -110,6 +110,7 @@ def generate(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     cache = CompressedCache(model.config, method, budget, **method_params)
+    cache.method.prepare(model)
     device = next(model.parameters()).device
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
     enable(model)

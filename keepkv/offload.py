@@ -38,6 +38,8 @@ class FullKVCopy:
     appends, loads : int
     """
 
+    in_cache = False  # host memory: reported by offload_report(), not in the cache's bytes
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int = 256):
         batch, kv_heads = keys.shape[:2]
         self.shape = (batch, kv_heads)

@@ -223,6 +223,7 @@ def perturbation(
         method = get_method(method, **method_params)
     elif method_params:
         raise ValueError("pass method parameters either with a method name or inside the Method instance")
+    method.prepare(model)
     enable(model)
     ids = _prompt_ids(model, tokenizer, prompt)
     length = ids.shape[1]

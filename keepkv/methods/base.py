@@ -91,6 +91,10 @@ class Method:
         """Statistics the attention path must compute for this method."""
         return Needs()
 
+    def prepare(self, model) -> None:
+        """Derive model-specific constants once, before generation (KVReviver's Fisher layer
+        scores read the K/V projection weights). The only hook that sees the model."""
+
     def check_budget(self, cache) -> None:
         """Raise ValueError if the cache's budget cannot work for this method."""
 

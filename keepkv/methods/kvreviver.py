@@ -316,24 +316,6 @@ def proportional_budgets(scores: torch.Tensor, row_budget: torch.Tensor, minimum
 # ------------------------------------------------------------------------------- method
 
 
-def _evicted(layer, plan, exact_min: int):
-    """(index, valid) [B, H_kv, E] of the live entries ``plan`` does not keep.
-
-    Recomputed here rather than taken from ``plan.evict_idx``: plan_eviction marks kept
-    slots with ``scatter_(keep_idx, keep_valid)``, where the padding of ``keep_idx``
-    (clamped to the last slot, valid False) can overwrite a kept last slot with False, so
-    that slot shows up as both kept and evicted. Invalid keeps go to a discard column here.
-    """
-    live = layer.live()
-    size = live.shape[-1]
-    slots = plan.keep_idx.masked_fill(~plan.keep_valid, size)
-    kept = live.new_zeros(*live.shape[:-1], size + 1).scatter_(-1, slots, True)[..., :size]
-    evicted = live & ~kept
-    count = max(0, size - exact_min)
-    index = (~evicted).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]
-    return index, evicted.gather(-1, index)
-
-
 class _ExactView:
     """The layer as ``plan_eviction`` sees it, with the exact part's budget."""
 
@@ -645,10 +627,8 @@ class KVReviver(Method):
             priority = score.masked_fill(self.protected(layer), float("inf"))
             view = _ExactView(layer, state["exact"], state["exact_max"], state["exact_min"])
             plan = plan_eviction(view, priority)
-            if sketch is not None:
-                evict_idx, evict_valid = _evicted(layer, plan, state["exact_min"])
-                if evict_idx.shape[-1]:
-                    self._to_vague(layer, evict_idx, evict_valid)
+            if sketch is not None and plan.evict_idx.shape[-1]:
+                self._to_vague(layer, plan.evict_idx, plan.evict_valid)
             layer.select(plan.keep_idx, plan.keep_valid)
         if sketch is not None and state["vague_pos"].shape[-1]:
             self._swap_back(layer)
