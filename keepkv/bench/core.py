@@ -1,0 +1,657 @@
+"""run_bench() and the ``keepkv bench`` command line (documented in ``keepkv.bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import sys
+
+import torch
+
+from .configs import CONFIGS, build_config, param_bytes, random_model
+from .runner import (
+    cache_bytes_per_row,
+    device_name,
+    is_cuda,
+    max_batch,
+    percentile,
+    run_once,
+    spread,
+    weights_bytes,
+)
+
+GB = 1 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RANDOM_NOTE = "random weights: speed only"
+
+
+def documented_fields() -> list[str]:
+    """Every JSON field path listed in the ``keepkv.bench`` docstring's schema section."""
+    import keepkv.bench as bench
+
+    section = bench.__doc__.split("JSON schema", 1)[1]
+    return re.findall(r"^ {4}([A-Za-z_][\w.\[\]<>]*) : ", section, flags=re.MULTILINE)
+
+
+# -- resolution of arguments ----------------------------------------------------------------------
+def resolve_device(device) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def resolve_methods(methods) -> list[str]:
+    """Registered methods to run ("full" first, added if missing); all registered by default."""
+    from ..methods import METHODS
+
+    if methods is None:
+        chosen = sorted(METHODS)
+    else:
+        if isinstance(methods, str):
+            methods = [m for m in methods.split(",") if m.strip()]
+        chosen = [m.strip() for m in methods]
+        unknown = [m for m in chosen if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(sorted(METHODS))}")
+    chosen = list(dict.fromkeys(chosen))
+    return ["full"] + [m for m in chosen if m != "full"]
+
+
+def resolve_params(methods: list[str], method_params: dict | None) -> dict[str, dict]:
+    """Per-method parameters. Keys of ``method_params``: a method name (its own dict) or
+    ``"*"`` (applied to every method that has that field, e.g. ``{"*": {"interval": 8}}``)."""
+    from ..methods import METHODS
+
+    method_params = dict(method_params or {})
+    shared = method_params.pop("*", {})
+    unknown = [m for m in method_params if m not in METHODS]
+    if unknown:
+        raise ValueError(f"parameters given for unknown method(s): {', '.join(unknown)}")
+    resolved = {}
+    for method in methods:
+        fields = {field.name for field in dataclasses.fields(METHODS[method])}
+        params = {key: value for key, value in shared.items() if key in fields}
+        params.update(method_params.get(method, {}))
+        resolved[method] = params
+    return resolved
+
+
+def load_bench_model(model=None, config=None, layers=None, dtype=torch.float32, device="cpu", seed=0):
+    """(model, info): a named random-weight shape, a local model, or the embedded SmolLM2."""
+    if model is not None and config is not None:
+        raise ValueError("pass either a model or a config, not both")
+    if config is not None:
+        if isinstance(config, str):
+            name = config
+            config = build_config(config, layers=layers)
+        else:
+            name = getattr(config, "name_or_path", "") or config.model_type
+            if layers is not None:
+                config = type(config)(**{**config.to_dict(), "num_hidden_layers": layers})
+        if torch.device(device).type == "cpu":
+            need = param_bytes(config, dtype)
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+            if available and need > 0.8 * available:
+                raise ValueError(
+                    f"config {name!r} needs {need / GB:.1f} GB of weights in {dtype}, more than this machine can "
+                    f"hold ({available / GB:.1f} GB); pass --layers N or a smaller shape"
+                )
+        built = random_model(config, dtype=dtype, device=device, seed=seed)
+        return built, {"source": f"config:{name}", "random_weights": True, "note": RANDOM_NOTE}
+    if model is None or isinstance(model, (str, os.PathLike)):
+        from ..models import load_model
+
+        loaded, _ = load_model(model, dtype=dtype, device=device)
+        return loaded, {"source": "embedded" if model is None else str(model), "random_weights": False, "note": ""}
+    if isinstance(model, torch.nn.Module):
+        return model, {"source": type(model).__name__, "random_weights": False, "note": ""}
+    raise ValueError(f"model must be None, a path or a torch module; got {type(model).__name__}")
+
+
+def model_info(model, info: dict) -> dict:
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    param = next(model.parameters())
+    return {
+        **info,
+        "model_type": config.model_type,
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": head_dim,
+        "vocab_size": config.vocab_size,
+        "dtype": str(param.dtype).replace("torch.", ""),
+        "weights_bytes": weights_bytes(model),
+    }
+
+
+# -- aggregation -------------------------------------------------------------------------------------
+def aggregate(runs: list[dict]) -> dict:
+    """One fixed-batch record from the repetitions of one (batch, method)."""
+    first = runs[0]
+    batch, gen_len = first["batch"], first["gen_len"]
+    tps = [batch * gen_len / (r["prefill_s"] + r["decode_s"]) for r in runs]
+    decode_tps = [batch * gen_len / r["decode_s"] if r["decode_s"] else float("nan") for r in runs]
+    means = [1000.0 * sum(r["step_s"]) / len(r["step_s"]) if r["step_s"] else float("nan") for r in runs]
+    p95s = [1000.0 * percentile(r["step_s"], 95) if r["step_s"] else float("nan") for r in runs]
+    prefills = [r["prefill_s"] for r in runs]
+    median_run = sorted(zip(tps, range(len(runs))))[len(runs) // 2][1]
+    chosen = runs[median_run]
+    record = {"method": first["method"], "batch": batch, "prompt_len": first["prompt_len"], "gen_len": gen_len}
+    record["repeats"] = len(runs)
+    for key, values in (("tokens_per_s", tps), ("step_ms_mean", means), ("step_ms_p95", p95s), ("prefill_s", prefills)):
+        record[key], record[f"{key}_min"], record[f"{key}_max"] = spread(values)
+        if key == "tokens_per_s":
+            record["decode_tokens_per_s"] = spread(decode_tps)[0]
+    for key in (
+        "cache_bytes",
+        "cache_bytes_prefill",
+        "cache_bytes_peak",
+        "full_cache_bytes",
+        "kept_entries",
+        "peak_memory_bytes",
+        "peak_memory_delta_bytes",
+        "peak_memory_kind",
+    ):
+        record[key] = chosen[key]
+    record["process_peak_rss_bytes"] = max(r["process_peak_rss_bytes"] for r in runs)
+    return record
+
+
+def _ratio(a, b):
+    if a is None or b is None or not b or (isinstance(b, float) and math.isnan(b)):
+        return None
+    return a / b
+
+
+def add_ratios(records: list[dict]) -> None:
+    by_key = {(r["batch"], r["method"]): r for r in records}
+    for record in records:
+        full = by_key.get((record["batch"], "full"))
+        h2o = by_key.get((record["batch"], "h2o"))
+        record["tokens_per_s_vs_full"] = _ratio(record["tokens_per_s"], full and full["tokens_per_s"])
+        record["step_ms_vs_full"] = _ratio(record["step_ms_mean"], full and full["step_ms_mean"])
+        record["step_ms_vs_h2o"] = _ratio(record["step_ms_mean"], h2o["step_ms_mean"]) if h2o else None
+
+
+# -- the benchmark -------------------------------------------------------------------------------------
+def run_bench(
+    model=None,
+    *,
+    config=None,
+    layers: int | None = None,
+    dtype=None,
+    device=None,
+    methods=None,
+    budget: float | int = 0.2,
+    method_params: dict | None = None,
+    prompt_len: int = 1024,
+    gen_len: int = 128,
+    batches=(1,),
+    repeats: int = 3,
+    warmup: int = 1,
+    memory_cap_gb: float | None = None,
+    max_measure_batch: int | None = None,
+    overhead_steps: int = 0,
+    profile_steps: int = 0,
+    seed: int = 0,
+    progress: bool = True,
+    log=None,
+) -> dict:
+    """Benchmark methods on one model; returns the dict documented in ``keepkv.bench``.
+
+    Parameters
+    ----------
+    model : None, path or torch module
+        None: the embedded SmolLM2-135M. A path: a local model (``keepkv.load_model``).
+    config : str or PretrainedConfig
+        A named shape (``keepkv.bench.CONFIGS``) or a config, built with random weights.
+    layers : int
+        Override the depth of ``config`` (smoke runs of large shapes).
+    dtype : "auto", "float32", "bfloat16", "float16" or torch.dtype
+        "auto": bf16 on CUDA, fp32 on CPU.
+    device : str or torch.device
+        Default: CUDA if available, else CPU.
+    methods : list of str or comma-separated str
+        Default: every registered method. ``full`` is always run (ratios).
+    budget : float or int
+        As ``CompressedCache``.
+    method_params : dict
+        ``{method: {param: value}}``; the key ``"*"`` applies to every method with that field.
+    prompt_len, gen_len : int
+        Prompt tokens per row and timed decode steps.
+    batches : int or sequence of int
+        Batch sizes of the fixed-batch mode.
+    repeats, warmup : int
+        Timed repetitions (median and min/max reported) and untimed short runs before each.
+    memory_cap_gb : float
+        Turns on the memory-cap mode (GB = 2**30 bytes).
+    max_measure_batch : int
+        Largest batch measured in memory-cap mode (default 8 on CPU, unlimited on GPU).
+    overhead_steps, profile_steps : int
+        Extra decode steps for the overhead proxies and for ``torch.profiler``.
+    seed : int
+        Seed of the random prompts and weights.
+    progress : bool
+        tqdm progress bars (stderr).
+    log : callable
+        Receives progress messages (default: print to stderr when ``progress``).
+    """
+    for name, value, low in (("prompt_len", prompt_len, 1), ("gen_len", gen_len, 1), ("repeats", repeats, 1),
+                             ("warmup", warmup, 0), ("overhead_steps", overhead_steps, 0),
+                             ("profile_steps", profile_steps, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    batches = [batches] if isinstance(batches, int) else list(batches)
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
+        raise ValueError(f"batches must be ints >= 1, got {batches!r}")
+    if memory_cap_gb is not None and not memory_cap_gb > 0:
+        raise ValueError(f"memory_cap_gb must be > 0, got {memory_cap_gb!r}")
+    if log is None:
+        log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+
+    load_start = _load_avg()
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    names = resolve_methods(methods)
+    params = resolve_params(names, method_params)
+    from ..cache import validate_budget
+
+    validate_budget(budget)
+    torch.manual_seed(seed)
+
+    log(f"bench: loading model on {device} ({str(dtype).replace('torch.', '')})")
+    loaded, info = load_bench_model(model, config, layers, dtype, device, seed)
+    minfo = model_info(loaded, info)
+    notes = []
+    if minfo["random_weights"]:
+        notes.append(f"{RANDOM_NOTE} ({minfo['source']}, {minfo['num_layers']} layers)")
+    if device.type == "cpu":
+        notes.append(
+            "CPU: peak_memory_bytes is the process RSS sampled every 2 ms during the run (allocator caching "
+            "included); process_peak_rss_bytes is getrusage's lifetime peak"
+        )
+    requested = [m.strip() for m in methods.split(",")] if isinstance(methods, str) else methods
+    if requested is not None and "full" not in requested:
+        notes.append("full added: every ratio is against full measured in the same run")
+    if any("interval" in p for p in params.values()):
+        notes.append("interval > 1 trades quality for speed: check it with `keepkv eval`")
+
+    errors: dict[str, str] = {}
+
+    def one(method, batch, L, G, rep_seed, overhead=0, prof=0, bar=False):
+        """run_once, or None (and the method dropped from the run) if the method raises."""
+        if method in errors:
+            return None
+        try:
+            return run_once(
+                loaded, method, budget, params[method], prompt_len=L, gen_len=G, batch=batch, seed=rep_seed,
+                overhead_steps=overhead, profile_steps=prof, progress=bar,
+            )
+        except Exception as error:  # a method under development must not sink the whole benchmark
+            if method == "full":
+                raise
+            errors[method] = f"{type(error).__name__}: {error}"
+            log(f"bench: {method} failed and is left out: {errors[method]}")
+            return None
+
+    def warm(batch):
+        for method in names:
+            for _ in range(warmup):
+                one(method, batch, min(prompt_len, 64), min(gen_len, 4), seed)
+
+    # -- fixed batch
+    fixed, overhead, profile = [], [], {}
+    largest = max(batches)
+    for batch in batches:
+        warm(batch)
+        runs: dict[str, list] = {m: [] for m in names}
+        for rep in range(repeats):
+            for method in names:
+                log(f"bench: fixed b={batch} rep {rep + 1}/{repeats} {method}")
+                out = one(
+                    method, batch, prompt_len, gen_len, seed + rep,
+                    overhead=overhead_steps if rep == 0 else 0,
+                    prof=profile_steps if rep == 0 and batch == largest else 0,
+                    bar=progress,
+                )
+                if out is None:
+                    continue
+                runs[method].append(out)
+                if "overhead" in out:
+                    overhead.append({"method": method, "batch": batch, **out["overhead"]})
+                if "profile" in out:
+                    profile[method] = {"batch": batch, **out["profile"]}
+        fixed.extend(aggregate(runs[m]) for m in names if runs[m] and m not in errors)
+    add_ratios(fixed)
+
+    # -- memory cap
+    memory_cap = None
+    if memory_cap_gb is not None:
+        memory_cap = memory_cap_mode(
+            loaded, names, one, warm, memory_cap_gb, max_measure_batch, minfo["weights_bytes"], device,
+            prompt_len, gen_len, repeats, seed, log, notes, errors,
+        )
+
+    import keepkv
+
+    for method, message in errors.items():
+        notes.append(f"{method} raised and was left out: {message}")
+    return {
+        "schema_version": 1,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {
+            "keepkv": getattr(keepkv, "__version__", None) or _package_version(),
+            "torch": torch.__version__,
+            "transformers": _transformers_version(),
+            "python": platform.python_version(),
+        },
+        "host": {
+            "device": str(device),
+            "device_name": device_name(device),
+            "gpu": device.type == "cuda",
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_start": load_start,
+            "load_avg_end": _load_avg(),
+        },
+        "model": minfo,
+        "settings": {
+            "prompt_len": prompt_len,
+            "gen_len": gen_len,
+            "batches": batches,
+            "budget": budget,
+            "repeats": repeats,
+            "warmup": warmup,
+            "methods": names,
+            "method_params": params,
+            "seed": seed,
+            "memory_cap_gb": memory_cap_gb,
+            "max_measure_batch": memory_cap and memory_cap["max_measure_batch"],
+            "overhead_steps": overhead_steps,
+            "profile_steps": profile_steps,
+        },
+        "fixed": fixed,
+        "overhead": overhead,
+        "memory_cap": memory_cap and {k: v for k, v in memory_cap.items() if k != "max_measure_batch"},
+        "profile": profile,
+        "errors": errors,
+        "notes": notes,
+    }
+
+
+def memory_cap_mode(model, names, one, warm, cap_gb, max_measure, weights, device, prompt_len, gen_len, repeats,
+                    seed, log, notes, errors) -> dict:
+    """The papers' method: the largest batch per method under the cap, and its throughput."""
+    capacity = int(cap_gb * GB)
+    if max_measure is None and not is_cuda(device):
+        max_measure = 8
+    rows = []
+    for method in names:
+        log(f"bench: memory cap: probing {method} at batch 1 and 2")
+        probes = [one(method, batch, prompt_len, min(gen_len, 2), seed) for batch in (1, 2)]
+        if any(probe is None for probe in probes):
+            continue
+        acct = cache_bytes_per_row(probes[0], prompt_len, gen_len)
+        # Workspace = measured peak above the start, minus the cache; fitted as fixed + per row
+        # (the attention chunks are bounded in bytes whatever the batch).
+        space = [max(0, p["peak_memory_delta_bytes"] - p["cache_bytes_peak"]) for p in probes]
+        per_row_space = max(0, space[1] - space[0])
+        fixed_space = max(0, space[0] - per_row_space)
+        per_row = acct["peak_bytes"] + per_row_space
+
+        def bytes_for_batch(b, per_row=per_row, fixed_space=fixed_space):
+            return weights + fixed_space + b * per_row
+
+        best = max_batch(capacity, bytes_for_batch)
+        measured = min(best, max_measure) if max_measure else best
+        rows.append(
+            {
+                "method": method,
+                "cache_bytes_per_row": acct["peak_bytes"],
+                "cache_prefill_bytes_per_row": acct["prefill_bytes"],
+                "cache_decode_bytes_per_row": acct["decode_bytes"],
+                "workspace_bytes_per_row": per_row_space,
+                "workspace_bytes_fixed": fixed_space,
+                "bytes_per_row": per_row,
+                "max_batch": best,
+                "bytes_at_max_batch": bytes_for_batch(best),
+                "bytes_at_max_batch_plus_1": bytes_for_batch(best + 1),
+                "measured_batch": measured,
+                "capped": measured < best,
+            }
+        )
+    # Throughput at each method's batch; methods interleaved per repetition.
+    results: dict[str, list] = {row["method"]: [] for row in rows}
+    for batch in sorted({row["measured_batch"] for row in rows if row["measured_batch"]}):
+        warm(batch)
+    for rep in range(repeats):
+        for row in rows:
+            if row["measured_batch"]:
+                log(f"bench: memory cap rep {rep + 1}/{repeats} {row['method']} b={row['measured_batch']}")
+                results[row["method"]].append(one(row["method"], row["measured_batch"], prompt_len, gen_len, seed + rep,
+                                                  bar=True))
+    for row in rows:
+        runs = [run for run in results[row["method"]] if run is not None]
+        if runs and row["method"] not in errors:
+            record = aggregate(runs)
+            row.update(
+                tokens_per_s=record["tokens_per_s"],
+                tokens_per_s_min=record["tokens_per_s_min"],
+                tokens_per_s_max=record["tokens_per_s_max"],
+                step_ms_mean=record["step_ms_mean"],
+            )
+        else:
+            row.update(tokens_per_s=None, tokens_per_s_min=None, tokens_per_s_max=None, step_ms_mean=None)
+    full = next(row for row in rows if row["method"] == "full")
+    for row in rows:
+        row["tokens_per_s_vs_full"] = _ratio(row["tokens_per_s"], full["tokens_per_s"])
+        row["batch_vs_full"] = _ratio(row["max_batch"], full["max_batch"])
+    note = (
+        f"bytes(b) = weights + workspace_fixed + b * (predicted peak cache per row + workspace per row), "
+        f"workspace measured at batch 1 and 2; max_batch by binary search under {cap_gb:g} GB"
+    )
+    if any(row["capped"] for row in rows):
+        note += f"; throughput measured at min(max_batch, {max_measure}) (max_measure_batch), not at max_batch"
+        notes.append(
+            f"memory cap: batches above {max_measure} were not measured on {device.type}; "
+            "the capped tokens_per_s_vs_full is not the papers' memory-cap ratio"
+        )
+    if not is_cuda(device):
+        notes.append("memory cap on CPU: workspace from the RSS deltas of batch-1 and batch-2 probes (allocator caching makes it approximate)")
+    return {
+        "capacity_bytes": capacity,
+        "capacity_gb": cap_gb,
+        "weights_bytes": weights,
+        "note": note,
+        "methods": rows,
+        "max_measure_batch": max_measure,
+    }
+
+
+def _load_avg() -> float | None:
+    """1-minute load average of the host (timings on a shared CPU are only as good as this is low)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("keepkv")
+    except Exception:  # not installed: running from a checkout
+        return "0.1.0+checkout"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# -- command line ----------------------------------------------------------------------------------------
+def _parse_budget(text: str):
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"budget must be a float in (0, 1] or an int >= 1, got {text!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise argparse.ArgumentTypeError(f"budget must be a number, got {text!r}")
+    return value
+
+
+def parse_params(items: list[str] | None) -> dict:
+    """``["interval=8", "h2o.recent_ratio=0.3"]`` -> ``{"*": {"interval": 8}, "h2o": {"recent_ratio": 0.3}}``."""
+    params: dict[str, dict] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param wants KEY=VALUE or METHOD.KEY=VALUE, got {item!r}")
+        method, dot, name = key.rpartition(".")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        params.setdefault(method if dot else "*", {})[name] = value
+    return params
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``keepkv bench`` options to ``parser`` (see ``keepkv.bench``).
+
+    Options the parser already has (a parent parser's ``--model`` or ``--json``) are kept as
+    they are; :func:`main` accepts ``--json`` as a flag (JSON to stdout) or with a path.
+    """
+    existing = set(parser._option_string_actions)
+
+    def add(group, *flags, **kwargs):
+        if not existing.intersection(flags):
+            group.add_argument(*flags, **kwargs)
+
+    model = parser.add_argument_group("model")
+    add(model, "--model", metavar="PATH", help="local HF model folder or .gguf (default: embedded SmolLM2-135M)")
+    add(model, "--config", choices=sorted(CONFIGS), help="named shape with random weights (speed only)")
+    add(model, "--layers", type=int, metavar="N", help="override the depth of --config (smoke runs)")
+    add(model, "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on CUDA, fp32 on CPU")
+    add(model, "--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    add(model, "--threads", type=int, metavar="N", help="torch CPU threads (1 is steadier on a shared CPU)")
+    run = parser.add_argument_group("workload")
+    add(run, "--methods", help="comma-separated methods (default: all registered; full is always run)")
+    add(run, "--budget", type=_parse_budget, default=0.2, help="fraction of the prompt or entry count (0.2)")
+    add(run, "--param", action="append", metavar="[METHOD.]KEY=VALUE",
+        help="method parameter, e.g. interval=8 (every method with it) or h2o.recent_ratio=0.3")
+    add(run, "--prompt-len", type=int, default=1024, metavar="L", help="prompt tokens per row (1024)")
+    add(run, "--gen-len", type=int, default=128, metavar="G", help="timed decode steps (128)")
+    add(run, "--batch", type=int, nargs="+", default=[1], metavar="B", help="batch size(s) (1)")
+    add(run, "--repeats", type=int, default=3, help="timed repetitions; median and min/max reported (3)")
+    add(run, "--warmup", type=int, default=1, help="untimed short runs before each timed one (1)")
+    add(run, "--seed", type=int, default=0)
+    modes = parser.add_argument_group("modes")
+    add(modes, "--memory-cap", type=float, metavar="GB",
+        help="find each method's largest batch under GB (2**30 bytes) and measure it")
+    add(modes, "--max-measure-batch", type=int, metavar="B",
+        help="largest batch measured in memory-cap mode (default 8 on CPU, none on GPU)")
+    add(modes, "--overhead", action="store_true", help="time the method's own code per decode step")
+    add(modes, "--overhead-steps", type=int, default=16, metavar="N", help="steps for --overhead (16)")
+    add(modes, "--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps")
+    out = parser.add_argument_group("output")
+    add(out, "--json", nargs="?", const="-", metavar="PATH",
+        help="write the JSON to PATH, or to stdout without one (the table then goes to stderr)")
+    add(out, "--out", metavar="DIR", help="write bench.json, bench.txt and bench.png into DIR")
+    add(out, "--plot", metavar="PATH", help="write the PNG here")
+    add(out, "--no-progress", action="store_true", help="no progress bars or messages")
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``keepkv bench`` from parsed arguments; returns the exit code."""
+    from .plot import format_table, save_plot
+
+    json_to = getattr(args, "json", None)
+    if json_to is True:  # a parent parser's --json flag
+        json_to = "-"
+    elif json_to is False:
+        json_to = None
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    if args.layers is not None and args.config is None:
+        print("keepkv bench: --layers needs --config", file=sys.stderr)
+        return 2
+    if args.model is not None and args.config is not None:
+        print("keepkv bench: pass either --model or --config, not both", file=sys.stderr)
+        return 2
+    try:
+        result = run_bench(
+            args.model,
+            config=args.config,
+            layers=args.layers,
+            dtype=args.dtype,
+            device=args.device,
+            methods=args.methods,
+            budget=args.budget,
+            method_params=parse_params(args.param),
+            prompt_len=args.prompt_len,
+            gen_len=args.gen_len,
+            batches=args.batch,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            memory_cap_gb=args.memory_cap,
+            max_measure_batch=args.max_measure_batch,
+            overhead_steps=args.overhead_steps if args.overhead else 0,
+            profile_steps=args.profile,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+    except ValueError as error:
+        print(f"keepkv bench: {error}", file=sys.stderr)
+        return 2
+    table = format_table(result)
+    text = json.dumps(result, indent=2)
+    print(table, file=sys.stderr if json_to == "-" else sys.stdout)
+    if json_to == "-":
+        print(text)
+    elif json_to:
+        with open(json_to, "w") as handle:
+            handle.write(text + "\n")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench.json"), "w") as handle:
+            handle.write(text + "\n")
+        with open(os.path.join(args.out, "bench.txt"), "w") as handle:
+            handle.write(table + "\n")
+        save_plot(result, os.path.join(args.out, "bench.png"))
+    if args.plot:
+        save_plot(result, args.plot)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="keepkv bench", description="Throughput, memory and per-step overhead of every registered method."
+    )
+    return add_arguments(parser)

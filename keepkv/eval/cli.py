@@ -1,0 +1,261 @@
+"""`keepkv eval` and `keepkv report`: arguments, the run, and the Markdown table.
+
+``keepkv eval`` with no options evaluates every registered method at budgets 0.1 and 0.2 on
+needle, tracking, aggregation, ppl and fidelity (sizes and timing: keepkv/eval/runner.py).
+``keepkv report RUN_DIR`` renders a run's summary.csv as Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from . import runner as _runner
+
+
+def _budget(text: str) -> int | float:
+    """'0.1' -> 0.1 (fraction of the prompt), '128' -> 128 (entries)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be a float in (0, 1] or an int >= 1, got {text!r}")
+
+
+def _seed(text: str) -> int:
+    """An int, or 'dev' for the tuning seed set (runner.DEV_SEED)."""
+    if text == "dev":
+        return _runner.DEV_SEED
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seed must be an int or 'dev', got {text!r}")
+
+
+def _length(text: str):
+    """'1024' (every suite) or 'needle=1536' (one suite)."""
+    if "=" in text:
+        suite, value = text.split("=", 1)
+        return suite, _positive(value)
+    return None, _positive(text)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``keepkv eval`` (the caller adds --model and --json)."""
+    lengths = ", ".join(
+        f"{name} {_runner.DEFAULT_LENGTHS[name.split('+')[0]]}" for name in _runner.DEFAULT_SUITES
+    )
+    parser.add_argument(
+        "--suite", nargs="+", action="extend", metavar="SUITE",
+        help=f"suites, repeatable (default: {' '.join(_runner.DEFAULT_SUITES)}); also longbench, jsonl "
+        "(with --data) and variants such as needle+variant=multikey+haystack=prose",
+    )
+    parser.add_argument("--methods", nargs="+", metavar="METHOD", help="methods (default: every registered one)")
+    parser.add_argument(
+        "--budgets", nargs="+", type=_budget, default=list(_runner.DEFAULT_BUDGETS), metavar="B",
+        help="fractions of the prompt or entry counts (default: 0.1 0.2; ppl: fraction of its total length)",
+    )
+    parser.add_argument(
+        "--samples", type=_positive, default=_runner.DEFAULT_SAMPLES,
+        help=f"samples per suite and length (default: {_runner.DEFAULT_SAMPLES})",
+    )
+    parser.add_argument(
+        "--lengths", nargs="+", type=_length, metavar="N|SUITE=N",
+        help=f"context lengths in tokens, for every suite or one (default: {lengths})",
+    )
+    parser.add_argument(
+        "--seed", type=_seed, default=_runner.TEST_SEED,
+        help="sample seed: 0 for reported numbers (default), 'dev' (= 1000) or >= 1000 for tuning",
+    )
+    parser.add_argument("--out", default="runs/eval", help="output directory (default: runs/eval)")
+    parser.add_argument(
+        "--data", action="append", default=[], metavar="PATH",
+        help="local data: a LongBench directory or a jsonl file (or longbench=DIR, jsonl=FILE)",
+    )
+    parser.add_argument("--max-new-tokens", type=_positive, help="override every suite's generation cap")
+    parser.add_argument(
+        "--batch-size", type=_positive, default=_runner.DEFAULT_BATCH_SIZE, help="samples per prefill batch"
+    )
+    parser.add_argument(
+        "--workers", type=_positive,
+        help="worker processes that split each suite's samples (default: CPU cores, at most "
+        f"{_runner.MAX_WORKERS}; 1 on a GPU)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _data_paths(entries: list[str]) -> dict:
+    data = {}
+    for entry in entries:
+        if "=" in entry and entry.split("=", 1)[0] in _runner.DATA_SUITES:
+            name, path = entry.split("=", 1)
+        else:
+            path = entry
+            name = "longbench" if Path(path).is_dir() else "jsonl"
+        data[name] = path
+    return data
+
+
+def _lengths(entries):
+    if not entries:
+        return None
+    common = [value for suite, value in entries if suite is None]
+    per_suite: dict = {}
+    for suite, value in entries:
+        if suite is not None:
+            per_suite.setdefault(suite, []).append(value)
+    if not per_suite:
+        return common
+    return {**{name: common or [_runner.DEFAULT_LENGTHS[name]] for name in _runner.DEFAULT_LENGTHS}, **per_suite}
+
+
+def run(args) -> list[dict]:
+    """``keepkv eval``: load the model, run, print the table (or JSON rows with --json)."""
+    from ..models import load_model
+
+    model, tokenizer = load_model(getattr(args, "model", None))
+    data = _data_paths(args.data)
+    # --data alone evaluates that data; --suite names the suites explicitly.
+    suites = args.suite or (list(data) if data else list(_runner.DEFAULT_SUITES))
+    rows = _runner.run_eval(
+        model, tokenizer, suites=suites, methods=args.methods, budgets=args.budgets, samples=args.samples,
+        lengths=_lengths(args.lengths), seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens,
+        progress=not args.no_progress, data=data, batch_size=args.batch_size, workers=args.workers,
+    )
+    if getattr(args, "json", False):
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows))
+        out = Path(args.out)
+        print(f"\nsummary: {out / 'summary.csv'}  plot: {out / 'scores.png'}  records: {out / 'cells'}", file=sys.stderr)
+    return rows
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``keepkv report``."""
+    parser.add_argument("path", help="an eval run directory or its summary.csv")
+    parser.add_argument("--out", metavar="FILE", help="also write the Markdown to FILE")
+
+
+def report(args) -> str:
+    """``keepkv report``: the Markdown table of a summary.csv, to stdout (and --out FILE)."""
+    text = format_table(_runner.read_summary(args.path))
+    print(text)
+    if getattr(args, "out", None):
+        Path(args.out).write_text(text + "\n")
+    return text
+
+
+# ---------------------------------------------------------------- Markdown
+
+
+def _number(value, digits: int = 3) -> str:
+    if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    value = float(value)
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.{digits - 1}f}"
+
+
+def _budget_text(budget) -> str:
+    return str(budget)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: methods as rows, suite x budget as columns.
+
+    A score cell reads ``score ± ci95 (share of full)``; the full cache's row repeats its
+    score under every budget. A second table gives each cell's cache size as a share of an
+    uncompressed cache of the same tokens (means at the end of decoding).
+    """
+    if not rows:
+        return "(no results)"
+    groups: list[tuple[str, int]] = []
+    budgets: dict[tuple[str, int], list] = {}
+    methods: list[str] = []
+    index = {}
+    for row in rows:
+        group = (str(row["suite"]), row["length"])
+        if group not in budgets:
+            groups.append(group)
+            budgets[group] = []
+        if row["method"] != "full" and row["budget"] not in budgets[group]:
+            budgets[group].append(row["budget"])
+        if row["method"] not in methods:
+            methods.append(row["method"])
+        index[(group, row["method"], row["budget"])] = row
+    if "full" in methods:
+        methods.remove("full")
+        methods.insert(0, "full")
+    for group in groups:
+        if not budgets[group]:
+            budgets[group] = [1.0]
+    columns = [(group, budget) for group in groups for budget in budgets[group]]
+
+    def find(group, method, budget):
+        row = index.get((group, method, budget))
+        if row is None and method == "full":
+            row = next((r for (g, m, _), r in index.items() if g == group and m == "full"), None)
+        return row
+
+    def higher(group) -> bool:
+        row = next(r for (g, _, _), r in index.items() if g == group)
+        return row.get("higher_is_better", True) in (True, "true", "True")
+
+    header = ["method"] + [f"{g[0]} {g[1]} @{_budget_text(b)} {'↑' if higher(g) else '↓'}" for g, b in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":---:"] * len(columns)) + "|"]
+    for method in methods:
+        cells = [method]
+        for group, budget in columns:
+            row = find(group, method, budget)
+            if row is None:
+                cells.append("")
+                continue
+            text = _number(row["score"])
+            if row.get("ci95") not in (None, "") and not (isinstance(row["ci95"], float) and math.isnan(row["ci95"])):
+                text += f" ± {_number(row['ci95'])}"
+            share = row.get("share_of_full")
+            if method != "full" and isinstance(share, (int, float)) and not math.isnan(share):
+                text += f" ({share:.0%})"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+
+    memory = ["", "Cache size at the end of decoding, % of an uncompressed cache of the same tokens:", ""]
+    memory.append("| " + " | ".join(["method"] + [f"{g[0]} {g[1]} @{_budget_text(b)}" for g, b in columns]) + " |")
+    memory.append("|" + "|".join(["---"] + [":---:"] * len(columns)) + "|")
+    for method in methods:
+        cells = [method]
+        for group, budget in columns:
+            row = find(group, method, budget)
+            held, full = (row or {}).get("cache_bytes"), (row or {}).get("full_cache_bytes")
+            ok = isinstance(held, (int, float)) and isinstance(full, (int, float)) and full and not math.isnan(held)
+            cells.append(f"{held / full:.0%}" if ok else "")
+        memory.append("| " + " | ".join(cells) + " |")
+    n_values = sorted({int(r["n"]) for r in rows if isinstance(r.get("n"), (int, float))})
+    notes = [
+        "",
+        f"Score ± 95% CI half-width (Student t over samples, n = {', '.join(map(str, n_values))}) and, in "
+        "parentheses, the share of the full cache's score (for ↓ metrics: full / score). "
+        "needle, tracking, aggregation: RULER string match; ppl: perplexity with the cache compressed "
+        "during decoding; fidelity: ROUGE-L against the full cache's answer.",
+    ]
+    return "\n".join(lines + notes + memory)

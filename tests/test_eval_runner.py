@@ -1,0 +1,270 @@
+"""The eval runner on tiny random models: shared prefill == separate runs, outputs, resume, report."""
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+import keepkv
+from keepkv.eval import cli as eval_cli
+from keepkv.eval.runner import (
+    SuiteSpec,
+    greedy_decode,
+    make_samples,
+    prefill,
+    read_summary,
+    run_eval,
+    _Tokens,
+)
+from keepkv.generation import build_prompts, encode
+from keepkv.methods import METHODS
+
+from conftest import VOCAB, tiny_model
+
+CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+
+
+def char_tokenizer():
+    """A character-level tokenizer: <pad>=0, <eos>=1, <unk>=2, then printable ASCII and newline."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{ch: i + 3 for i, ch in enumerate(CHARS)}}
+    assert len(vocab) <= VOCAB
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster, and immune to a busy machine's OpenMP stalls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama-gqa", layers=2)
+
+
+def test_char_tokenizer_round_trip(tokenizer):
+    text = "VAR ABC = 12345.\nThe sky is blue."
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_greedy_decode_matches_generate(model, tokenizer):
+    """The manual loop gives generate()'s tokens on a left-padded batch."""
+    texts = ["The sky is blue. What colour?", "Here we go."]
+    inputs = encode(tokenizer, texts, False, "cpu")
+    keepkv.enable(model)
+    cache = keepkv.CompressedCache(model.config, "h2o", 0.5)
+    first = prefill(model, cache, inputs["input_ids"], inputs["attention_mask"])
+    ours = greedy_decode(model, cache, first, inputs["attention_mask"], 6, None)
+    reference = keepkv.CompressedCache(model.config, "h2o", 0.5)
+    with torch.no_grad():
+        output = model.generate(
+            **inputs, past_key_values=reference, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(ours, output[:, inputs["input_ids"].shape[1]:])
+
+
+def test_shared_prefill_equals_separate_runs(model, tokenizer, tmp_path):
+    """Every registered method, forked from one recorded prefill, predicts what it predicts alone."""
+    methods = sorted(METHODS)
+    budgets = [0.2, 0.5]
+    rows = run_eval(
+        model, tokenizer, suites=["needle"], methods=methods, budgets=budgets, samples=2, lengths=[160],
+        out_dir=tmp_path, max_new_tokens=8, progress=False, plot=False, workers=1,
+    )
+    assert len(rows) == 1 + (len(methods) - 1) * len(budgets)
+    samples = make_samples(SuiteSpec("needle"), 2, 160, 0, _Tokens(tokenizer), {})
+    texts = [build_prompts(tokenizer, [s.prompt], True, s.answer_prefix)[0] for s in samples]
+    inputs = encode(tokenizer, texts, True, "cpu")
+    assert inputs["attention_mask"].min() == 0 or inputs["input_ids"].shape[0] == 2
+    keepkv.enable(model)
+    for method in methods:
+        for budget in [1.0] if method == "full" else budgets:
+            cache = keepkv.CompressedCache(model.config, method, budget)
+            first = prefill(model, cache, inputs["input_ids"], inputs["attention_mask"])
+            alone = greedy_decode(model, cache, first, inputs["attention_mask"], 8, tokenizer.eos_token_id)
+            cell = json.loads((tmp_path / "cells" / f"needle-160-{method}-{budget}.json").read_text())
+            for row, record in enumerate(cell["records"]):
+                ids = alone[row].tolist()
+                ids = ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
+                assert record["output_ids"] == ids, (method, budget, row)
+
+
+def test_end_to_end_outputs_and_resume(model, tokenizer, tmp_path):
+    suites = ["needle", "tracking", "aggregation+variant=fwe", "ppl", "fidelity"]
+    kwargs = dict(
+        suites=suites, methods=["window", "h2o"], budgets=[0.2, 0.5], samples=3,
+        lengths={"needle": 150, "tracking": 150, "aggregation": 150, "ppl": 96, "fidelity": 120},
+        out_dir=tmp_path, max_new_tokens=6, progress=False, workers=1,
+    )
+    rows = run_eval(model, tokenizer, **kwargs)
+    assert len(rows) == len(suites) * 5
+    header = next(csv.reader((tmp_path / "summary.csv").open()))
+    assert header[:11] == [
+        "suite", "length", "method", "budget", "score", "ci95", "share_of_full", "cache_bytes",
+        "full_cache_bytes", "n", "higher_is_better",
+    ]
+    assert (tmp_path / "scores.png").read_bytes()[:4] == b"\x89PNG"
+    cells = sorted(p.name for p in (tmp_path / "cells").glob("*.json"))
+    assert len(cells) == len(rows)
+    assert "ppl-96-h2o-0.2.json" in cells and "aggregation+variant=fwe-150-full-1.0.json" in cells
+    by_key = {(r["suite"], r["method"], r["budget"]): r for r in rows}
+    for suite in ("needle", "tracking", "aggregation+variant=fwe", "ppl", "fidelity"):
+        full = by_key[(suite, "full", 1.0)]
+        assert full["n"] == 3 and full["ci95"] == full["ci95"]  # three samples, a finite interval
+    assert by_key[("ppl", "full", 1.0)]["higher_is_better"] is False
+    assert by_key[("ppl", "full", 1.0)]["score"] > 1.0
+    fidelity_full = by_key[("fidelity", "full", 1.0)]
+    assert fidelity_full["score"] == 1.0 and fidelity_full["kl"] == 0.0 and fidelity_full["agree_share"] == 1.0
+    assert by_key[("fidelity", "window", 0.2)]["kl"] >= 0.0
+    ppl = json.loads((tmp_path / "cells" / "ppl-96-window-0.2.json").read_text())
+    assert ppl["records"][0]["budget_entries"] == round(0.2 * 96)
+    assert ppl["records"][0]["kept_entries"] <= round(0.2 * 96)
+    needle = json.loads((tmp_path / "cells" / "needle-150-h2o-0.5.json").read_text())
+    assert len(needle["records"]) == 3 and "prediction" in needle["records"][0]
+    assert needle["records"][0]["cache_bytes"] < needle["records"][0]["full_cache_bytes"]
+
+    # Resume: a finished cell is not recomputed; a missing one is.
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").glob("*.json")}
+    (tmp_path / "cells" / "needle-150-h2o-0.5.json").unlink()
+    again = run_eval(model, tokenizer, **kwargs)
+    assert (tmp_path / "cells" / "needle-150-h2o-0.5.json").is_file()
+    for path in (tmp_path / "cells").glob("*.json"):
+        if path.name != "needle-150-h2o-0.5.json":
+            assert path.stat().st_mtime_ns == stamps[path.name], path.name
+    assert [r["score"] for r in again] == [r["score"] for r in rows]
+    assert [r["cache_bytes"] for r in again] == [r["cache_bytes"] for r in rows]
+
+
+def test_workers_and_joint_decoding_change_nothing(model, tokenizer, tmp_path):
+    """Forked workers (samples split) and cells decoded alone give the one-process records.
+
+    Only cache_bytes may differ (it splits a batch's padded tensors evenly over its rows), and
+    floats by rounding (linear layers see other batch shapes); tokens are identical.
+    """
+    kwargs = dict(
+        # Not SnapKV/PyramidKV: their max-pooled scores tie exactly, and topk breaks ties by slot
+        # index, which left padding shifts; so their kept set may change with the batch.
+        suites=["needle", "fidelity", "ppl"], methods=["streamingllm", "h2o", "window"], budgets=[0.3], samples=3,
+        lengths={"needle": 150, "fidelity": 120, "ppl": 80}, max_new_tokens=5, progress=False, plot=False,
+    )
+    base = run_eval(model, tokenizer, out_dir=tmp_path / "a", workers=1, **kwargs)
+    forked = run_eval(model, tokenizer, out_dir=tmp_path / "b", workers=2, **kwargs)
+    alone = run_eval(model, tokenizer, out_dir=tmp_path / "c", workers=1, joint_cells=1, **kwargs)
+    for other in (forked, alone):
+        assert [(r["suite"], r["method"], r["budget"], r["kept_entries"]) for r in other] == [
+            (r["suite"], r["method"], r["budget"], r["kept_entries"]) for r in base
+        ]
+        assert [r["score"] for r in other] == pytest.approx([r["score"] for r in base], rel=1e-4, abs=1e-6)
+    for name in ("needle-150-h2o-0.3.json", "fidelity-120-window-0.3.json", "ppl-80-streamingllm-0.3.json"):
+        records = [json.loads((tmp_path / run / "cells" / name).read_text())["records"] for run in "abc"]
+        floats = ("cache_bytes", "score", "nll", "kl")
+        strip = [[{k: v for k, v in r.items() if k not in floats} for r in rs] for rs in records]
+        assert strip[0] == strip[1] == strip[2], name
+        for field in ("score", "nll", "kl"):
+            values = [[r.get(field, 0.0) for r in rs] for rs in records]
+            assert values[1] == pytest.approx(values[0], rel=1e-4, abs=1e-6)
+            assert values[2] == pytest.approx(values[0], rel=1e-4, abs=1e-6)
+
+
+def test_cli_run_and_report(model, tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("keepkv.models.load_model", lambda path=None: (model, tokenizer))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    parser.add_argument("--json", action="store_true")
+    eval_cli.add_arguments(parser)
+    out = tmp_path / "run"
+    args = parser.parse_args([
+        "--suite", "needle", "--suite", "fidelity", "--methods", "streamingllm", "--budgets", "0.3",
+        "--samples", "3", "--lengths", "140", "--max-new-tokens", "5", "--out", str(out), "--no-progress",
+    ])
+    assert args.seed == 0
+    eval_cli.run(args)
+    printed = capsys.readouterr().out
+    assert "| method |" in printed and "| full |" in printed and "streamingllm" in printed
+    for name in ("summary.csv", "scores.png", "config.json"):
+        assert (out / name).is_file()
+
+    report_parser = argparse.ArgumentParser()
+    eval_cli.add_report_arguments(report_parser)
+    markdown = tmp_path / "table.md"
+    eval_cli.report(report_parser.parse_args([str(out), "--out", str(markdown)]))
+    table = capsys.readouterr().out
+    assert table.strip() == markdown.read_text().strip()
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    assert lines[0].startswith("| method | needle 140 @0.3 ↑ | fidelity 140 @0.3 ↑ |")
+    assert any(line.startswith("| full | 1.00") or line.startswith("| full |") for line in lines)
+    assert any(line.startswith("| streamingllm |") and "%" in line for line in lines)
+
+
+def test_report_from_handwritten_csv(tmp_path, capsys):
+    path = tmp_path / "summary.csv"
+    path.write_text(
+        "suite,length,method,budget,score,ci95,share_of_full,cache_bytes,full_cache_bytes,n,higher_is_better\n"
+        "needle,1024,full,1.0,0.8,0.1,1,1000,1000,4,true\n"
+        "needle,1024,h2o,0.1,0.4,0.2,0.5,100,1000,4,true\n"
+        "ppl,384,full,1.0,10,1,1,1000,1000,4,false\n"
+        "ppl,384,h2o,0.1,20,2,0.5,100,1000,4,false\n"
+    )
+    rows = read_summary(path)
+    assert rows[1]["budget"] == 0.1 and rows[2]["higher_is_better"] is False
+    parser = argparse.ArgumentParser()
+    eval_cli.add_report_arguments(parser)
+    eval_cli.report(parser.parse_args([str(path)]))
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "| method | needle 1024 @0.1 ↑ | ppl 384 @0.1 ↓ |"
+    assert table[2] == "| full | 0.80 ± 0.10 | 10.0 ± 1.00 |"
+    assert table[3] == "| h2o | 0.40 ± 0.20 (50%) | 20.0 ± 2.00 (50%) |"
+    assert "| h2o | 10% | 10% |" in table
+
+
+def test_suite_spec_and_cli_parsing():
+    spec = SuiteSpec.parse("needle+variant=multikey+num_needles=3")
+    assert spec.label == "needle+variant=multikey+num_needles=3" and dict(spec.variant)["num_needles"] == 3
+    with pytest.raises(ValueError, match="unknown suite"):
+        SuiteSpec.parse("haystack")
+    parser = argparse.ArgumentParser()
+    eval_cli.add_arguments(parser)
+    args = parser.parse_args(["--seed", "dev", "--lengths", "512", "needle=1536", "--budgets", "0.1", "128"])
+    assert args.seed == 1000 and args.budgets == [0.1, 128]
+    lengths = eval_cli._lengths(args.lengths)
+    assert lengths["needle"] == [1536] and lengths["ppl"] == [512]
+    defaults = parser.parse_args([])
+    assert defaults.budgets == [0.1, 0.2] and defaults.suite is None and defaults.out == "runs/eval"
+
+
+def test_local_datasets(model, tokenizer, tmp_path):
+    """longbench (per-task metrics) and jsonl (F1 score, EM and ROUGE-L extras) on the fixtures."""
+    fixtures = Path(__file__).parent / "fixtures"
+    rows = run_eval(
+        model, tokenizer, suites=["longbench", "jsonl"], methods=["window"], budgets=[0.5], samples=2,
+        lengths=[200], out_dir=tmp_path, max_new_tokens=4, progress=False, plot=False, workers=1,
+        data={"longbench": fixtures / "longbench", "jsonl": fixtures / "qa.jsonl"},
+    )
+    assert [(r["suite"], r["method"]) for r in rows] == [
+        ("longbench", "full"), ("longbench", "window"), ("jsonl", "full"), ("jsonl", "window"),
+    ]
+    longbench = json.loads((tmp_path / "cells" / "longbench-200-full-1.0.json").read_text())
+    assert {r["meta"]["task"] for r in longbench["records"]} == {"hotpotqa", "trec"}
+    assert all(r["prompt_tokens"] <= 200 for r in longbench["records"])
+    jsonl = json.loads((tmp_path / "cells" / "jsonl-200-window-0.5.json").read_text())
+    assert {"em", "f1", "rouge_l"} <= set(jsonl["records"][0])
+    assert "em" in rows[2] and "f1" in rows[2]
+    with pytest.raises(ValueError, match="needs a directory"):
+        run_eval(model, tokenizer, suites=["longbench"], methods=[], out_dir=tmp_path / "x", progress=False)
