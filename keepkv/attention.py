@@ -76,7 +76,10 @@ def entry_logits(query_g, keys, bias, scaling, block_mask_rows=None) -> torch.Te
     query_g [B, H_kv, g, r, D]; keys [B, H_kv, S, D]; bias [B, H_kv, S];
     block_mask_rows [B, r, q] masks the last q columns (the new block), if given.
     """
-    logits = torch.matmul(query_g, keys[:, :, None].transpose(-1, -2)).float() * scaling
+    # Fold the group into the rows: a broadcast over g would copy the keys g times.
+    batch, kv_heads, group, rows, head_dim = query_g.shape
+    flat = query_g.reshape(batch, kv_heads, group * rows, head_dim)
+    logits = torch.matmul(flat, keys.transpose(-1, -2)).view(batch, kv_heads, group, rows, -1).float() * scaling
     logits = logits + bias[:, :, None, None, :]
     if block_mask_rows is not None:
         block = block_mask_rows.shape[-1]
@@ -119,7 +122,9 @@ def attend(query, keys, values, bias, block_mask, scaling: float, needs: Needs =
         output_chunks, prob_chunks = [], []
         for start in range(0, block, rows_per_chunk):
             probs = row_probs(start, min(block, start + rows_per_chunk))
-            output_chunks.append(torch.matmul(probs.to(values.dtype), values[:, :, None]))
+            rows = probs.shape[3]
+            flat = probs.to(values.dtype).reshape(batch, kv_heads, group * rows, size)
+            output_chunks.append(torch.matmul(flat, values).view(batch, kv_heads, group, rows, -1))
             if needs.probs:
                 prob_chunks.append(probs)
         output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, head_dim).transpose(1, 2)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 
-def _budget(text: str) -> int | float:
+def budget_arg(text: str) -> int | float:
     """'0.1' -> 0.1 (fraction), '128' -> 128 (entries)."""
     try:
         return int(text)
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print JSON")
     method_args = argparse.ArgumentParser(add_help=False)
     method_args.add_argument("--method", default="keepkv", help="compression method (see `keepkv methods`)")
-    method_args.add_argument("--budget", type=_budget, default=0.1, help="fraction in (0, 1] or entry count")
+    method_args.add_argument("--budget", type=budget_arg, default=0.1, help="fraction in (0, 1] or entry count")
     method_args.add_argument(
         "--param", type=_param, action="append", default=[], metavar="NAME=VALUE", help="method parameter"
     )
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     demo = commands.add_parser("demo", parents=[common], help="hidden-fact document, every method side by side")
-    demo.add_argument("--budget", type=_budget, default=0.1)
+    demo.add_argument("--budget", type=budget_arg, default=0.1)
     demo.add_argument("--methods", nargs="+", help="methods to show (default: all)")
     demo.set_defaults(func=cmd_demo)
 

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from ..cli import budget_arg
 from .configs import CONFIGS, build_config, param_bytes, random_model
 from .runner import (
     cache_bytes_per_row,
@@ -515,16 +516,6 @@ def _transformers_version() -> str:
 
 
 # -- command line ----------------------------------------------------------------------------------------
-def _parse_budget(text: str):
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(f"budget must be a float in (0, 1] or an int >= 1, got {text!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise argparse.ArgumentTypeError(f"budget must be a number, got {text!r}")
-    return value
-
-
 def parse_params(items: list[str] | None) -> dict:
     """``["interval=8", "h2o.recent_ratio=0.3"]`` -> ``{"*": {"interval": 8}, "h2o": {"recent_ratio": 0.3}}``."""
     params: dict[str, dict] = {}
@@ -562,7 +553,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(model, "--threads", type=int, metavar="N", help="torch CPU threads (1 is steadier on a shared CPU)")
     run = parser.add_argument_group("workload")
     add(run, "--methods", help="comma-separated methods (default: all registered; full is always run)")
-    add(run, "--budget", type=_parse_budget, default=0.2, help="fraction of the prompt or entry count (0.2)")
+    add(run, "--budget", type=budget_arg, default=0.2, help="fraction of the prompt or entry count (0.2)")
     add(run, "--param", action="append", metavar="[METHOD.]KEY=VALUE",
         help="method parameter, e.g. interval=8 (every method with it) or h2o.recent_ratio=0.3")
     add(run, "--prompt-len", type=int, default=1024, metavar="L", help="prompt tokens per row (1024)")

@@ -13,19 +13,8 @@ import math
 import sys
 from pathlib import Path
 
+from ..cli import budget_arg
 from . import runner as _runner
-
-
-def _budget(text: str) -> int | float:
-    """'0.1' -> 0.1 (fraction of the prompt), '128' -> 128 (entries)."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a float in (0, 1] or an int >= 1, got {text!r}")
 
 
 def _seed(text: str) -> int:
@@ -68,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--methods", nargs="+", metavar="METHOD", help="methods (default: every registered one)")
     parser.add_argument(
-        "--budgets", nargs="+", type=_budget, default=list(_runner.DEFAULT_BUDGETS), metavar="B",
+        "--budgets", nargs="+", type=budget_arg, default=list(_runner.DEFAULT_BUDGETS), metavar="B",
         help="fractions of the prompt or entry counts (default: 0.1 0.2; ppl: fraction of its total length)",
     )
     parser.add_argument(
