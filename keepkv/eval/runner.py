@@ -59,7 +59,8 @@ Output (``out_dir``)
     suite, length, method, budget, score, ci95 (half-width of the Student-t 95% interval over
     samples), share_of_full (score / full score; full / score where lower is better),
     cache_bytes, full_cache_bytes (means over samples at the end of decoding), n,
-    higher_is_better, then kept_entries, seconds and the suite's extra metrics.
+    higher_is_better, then kept_entries, seconds (wall time; shared work split evenly over the
+    cells that shared it), cpu_seconds (summed over workers) and the suite's extra metrics.
 ``scores.png``
     score against budget, one line per method, one panel per suite and length, the full cache
     as a horizontal line.
@@ -251,6 +252,7 @@ class Cell:
     key: dict
     records: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     done: bool = False
 
 
@@ -433,9 +435,10 @@ class _Tokens:
 
 def _truncate_middle(sample: Sample, length: int, tokens: _Tokens) -> Sample:
     """Cut the context in the middle so that the whole prompt stays within ``length`` tokens."""
-    overhead = tokens.count(sample.question) + tokens.count(sample.answer_prefix) + 48
-    room = max(16, length - overhead)
     ids = tokens.ids(sample.context)
+    rendered = build_prompts(tokens.tokenizer, [sample.prompt], True, sample.answer_prefix)[0]
+    overhead = tokens.count(rendered) - len(ids) + 8  # template, question, prefix; 8 for joins
+    room = max(16, length - overhead)
     if len(ids) <= room:
         return sample
     half = room // 2
@@ -538,12 +541,14 @@ class _Group:
                 continue
             if stored.get("key") == json.loads(json.dumps(cell.key, default=_json_default)):
                 cell.records, cell.seconds, cell.done = stored["records"], stored.get("seconds", 0.0), True
+                cell.cpu_seconds = stored.get("cpu_seconds", 0.0)
 
     def write(self, cell: Cell) -> None:
         cell.path.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "suite": self.spec.label, "length": self.length, "method": cell.method, "budget": cell.budget,
-            "params": cell.params, "seconds": round(cell.seconds, 3), "key": cell.key,
+            "params": cell.params, "seconds": round(cell.seconds, 3),
+            "cpu_seconds": round(cell.cpu_seconds, 3), "key": cell.key,
             "summary": summarize_cell(self.spec, cell.records), "records": cell.records,
         }
         tmp = cell.path.with_suffix(".json.tmp")
@@ -570,22 +575,23 @@ class _Group:
             results = _fork_map(self, todo, shards)
         for index, cell in enumerate(todo):
             cell.records = [record for result in results for record in result[index][0]]
-            cell.seconds = max(result[index][1] for result in results)
+            cell.seconds = max(result[index][1] for result in results)  # the workers ran in parallel
+            cell.cpu_seconds = sum(result[index][2] for result in results)
         self.wall_seconds = time.perf_counter() - started
         for cell in fresh:
             self.write(cell)
         bar.update(len(fresh))
 
-    def run_shard(self, todo: list[Cell], samples: list[Sample], progress: bool) -> list[tuple[list[dict], float]]:
-        """Records and seconds of every cell in ``todo`` over ``samples``, batch after batch."""
+    def run_shard(self, todo: list[Cell], samples: list[Sample], progress: bool) -> list[tuple]:
+        """(records, seconds, CPU seconds) of every cell in ``todo`` over ``samples``."""
         for cell in todo:
-            cell.records, cell.seconds = [], 0.0
+            cell.records, cell.seconds, cell.cpu_seconds = [], 0.0, 0.0
         needs = Needs.union([get_method(cell.method).needs(True) for cell in todo])
         size = self.runner.batch_size
         self.progress = progress
         for start in range(0, len(samples), size):
             self.run_batch(samples[start : start + size], todo, needs)
-        return [(cell.records, cell.seconds) for cell in todo]
+        return [(cell.records, cell.seconds, cell.cpu_seconds) for cell in todo]
 
     def run_batch(self, batch: list[Sample], todo: list[Cell], needs: Needs) -> None:
         runner = self.runner
@@ -788,16 +794,17 @@ def _chunks(items: list, size: int | None) -> list[list]:
 
 
 class _Clock:
-    """Wall time split evenly over the cells that shared it."""
+    """Wall and CPU time (this process) split evenly over the cells that shared them."""
 
     def __init__(self, cells):
-        self.last = time.perf_counter()
+        self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
     def share(self, cells) -> None:
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.process_time()
         for cell in cells:
             cell.seconds += (now - self.last) / len(cells)
-        self.last = now
+            cell.cpu_seconds += (now_cpu - self.last_cpu) / len(cells)
+        self.last, self.last_cpu = now, now_cpu
 
 
 # ---------------------------------------------------------------- summaries
@@ -823,6 +830,10 @@ def _json_default(value):
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def _round(value):
+    return math.nan if value is None else round(value)
+
+
 def summary_rows(groups: list[_Group]) -> list[dict]:
     """One row per cell, with share_of_full against the group's full cache."""
     rows = []
@@ -840,14 +851,15 @@ def summary_rows(groups: list[_Group]) -> list[dict]:
             row = {
                 "suite": group.spec.label, "length": group.length, "method": cell.method, "budget": cell.budget,
                 "score": stats["score"], "ci95": stats["ci95"], "share_of_full": share,
-                "cache_bytes": round(stats.get("cache_bytes", math.nan)),
-                "full_cache_bytes": round(stats.get("full_cache_bytes", math.nan)),
+                "cache_bytes": _round(stats.get("cache_bytes")),
+                "full_cache_bytes": _round(stats.get("full_cache_bytes")),
                 "n": stats["n"], "higher_is_better": not lower,
             }
             for name in EXTRA_COLUMNS:
                 if name in stats:
                     row[name] = stats[name]
             row["seconds"] = round(cell.seconds, 2)
+            row["cpu_seconds"] = round(cell.cpu_seconds, 2)
             rows.append(row)
     return rows
 
