@@ -11,7 +11,6 @@ from keepkv import bench
 from keepkv.bench.core import build_parser, main, parse_params
 from keepkv.bench.runner import MethodTimer, cache_bytes_per_row, max_batch, run_once
 from keepkv.methods import METHODS
-from keepkv.methods.base import register
 
 from conftest import tiny_model
 
