@@ -340,6 +340,7 @@ def run_once(
     total = prompt_len + gen_len + overhead_steps + profile_steps
     mask = torch.ones(batch, total, dtype=torch.long, device=device)
     cache = CompressedCache(model.config, method, budget, **(method_params or {}))
+    cache.method.prepare(model)
     out: dict = {"method": method, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len}
 
     end_prefill = cache._end_prefill

@@ -1030,8 +1030,7 @@ def run_eval(
     methods = list(METHODS) if methods is None else list(methods)
     for method in methods:
         instance = get_method(method)  # unknown names fail before any work
-        if callable(getattr(instance, "prepare", None)):
-            instance.prepare(model)  # model-derived state, e.g. KVReviver's Fisher layer scores
+        instance.prepare(model)  # model-derived state, e.g. KVReviver's Fisher layer scores
     budgets = list(budgets)
     for budget in budgets:
         validate_budget(budget)
