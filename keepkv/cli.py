@@ -118,7 +118,7 @@ def cmd_report(args) -> None:
 def cmd_bench(args) -> None:
     from . import bench
 
-    bench.main(args)
+    return bench.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,13 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"keepkv: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":
