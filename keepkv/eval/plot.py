@@ -6,6 +6,10 @@ import math
 from pathlib import Path
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
+_COLOUR_ORDER = (0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19)  # tab20: dark shades first
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
@@ -13,7 +17,9 @@ def _is_number(value) -> bool:
 def plot_scores(rows: list[dict], path) -> Path:
     """Draw ``rows`` (summary rows) into a PNG at ``path``; the full cache is a dashed line.
 
-    Error bars are the 95% half-widths. Panels say whether higher or lower is better.
+    Error bars are the 95% half-widths, clipped to the metric's range. Methods are nudged
+    apart along the budget axis so that equal scores stay visible. Lower-is-better panels
+    (perplexity) use a log scale. Panels say whether higher or lower is better.
     """
     import matplotlib
 
@@ -35,6 +41,11 @@ def plot_scores(rows: list[dict], path) -> Path:
     handles = {}
     for axis, ((suite, length), panel) in zip(axes.flat, panels.items()):
         higher = panel[0].get("higher_is_better", True) in (True, "true", "True")
+        budgets_here = sorted({float(r["budget"]) for r in panel if r["method"] != "full"})
+        gaps = [b - a for a, b in zip(budgets_here, budgets_here[1:])]
+        nudge = 0.25 * min(gaps) / max(1, len(methods)) if gaps else 0.0
+        scores_here = [r["score"] for r in panel if _is_number(r["score"])]
+        unit_range = higher and scores_here and all(0.0 <= v <= 1.0 for v in scores_here)
         for row in panel:
             if row["method"] == "full" and _is_number(row["score"]):
                 handles["full"] = axis.axhline(row["score"], color="black", linestyle="--", linewidth=1.2, label="full")
@@ -46,11 +57,20 @@ def plot_scores(rows: list[dict], path) -> Path:
                 continue
             budgets, scores, errors = zip(*points)
             errors = [e if _is_number(e) else 0.0 for e in errors]
+            low = [min(e, s) if unit_range else (min(e, 0.9 * s) if not higher else e) for s, e in zip(scores, errors)]
+            high = [min(e, 1.0 - s) if unit_range else e for s, e in zip(scores, errors)]
+            shift = (index - (len(methods) - 1) / 2) * nudge
             handles[method] = axis.errorbar(
-                budgets, scores, yerr=errors, marker="o", markersize=4, capsize=2, linewidth=1.2,
-                color=colours(index % 20), label=method,
+                [b + shift for b in budgets], scores, yerr=[low, high], marker=MARKERS[index % len(MARKERS)],
+                markersize=4, capsize=2, linewidth=1.2, color=colours(_COLOUR_ORDER[index % 20]), label=method,
             )
         axis.set_title(f"{suite} @ {length} tokens ({'higher' if higher else 'lower'} is better)", fontsize=9)
+        if not higher:
+            axis.set_yscale("log")
+        elif unit_range:
+            axis.set_ylim(-0.05, 1.05)
+        if budgets_here:
+            axis.set_xticks(budgets_here)
         axis.set_xlabel("budget")
         axis.set_ylabel("perplexity" if not higher else "score")
         axis.grid(alpha=0.3)
