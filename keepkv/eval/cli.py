@@ -239,6 +239,26 @@ def format_table(rows: list[dict]) -> str:
             ok = isinstance(held, (int, float)) and isinstance(full, (int, float)) and full and not math.isnan(held)
             cells.append(f"{held / full:.0%}" if ok else "")
         memory.append("| " + " | ".join(cells) + " |")
+    detail = []
+    for group in groups:
+        if not any(isinstance(r.get("kl"), (int, float)) for (g, _, _), r in index.items() if g == group):
+            continue
+        detail += ["", f"{group[0]} {group[1]}: mean KL(full ‖ method) of the next token along the full cache's "
+                   "answer, tokens until the first divergence, share of identical tokens:", ""]
+        detail.append("| " + " | ".join(["method"] + [f"@{_budget_text(b)}" for b in budgets[group]]) + " |")
+        detail.append("|" + "|".join(["---"] + [":---:"] * len(budgets[group])) + "|")
+        for method in methods:
+            cells = [method]
+            for budget in budgets[group]:
+                row = find(group, method, budget)
+                if row is None or not isinstance(row.get("kl"), (int, float)):
+                    cells.append("")
+                    continue
+                cells.append(
+                    f"KL {row['kl']:.3f}, prefix {_number(row.get('agree_prefix'))}, "
+                    f"same {float(row.get('agree_share') or 0):.0%}"
+                )
+            detail.append("| " + " | ".join(cells) + " |")
     n_values = sorted({int(r["n"]) for r in rows if isinstance(r.get("n"), (int, float))})
     notes = [
         "",
@@ -247,4 +267,4 @@ def format_table(rows: list[dict]) -> str:
         "needle, tracking, aggregation: RULER string match; ppl: perplexity with the cache compressed "
         "during decoding; fidelity: ROUGE-L against the full cache's answer.",
     ]
-    return "\n".join(lines + notes + memory)
+    return "\n".join(lines + notes + memory + detail)

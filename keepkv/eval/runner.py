@@ -106,11 +106,13 @@ aggregation+num_common=5       0.33   0.20     -      -
 aggregation+variant=fwe        0.44   0.50   0.44   0.28
 ============================  =====  =====  =====  =====
 
-The model finds a needle at
-every length tried, but cannot do RULER variable tracking at any: the tracking suite is
-kept because the issue asks for it, at the variant and length where the full cache does
-best, and its numbers cannot separate methods. Common-word extraction fails; frequent-word
-extraction works about half the time, so ``aggregation`` defaults to ``fwe``.
+The model finds a needle at every length tried (so the filler does not make it fade by
+1.5k tokens once the answer is started by a prefix), but cannot do RULER variable tracking
+at any length: the tracking suite is kept because the issue asks for it, at the variant
+and length where the full cache does best, and its numbers barely separate methods.
+Common-word extraction fails; frequent-word extraction works about half the time, so
+``aggregation`` defaults to ``fwe``. Needle keeps the generator's default (noise haystack,
+one 7-digit number) at 1024 tokens.
 
 TIMING (measured on the 2-core machine, 2 workers x 1 thread, all 12 registered methods:
 23 cells per group = full + 11 methods x 2 budgets, 4 samples)
@@ -127,7 +129,13 @@ TIMING (measured on the 2-core machine, 2 workers x 1 thread, all 12 registered 
   needle 126 s, tracking 168 s, aggregation 136 s, ppl 602 s (352 steps x 1.7 s),
   fidelity 152 s: 19:46 in all, too close to 20 minutes. Hence ppl at 256 tokens
   (32 prefilled + 224 steps: ~224 x 1.6 s = 360 s), tracking at 256 and aggregation at 512:
-  estimated 126 + 50 + 80 + 360 + 152 = ~770 s. Measured: see RUN2 below.
+  estimated 126 + 50 + 80 + 360 + 152 = ~770 s.
+* Second default run (these defaults), on the same machine while another engineer's
+  benchmark held about one core: 33:30 wall, but 1,820 CPU-s (user + sys) against the first
+  run's 2,331 CPU-s for 19:46 (both workers busy all along: 1.97 CPU-s per second). On an
+  idle machine that is 1820 / 1.97 = ~925 s = ~15.5 minutes, an upper bound since CPU time
+  also grows under contention; the per-suite wall times scale to ~126 + 90 + 85 + 380 + 152
+  = ~830 s (~14 minutes). ``cpu_seconds`` in summary.csv records the CPU per cell.
 * ``FIDELITY_NEW_TOKENS`` = 32 (two rows per sample, so 32 steps, not 64),
   ``ANSWER_SLACK`` = 8 (a 7-digit needle answer is ~9 tokens), ``DEFAULT_SAMPLES`` = 4
   (the smallest batch that splits evenly over 2 workers with n >= 3 for the interval).
