@@ -107,34 +107,39 @@ def attend(query, keys, values, bias, block_mask, scaling: float, needs: Needs =
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, batch * kv_heads * group * size))
 
     def row_probs(start: int, stop: int) -> torch.Tensor:
-        """[B, H_kv, g, stop-start, S] probabilities of query rows start..stop."""
+        """[B, H_kv, g, stop-start, S'] probabilities of query rows start..stop over the first
+        S' = S - q + stop entries: the later block columns are causally masked for these rows."""
+        visible = size - block + stop
         rows = query_g[:, :, :, start:stop]
-        return softmax_probs(entry_logits(rows, keys, bias, scaling, block_mask[:, 0, start:stop]))
+        logits = entry_logits(rows, keys[:, :, :visible], bias[:, :, :visible], scaling, block_mask[:, 0, start:stop, :stop])
+        return softmax_probs(logits)
+
+    def chunks():
+        return ((start, min(block, start + rows_per_chunk)) for start in range(0, block, rows_per_chunk))
 
     if size == block and block > 1:
         # Nothing stored before this block, so the bias only marks padding, which the mask holds.
         output = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=block_mask, scale=scaling, enable_gqa=True
         ).transpose(1, 2)
-        if needs.probs:
-            stats.probs = row_probs(0, block)
+        prob_chunks = [row_probs(start, stop) for start, stop in chunks()] if needs.probs else []
     else:
         output_chunks, prob_chunks = [], []
-        for start in range(0, block, rows_per_chunk):
-            probs = row_probs(start, min(block, start + rows_per_chunk))
-            rows = probs.shape[3]
-            flat = probs.to(values.dtype).reshape(batch, kv_heads, group * rows, size)
-            output_chunks.append(torch.matmul(flat, values).view(batch, kv_heads, group, rows, -1))
+        for start, stop in chunks():
+            probs = row_probs(start, stop)
+            rows, visible = probs.shape[3:]
+            flat = probs.to(values.dtype).reshape(batch, kv_heads, group * rows, visible)
+            output_chunks.append(torch.matmul(flat, values[:, :, :visible]).view(batch, kv_heads, group, rows, -1))
             if needs.probs:
                 prob_chunks.append(probs)
         output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, head_dim).transpose(1, 2)
-        if needs.probs:
-            stats.probs = torch.cat(prob_chunks, dim=3)
-
+    if needs.probs:
+        stats.probs = torch.cat([F.pad(probs, (0, size - probs.shape[-1])) for probs in prob_chunks], dim=3)
     if needs.colsum:
-        stats.colsum = sum(
-            row_probs(start, min(block, start + rows_per_chunk)).sum(3) for start in range(0, block, rows_per_chunk)
-        )
+        stats.colsum = query_g.new_zeros(batch, kv_heads, group, size, dtype=torch.float32)
+        for start, stop in chunks():
+            probs = row_probs(start, stop)
+            stats.colsum[..., : probs.shape[-1]] += probs.sum(3)
     if needs.window:
         stats.window_probs = row_probs(max(0, block - needs.window), block)
     return output.contiguous(), stats

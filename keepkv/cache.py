@@ -28,6 +28,9 @@ from .methods import Method, get_method
 from .models import check_architecture
 
 NEG_INF = float("-inf")
+# Spare slots a layer's buffers get when they grow before compression (an uncompressed layer
+# reallocates every GROWTH tokens); a compressed layer keeps room for one interval's appends.
+GROWTH = 64
 
 
 class LayerStore(CacheLayerMixin):
@@ -58,6 +61,8 @@ class LayerStore(CacheLayerMixin):
         self.min_budget = 0
         self.pending = 0
         self.prefill_stats: StepStats | None = None
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.headroom = GROWTH
 
     # -- CacheLayerMixin -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -110,7 +115,7 @@ class LayerStore(CacheLayerMixin):
         self.extra_fill[name] = fill
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, is_real: torch.Tensor) -> None:
-        """Append a block of q new tokens.
+        """Append a block of q new tokens, in place when the buffers have room.
 
         keys, values: [B, H_kv, q, D]; is_real: [B, q] bool, False for left padding.
         """
@@ -118,42 +123,80 @@ class LayerStore(CacheLayerMixin):
         block_pos = self.real_seen[:, None] + is_real.long().cumsum(-1) - 1
         block_pos = block_pos.masked_fill(~is_real, -1)
         block_bias = torch.zeros(batch, block, device=self.device).masked_fill(~is_real, NEG_INF)
-        self.keys = torch.cat([self.keys, keys], dim=-2)
-        self.values = torch.cat([self.values, values], dim=-2)
-        self.bias = torch.cat([self.bias, block_bias[:, None].expand(batch, kv_heads, block)], dim=-1)
-        self.positions = torch.cat([self.positions, block_pos[:, None].expand(batch, kv_heads, block)], dim=-1)
+        self.keys = self._extend("keys", self.keys, keys)
+        self.values = self._extend("values", self.values, values)
+        self.bias = self._extend("bias", self.bias, block_bias[:, None].expand(batch, kv_heads, block))
+        self.positions = self._extend("positions", self.positions, block_pos[:, None].expand(batch, kv_heads, block))
         for name, extra in self.extras.items():
-            fresh = extra.new_full((batch, kv_heads, block, *extra.shape[3:]), self.extra_fill[name])
-            self.extras[name] = torch.cat([extra, fresh], dim=2)
+            self.extras[name] = self._extend(f"extras.{name}", extra, self.extra_fill[name], block)
         self.seen += block
         self.real_seen = self.real_seen + is_real.sum(-1)
         self.pending += block
 
     def select(self, index: torch.Tensor, valid: torch.Tensor) -> None:
         """Keep only the entries at ``index`` [B, H_kv, K]; slots where ``valid`` is False become empty."""
-        head_dim = self.keys.shape[-1]
-        self.keys = self.keys.gather(2, index[..., None].expand(*index.shape, head_dim))
-        self.values = self.values.gather(2, index[..., None].expand(*index.shape, self.values.shape[-1]))
-        self.bias = self.bias.gather(2, index).masked_fill(~valid, NEG_INF)
-        self.positions = self.positions.gather(2, index).masked_fill(~valid, -1)
+        self.keys = self._gather("keys", self.keys, index)
+        self.values = self._gather("values", self.values, index)
+        self.bias = self._gather("bias", self.bias, index).masked_fill_(~valid, NEG_INF)
+        self.positions = self._gather("positions", self.positions, index).masked_fill_(~valid, -1)
         for name, extra in self.extras.items():
-            extra_index = index.view(*index.shape, *([1] * (extra.dim() - 3))).expand(*index.shape, *extra.shape[3:])
-            self.extras[name] = extra.gather(2, extra_index)
+            self.extras[name] = self._gather(f"extras.{name}", extra, index)
+
+    # Every per-entry tensor is the prefix [:, :, :S] of a buffer with ``headroom`` spare slots,
+    # so appends write in place instead of copying the layer (torch.cat) at every step. A method
+    # may assign any tensor instead: the next append then moves it into a new buffer.
+    def _buffer(self, name: str, like: torch.Tensor, length: int) -> torch.Tensor:
+        buffer = like.new_empty(*like.shape[:2], length + self.headroom, *like.shape[3:])
+        self.buffers[name] = buffer
+        return buffer
+
+    def _extend(self, name: str, current: torch.Tensor, block: torch.Tensor | float, length: int | None = None):
+        """``current`` [B, H_kv, S, ...] followed by ``block`` (a tensor of q entries, or a fill value
+        for ``length`` entries), as a prefix view of the named buffer."""
+        size = current.shape[2]
+        length = block.shape[2] if isinstance(block, torch.Tensor) else length
+        buffer = self.buffers.get(name)
+        in_place = (
+            buffer is not None
+            and buffer.data_ptr() == current.data_ptr()
+            and buffer.stride() == current.stride()
+            and buffer.shape[2] >= size + length
+        )
+        if not in_place:
+            buffer = self._buffer(name, current, size + length)
+            buffer.narrow(2, 0, size).copy_(current)
+        fresh = buffer.narrow(2, size, length)
+        fresh.copy_(block) if isinstance(block, torch.Tensor) else fresh.fill_(block)
+        return buffer.narrow(2, 0, size + length)
+
+    def _gather(self, name: str, current: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """current[index] along the entry axis (index [B, H_kv, K]), written into a new buffer."""
+        kept = index.shape[2]
+        index = index.view(*index.shape, *([1] * (current.dim() - 3))).expand(*index.shape, *current.shape[3:])
+        out = self._buffer(name, current, kept).narrow(2, 0, kept)
+        return torch.gather(current, 2, index, out=out)
+
+    def entry_nbytes(self) -> int:
+        """Bytes one entry of one row takes over the KV heads: keys, values, bias, positions, extras."""
+        tensors = [self.keys, self.values, self.bias, self.positions, *self.extras.values()]
+        return sum(t[0, :, 0].numel() * t.element_size() for t in tensors)
 
     def nbytes(self) -> int:
-        """Bytes held by this layer: entries, bias, positions, per-entry and per-layer method state
-        (tensors, and objects with an ``nbytes()`` such as KVReviver's sketch; a host-side copy
-        that declares ``in_cache = False`` is reported on its own)."""
+        """Bytes held by this layer: the buffers behind its entries (spare slots included), bias,
+        positions, per-entry and per-layer method state (tensors, and objects with an ``nbytes()``
+        such as KVReviver's sketch; a host-side copy that declares ``in_cache = False`` is reported
+        on its own)."""
         if not self.is_initialized:
             return 0
         tensors = [self.keys, self.values, self.bias, self.positions, *self.extras.values()]
-        state = [value for value in self.state.values() if isinstance(value, torch.Tensor)]
+        tensors += [value for value in self.state.values() if isinstance(value, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         owned = sum(
             value.nbytes()
             for value in self.state.values()
             if callable(getattr(value, "nbytes", None)) and getattr(value, "in_cache", True)
         )
-        return owned + sum(t.numel() * t.element_size() for t in tensors + state)
+        return owned + sum(storages.values())
 
 
 @dataclass
@@ -221,6 +264,8 @@ class CompressedCache(Cache):
         self.config = config
         super().__init__(layers=[LayerStore(i) for i in range(self.num_layers)])
         self.prompt_lengths: torch.Tensor | None = None
+        self.layer_budgets: torch.Tensor | None = None
+        self.prefill_peak_bytes = 0
         self.record = record
         self.method.check_budget(self)
 
@@ -242,6 +287,8 @@ class CompressedCache(Cache):
         """Forget every entry; the next forward is a new prefill."""
         super().reset()
         self.prompt_lengths = None
+        self.layer_budgets = None
+        self.prefill_peak_bytes = 0
 
     # -- one attention call --------------------------------------------------------------
     def forward_layer(self, layer_idx, query, keys, values, block_mask, scaling) -> torch.Tensor:
@@ -251,8 +298,8 @@ class CompressedCache(Cache):
         (causal within the block, False for padded keys). Returns [B, q, H, D].
         """
         layer = self.layers[layer_idx]
-        is_prefill = self.prompt_lengths is None
-        if layer.seen == 0:
+        is_prefill = layer.seen == 0
+        if is_prefill:
             self.method.setup_layer(layer)
         layer.append(keys, values, block_mask[:, 0, -1, :])
         needs = self.record if is_prefill and self.record else self.method.needs(is_prefill)
@@ -260,31 +307,42 @@ class CompressedCache(Cache):
         self.method.observe(layer, stats)
         if is_prefill:
             layer.prefill_stats = stats
-            if layer_idx == self.num_layers - 1:
-                self._end_prefill()
+            if not self.method.allocates_from_all_layers:
+                self._end_prefill([layer])
+            elif layer_idx == self.num_layers - 1:
+                self._end_prefill(self.layers)
         elif layer.budget is not None and layer.pending >= self.method.interval:
             self.method.compress(layer, stats)
             layer.pending = 0
         return output
 
-    def _end_prefill(self) -> None:
-        """Fix every layer's budget from the prompt, then compress all layers."""
-        self.prompt_lengths = self.layers[0].real_seen.clone()
-        per_row = row_budgets(self.budget, self.prompt_lengths)
-        budgets = self.method.allocate(self, per_row)
-        if budgets is not None:
-            # A prompt that fits its mean budget is not compressed in any layer (as PyramidKV's code).
-            fits = (self.prompt_lengths <= per_row)[None, :, None]
-            budgets = torch.where(fits, per_row[None, :, None], budgets)
-        for layer in self.layers:
-            if budgets is not None:
-                layer.budget = budgets[layer.layer_idx]
+    def _end_prefill(self, layers: list[LayerStore]) -> None:
+        """Compress ``layers`` as their prefill ends (each layer at once, so the uncompressed prompt
+        is held for one layer at a time); the first call fixes every layer's budget."""
+        self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
+        if self.prompt_lengths is None:
+            self.prompt_lengths = layers[0].real_seen.clone()
+            self.layer_budgets = self._allocate()
+        for layer in layers:
+            if self.layer_budgets is not None:
+                layer.budget = self.layer_budgets[layer.layer_idx]
                 layer.capacity = int(layer.budget.max())
                 layer.min_budget = int(layer.budget.min())
+                layer.headroom = self.method.interval
                 self.method.compress(layer, layer.prefill_stats)
             if self.record is None:
                 layer.prefill_stats = None
             layer.pending = 0
+
+    def _allocate(self) -> torch.Tensor | None:
+        """[L, B, H_kv] budgets from the method, or None when it never compresses."""
+        per_row = row_budgets(self.budget, self.prompt_lengths)
+        budgets = self.method.allocate(self, per_row)
+        if budgets is None:
+            return None
+        # A prompt that fits its mean budget is not compressed in any layer (as PyramidKV's code).
+        fits = (self.prompt_lengths <= per_row)[None, :, None]
+        return torch.where(fits, per_row[None, :, None], budgets)
 
     def fork(self, method: str | Method, budget: int | float = 1.0, **method_params) -> "CompressedCache":
         """A new cache for ``method`` that starts from this recorded prefill, without a forward pass.
@@ -303,7 +361,7 @@ class CompressedCache(Cache):
             cache.method.setup_layer(layer)
             cache.method.observe(layer, source.prefill_stats)
             layer.prefill_stats = source.prefill_stats
-        cache._end_prefill()
+        cache._end_prefill(cache.layers)
         return cache
 
     # -- reporting -------------------------------------------------------------------------

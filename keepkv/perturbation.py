@@ -118,7 +118,7 @@ class _Recorder:
         return keys, values, bias[:, None].expand(-1, keys.shape[1], -1)
 
     def forward_layer(self, layer_idx, query, keys, values, block_mask, scaling):
-        is_prefill = self.cache.prompt_lengths is None
+        is_prefill = self.cache.layers[layer_idx].seen == 0
         output = self.inner(layer_idx, query, keys, values, block_mask, scaling)
         self.scaling[layer_idx] = scaling
         self.appended.setdefault(layer_idx, []).append((keys.detach(), values.detach(), block_mask[:, 0, -1, :].clone()))

@@ -142,9 +142,10 @@ def test_result_is_consistent(full_result):
         if method == "full":
             assert record["tokens_per_s_vs_full"] == 1.0
             assert record["cache_bytes"] == record["cache_bytes_peak"]
-    # h2o's cache after compression is smaller than full's; its prefill peak is the whole prompt
-    assert fixed[(2, "h2o")]["cache_bytes"] < fixed[(2, "full")]["cache_bytes"]
-    assert fixed[(2, "h2o")]["cache_bytes_prefill"] >= fixed[(2, "full")]["cache_bytes_prefill"]  # + its scores
+    # h2o compresses each layer as its prefill ends: its peak is one uncompressed layer (plus scores)
+    # above its final size, below full's whole prompt
+    h2o, full = fixed[(2, "h2o")], fixed[(2, "full")]
+    assert h2o["cache_bytes"] < h2o["cache_bytes_prefill"] < full["cache_bytes_prefill"]
     cap = full_result["memory_cap"]
     for row in cap["methods"]:
         assert row["bytes_at_max_batch"] <= cap["capacity_bytes"] < row["bytes_at_max_batch_plus_1"]

@@ -75,8 +75,9 @@ def test_per_layer_and_per_head_budgets_and_real_bytes(gqa_model):
         expected = torch.tensor([6, 12]) + layer.layer_idx
         assert torch.equal(layer.live_counts(), expected.expand(2, 2))
         assert layer.size == int(expected.max())  # tensors shrank to the largest head's budget
+    # Each per-entry tensor's buffer holds the kept slots plus one interval of spare slots.
     real_bytes = sum(
-        t.numel() * t.element_size()
+        t.numel() * t.element_size() * (layer.size + cache.method.interval) // layer.size
         for layer in cache.layers
         for t in (layer.keys, layer.values, layer.bias, layer.positions, *layer.extras.values())
     )
@@ -85,6 +86,24 @@ def test_per_layer_and_per_head_budgets_and_real_bytes(gqa_model):
     assert summary.kept_entries == [9.5, 9.5]
     head_dim, kv_heads = 16, 2
     assert summary.full_cache_bytes[0] == 40 * 2 * head_dim * 4 * kv_heads * 2
+
+
+@torch.no_grad()
+def test_prefill_peak_is_one_uncompressed_layer():
+    """Each layer is compressed as its prefill ends, so the prompt cache never exists in full;
+    D2O, which allocates from every layer's statistics, holds it all until the last layer."""
+    model = tiny_model("llama-gqa", layers=6)
+    keepkv.enable(model)
+    input_ids, attention_mask = random_batch(length=200, pad=(0, 0))
+    peaks = {}
+    for method in ("full", "h2o", "d2o"):
+        cache = keepkv.CompressedCache(model.config, method, 0.1)
+        model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache)
+        peaks[method] = cache.prefill_peak_bytes
+        assert cache.prefill_peak_bytes >= cache.nbytes() > 0
+    one_layer = peaks["full"] / 6
+    assert peaks["h2o"] < 2 * one_layer  # one whole layer, five at 10%, plus scores
+    assert peaks["d2o"] > peaks["full"]  # every layer, plus scores
 
 
 @pytest.mark.parametrize("budget", [0, -3, 0.0, 1.5, -0.1, "10", None, True])

@@ -110,7 +110,7 @@ One field per line as ``path : type : meaning``; ``[]`` stands for every element
     fixed[].prefill_s_min : float : smallest over repetitions
     fixed[].prefill_s_max : float : largest over repetitions
     fixed[].cache_bytes : int : cache.nbytes() after the last step
-    fixed[].cache_bytes_prefill : int : cache.nbytes() at the end of prefill, before compression
+    fixed[].cache_bytes_prefill : int : the cache's peak during prefill (cache.prefill_peak_bytes)
     fixed[].cache_bytes_peak : int : largest cache.nbytes() seen between forward calls
     fixed[].full_cache_bytes : int : keys+values an uncompressed cache of the same tokens holds
     fixed[].kept_entries : float : mean live entries per layer, row and KV head at the end

@@ -343,15 +343,6 @@ def run_once(
     cache.method.prepare(model)
     out: dict = {"method": method, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len}
 
-    end_prefill = cache._end_prefill
-
-    def recording_end_prefill():  # the cache's size at its prefill peak, before compression
-        out["cache_bytes_prefill"] = cache.nbytes()
-        out["layer_entries_prefill"] = [layer.size for layer in cache.layers]
-        end_prefill()
-
-    cache._end_prefill = recording_end_prefill
-
     with PeakMemory(device) as memory:
         synchronize(device)
         t0 = time.perf_counter()
@@ -359,7 +350,8 @@ def run_once(
         token = logits[:, -1:].argmax(-1)
         synchronize(device)
         out["prefill_s"] = time.perf_counter() - t0
-        cache_peak = out.get("cache_bytes_prefill", cache.nbytes())
+        out["cache_bytes_prefill"] = cache.prefill_peak_bytes
+        cache_peak = max(cache.prefill_peak_bytes, cache.nbytes())
 
         clock = StepClock(device)
         bar = tqdm(total=gen_len, desc=f"{method} b={batch}", unit="step", leave=False, disable=not progress)
@@ -383,16 +375,16 @@ def run_once(
     out["process_peak_rss_bytes"] = process_peak_rss()
     out["cache_bytes"] = cache.nbytes()
     out["cache_bytes_peak"] = cache_peak
-    out.setdefault("cache_bytes_prefill", out["cache_bytes"])
     out["kept_entries"] = float(torch.stack([layer.live_counts().double().mean() for layer in cache.layers]).mean())
     first = cache.layers[0]
     per_entry = 2 * first.keys.shape[-1] * first.keys.element_size() * first.keys.shape[1] * cache.num_layers
     out["full_cache_bytes"] = int(first.real_seen.sum()) * per_entry
+    out["entry_bytes"] = first.entry_nbytes()
     out["interval"] = cache.method.interval
     out["compresses"] = any(layer.budget is not None for layer in cache.layers)
     out["layer_entries"] = [layer.size for layer in cache.layers]
     out["layer_capacity"] = [layer.capacity if layer.budget is not None else layer.size for layer in cache.layers]
-    out.setdefault("layer_entries_prefill", [prompt_len] * cache.num_layers)
+    out["layer_entries_prefill"] = [prompt_len] * cache.num_layers
 
     if overhead_steps:
         timer = MethodTimer(device)
@@ -467,20 +459,19 @@ def summarise_overhead(steps: list[dict]) -> dict:
 def cache_bytes_per_row(probe: dict, prompt_len: int, gen_len: int) -> dict:
     """Predicted cache bytes of one row at its peak, from a batch-1 probe run at ``prompt_len``.
 
-    The probe measured the cache at the end of prefill (every layer still holds the whole
-    prompt: the core compresses after the last layer's prefill) and after a few decode
-    steps. Per-entry bytes (keys, values, bias, positions, the method's extras) come from
-    the prefill reading. A cache that does not compress grows to ``prompt_len + gen_len``
-    entries; one that compresses stays at its post-compression size plus ``interval`` new
-    entries between compressions. The peak is the larger of prefill and decode.
+    The prefill peak is the probe's own reading (each layer holds the whole prompt only until
+    its prefill ends, unless the method allocates from every layer). A cache that does not
+    compress then grows by ``gen_len`` entries per layer; one that compresses stays at the size
+    the probe measured after its decode steps plus ``interval`` new entries per layer between
+    compressions. The peak is the larger of prefill and decode.
     """
     layers = len(probe["layer_entries_prefill"])
-    entry_bytes = probe["cache_bytes_prefill"] / max(1, sum(probe["layer_entries_prefill"]))  # one entry, all heads
-    prefill = layers * prompt_len * entry_bytes
+    entry_bytes = probe["entry_bytes"]  # one entry of one row and layer, all heads
+    prefill = probe["cache_bytes_prefill"]
     if probe["compresses"]:
-        decode = (sum(probe["layer_capacity"]) + layers * probe["interval"]) * entry_bytes
+        decode = probe["cache_bytes"] + layers * probe["interval"] * entry_bytes
     else:
-        decode = layers * (prompt_len + gen_len) * entry_bytes
+        decode = prefill + layers * gen_len * entry_bytes
     return {
         "entry_bytes": entry_bytes,
         "prefill_bytes": int(math.ceil(prefill)),

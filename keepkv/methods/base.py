@@ -76,6 +76,9 @@ class Method:
 
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
+    # True when allocate() reads statistics of every layer's prefill (D2O): then no layer is
+    # compressed before the last one has seen the prompt, so the whole prompt cache peaks at once.
+    allocates_from_all_layers: ClassVar[bool] = False
     interval: int = 1
 
     def __post_init__(self):

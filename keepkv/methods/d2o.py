@@ -123,6 +123,7 @@ class D2O(H2O):
 
     name = "d2o"
     paper = "Wan et al. 2024, arXiv 2406.13035"
+    allocates_from_all_layers = True
     recent_ratio: float = 0.25
     sinks: int = 4
     beta: float = 0.5
