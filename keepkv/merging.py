@@ -99,8 +99,9 @@ def _group_sum(own: torch.Tensor, incoming: torch.Tensor, entry_group: torch.Ten
     return own.scatter_add(-2, entry_group.unsqueeze(-1).expand_as(incoming), incoming)
 
 
-def _write_groups(x: torch.Tensor, groups: _Groups, merged: torch.Tensor) -> torch.Tensor:
-    """Copy of x [B, H_kv, S(, D)] with each valid group's merged row [B, H_kv, E(, D)] at its slot.
+def _write_groups(x: torch.Tensor, groups: _Groups, merged: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """x [B, H_kv, S(, D)] (a copy unless ``in_place``) with each valid group's merged row
+    [B, H_kv, E(, D)] at its slot.
 
     Invalid group ids rewrite a value that is written anyway (group 0's, or slot 0's own value
     in a (row, head) without merges), so all writes to one slot agree and every slot that is no
@@ -118,7 +119,7 @@ def _write_groups(x: torch.Tensor, groups: _Groups, merged: torch.Tensor) -> tor
     batch, heads = x.shape[:2]
     batch_idx = torch.arange(batch, device=x.device).view(batch, 1, 1)
     head_idx = torch.arange(heads, device=x.device).view(1, heads, 1)
-    return x.clone().index_put_((batch_idx, head_idx, slot), rows)
+    return (x if in_place else x.clone()).index_put_((batch_idx, head_idx, slot), rows)
 
 
 def _group_weights(
@@ -199,6 +200,7 @@ def zip_merge(
     scaling: float | None = None,
     group_log_scores: torch.Tensor | None = None,
     paper_max_gain: float = PAPER_MAX_KEY_GAIN,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KeepKV's ZIP-Merging with Electoral Votes (eq. 7, many-to-one eq. 25; EMA scores eq. 26).
 
@@ -254,6 +256,8 @@ def zip_merge(
     scaling : attention scale (1/√D); needed whenever ``queries`` is.
     group_log_scores : [B, H_kv, g, S], per-query-head ln s^h, only for "group".
     paper_max_gain : bound G on the eq. 25 key gain, only for "paper".
+    in_place : write the merged rows into ``keys``, ``values`` and ``bias`` themselves instead of
+        copies (saves three copies of the layer when the caller replaces them anyway).
 
     Returns
     -------
@@ -331,9 +335,9 @@ def zip_merge(
         merged_keys = _min_norm_shift(mean_keys, queries, head_targets - head_mean_logits, scaling)
 
     return (
-        _write_groups(keys, groups, merged_keys),
-        _write_groups(values, groups, merged_values),
-        _write_groups(bias, groups, merged_log_votes),
+        _write_groups(keys, groups, merged_keys, in_place),
+        _write_groups(values, groups, merged_values, in_place),
+        _write_groups(bias, groups, merged_log_votes, in_place),
     )
 
 
@@ -454,11 +458,12 @@ def spread_values(
 
 
 def cosine_nearest(
-    keys: torch.Tensor, src: torch.Tensor, candidates_mask: torch.Tensor
+    keys: torch.Tensor, src: torch.Tensor, candidates_mask: torch.Tensor, chunk_elements: int = 1 << 24
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Most cosine-similar candidate of each evicted key (D2O eq. 8; KeepKV's merge target).
 
-    One batched matmul of unit keys, O(B·H_kv·E·S) memory; chunk the plan to bound it.
+    Only the evicted keys are compared with the others: (k_e · K^T) / (‖k_e‖ ‖K‖), in chunks of
+    the plan holding at most ``chunk_elements`` similarities.
 
     Parameters
     ----------
@@ -472,12 +477,19 @@ def cosine_nearest(
     best_sim : [B, H_kv, E] fp32, its cosine similarity; -inf (with index 0) where a row has no
         candidate.
     """
-    unit_keys = F.normalize(keys.float(), dim=-1)  # [B, H_kv, S, D]
-    src_unit = _gather_entries(unit_keys, src.clamp_min(0))  # [B, H_kv, E, D]
-    similarity = src_unit @ unit_keys.transpose(-1, -2)  # [B, H_kv, E, S]
-    similarity = similarity.masked_fill(~candidates_mask.unsqueeze(-2), -math.inf)
-    best_sim, best_idx = similarity.max(dim=-1)
-    return best_idx, best_sim
+    keys = keys.float()
+    batch, kv_heads, size = candidates_mask.shape
+    norms = keys.norm(dim=-1).clamp_min(1e-12)  # [B, H_kv, S], F.normalize's eps
+    candidate_norms = norms.masked_fill(~candidates_mask, math.inf).unsqueeze(-2)  # non-candidates -> 0
+    best_idx, best_sim = [], []
+    for part in src.clamp_min(0).split(max(1, chunk_elements // max(1, batch * kv_heads * size)), dim=-1):
+        src_unit = _gather_entries(keys, part) / norms.gather(-1, part).unsqueeze(-1)  # [B, H_kv, e, D]
+        similarity = (src_unit @ keys.transpose(-1, -2)) / candidate_norms  # [B, H_kv, e, S]
+        similarity = similarity.masked_fill(~candidates_mask.unsqueeze(-2), -math.inf)
+        sim, idx = similarity.max(dim=-1)
+        best_idx.append(idx)
+        best_sim.append(sim)
+    return torch.cat(best_idx, dim=-1), torch.cat(best_sim, dim=-1)
 
 
 def attention_mass(

@@ -14,7 +14,6 @@ from .h2o import H2O
 ALLOCATIONS = ("paper", "code")
 MERGE_RULES = ("paper", "code")
 # Floats in one chunk of the evicted-by-kept similarity matrix (bounds the prefill workspace).
-SIMILARITY_CHUNK_ELEMENTS = 1 << 24
 
 
 def d2o_merge(keys, values, src, dst, merge, similarity, rule: str = "paper"):
@@ -177,7 +176,7 @@ class D2O(H2O):
             return
         plan = plan_eviction(layer, self.priority(layer))
         kept = plan.kept
-        target, similarity = self.nearest(layer.keys, plan.evict_idx, kept)
+        target, similarity = cosine_nearest(layer.keys, plan.evict_idx, kept)
         candidate = plan.evict_valid & torch.isfinite(similarity)
         tau = self.update_threshold(layer, similarity, candidate)
         merge = candidate & (similarity >= tau.unsqueeze(-1))
@@ -185,15 +184,6 @@ class D2O(H2O):
             layer.keys, layer.values, plan.evict_idx, target, merge, similarity, self.merge_rule
         )
         layer.select(plan.keep_idx, plan.keep_valid)
-
-    @staticmethod
-    def nearest(keys, evict_idx, kept) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cosine_nearest`` over chunks of the evicted entries: (slot, similarity) [B, H_kv, E]."""
-        batch, kv_heads, size = kept.shape
-        chunk = max(1, SIMILARITY_CHUNK_ELEMENTS // (batch * kv_heads * size))
-        starts = range(0, evict_idx.shape[-1], chunk)
-        parts = [cosine_nearest(keys, evict_idx[..., i : i + chunk], kept) for i in starts]
-        return torch.cat([p[0] for p in parts], dim=-1), torch.cat([p[1] for p in parts], dim=-1)
 
     def update_threshold(self, layer, similarity: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
         """EMA threshold τ [B, H_kv] (eq. 9) after this compression's evicted entries."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats
-from ..merging import KEY_RULES, zip_merge
+from ..merging import KEY_RULES, cosine_nearest, zip_merge
 from ..offload import FullKVCopy, offload_report
 from .base import ScoredEviction, check_range, plan_eviction, protected, register
 
@@ -381,6 +381,7 @@ class KeepKV(ScoredEviction):
             heads, pooled = heads_ema, pooled_ema
         query = layer.state["query"]  # [B, H_kv, g, D]
         group = self.zip_key == "group"
+        self._merge_ema(layer, heads_ema, src, dst, merge)  # reads the votes before the merge
         # Empty slots never take part in a merge; zero them so no 0·(-inf) can reach a scatter.
         keys, values, bias = zip_merge(
             layer.keys,
@@ -394,8 +395,8 @@ class KeepKV(ScoredEviction):
             queries=query if group else query.mean(2),
             scaling=layer.state["scaling"],
             group_log_scores=heads.where(torch.isfinite(heads), 0.0) if group else None,
+            in_place=True,
         )
-        self._merge_ema(layer, heads_ema, src, dst, merge)
         layer.keys, layer.values, layer.bias = keys, values, bias
 
     def _ema(self, layer, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,24 +419,6 @@ class KeepKV(ScoredEviction):
         log_s = (mean_score + layer.extras["ema_log_n"][:, :, None]).permute(0, 1, 3, 2)
         layer.extras["ema_log_s"] = torch.where(is_target[..., None], log_s, layer.extras["ema_log_s"])
 
-    def _chunk_rows(self, layer, columns: int) -> int:
-        batch, kv_heads = layer.bias.shape[:2]
-        return max(1, CHUNK_ELEMENTS // max(1, batch * kv_heads * columns))
-
-    def _nearest(self, layer, unit: torch.Tensor, src: torch.Tensor, candidates: torch.Tensor):
-        """Most cosine-similar candidate of each src slot: (best_idx, best_sim) [B, H_kv, E], chunked."""
-        size = unit.shape[2]
-        best_idx, best_sim = [], []
-        step = self._chunk_rows(layer, size)
-        for start in range(0, src.shape[-1], step):
-            part = src[..., start : start + step]
-            src_unit = unit.gather(2, part[..., None].expand(*part.shape, unit.shape[-1]))
-            sim = (src_unit @ unit.transpose(-1, -2)).masked_fill(~candidates[:, :, None], NEG_INF)
-            value, index = sim.max(-1)
-            best_sim.append(value)
-            best_idx.append(index)
-        return torch.cat(best_idx, -1), torch.cat(best_sim, -1)
-
     def _merge_first(self, layer, exact: bool) -> None:
         """Prefill phase 1: consolidate similar entries before any eviction (Appendix B, Table 3)."""
         live = layer.live()
@@ -446,9 +429,9 @@ class KeepKV(ScoredEviction):
         ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
         rank = torch.empty_like(order).scatter_(-1, order, ranks)
         unit = F.normalize(layer.keys.float(), dim=-1)
-        size = unit.shape[2]
+        batch, kv_heads, size = live.shape
         has_better = torch.zeros_like(live)
-        step = self._chunk_rows(layer, size)
+        step = max(1, CHUNK_ELEMENTS // (batch * kv_heads * size))
         for start in range(0, size, step):
             stop = min(size, start + step)
             sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)  # [B, H_kv, c, S]
@@ -457,7 +440,7 @@ class KeepKV(ScoredEviction):
         roots = live & (is_protected | ~has_better)
         movers = live & ~roots
         src = torch.arange(size, device=layer.device).expand_as(order)
-        dst, sim = self._nearest(layer, unit, src, roots)
+        dst, sim = cosine_nearest(layer.keys, src, roots)
         merge = movers & (sim >= self.threshold)
         if not bool(merge.any()):
             return
@@ -474,7 +457,7 @@ class KeepKV(ScoredEviction):
         plan = plan_eviction(layer, self.priority(layer, ema[1]))
         kept = plan.kept
         if plan.evict_idx.shape[-1] > 0:
-            dst, sim = self._nearest(layer, F.normalize(layer.keys.float(), dim=-1), plan.evict_idx, kept)
+            dst, sim = cosine_nearest(layer.keys, plan.evict_idx, kept)
             merge = plan.evict_valid & (sim >= self.threshold)
             dropped = plan.evict_valid & ~merge
             lost = layer.bias.gather(-1, plan.evict_idx).double().exp().masked_fill(~dropped, 0.0).sum(-1)
