@@ -21,14 +21,13 @@ def budget_arg(text: str) -> int | float:
 
 
 def _param(text: str) -> tuple[str, object]:
-    """'threshold=0.8' -> ('threshold', 0.8); values are parsed as JSON when they can be."""
+    """'threshold=0.8' -> ('threshold', 0.8); values are Python or JSON literals when they can be."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"method parameters are NAME=VALUE, got {text!r}")
+    from .methods.base import parse_value
+
     name, value = text.split("=", 1)
-    try:
-        return name, json.loads(value)
-    except json.JSONDecodeError:
-        return name, value
+    return name, parse_value(value)
 
 
 def _load(args):

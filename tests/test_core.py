@@ -123,6 +123,16 @@ def test_unknown_method_and_parameter(gqa_model):
         keepkv.get_method("window", interval=0)
 
 
+def test_method_variants():
+    variant = keepkv.get_method("keepkv+interval=8+zip_key=group")
+    assert (variant.name, variant.interval, variant.zip_key) == ("keepkv", 8, "group")
+    assert keepkv.get_method("h2o+recent_ratio=0.25", interval=3).recent_ratio == 0.25
+    with pytest.raises(ValueError, match="NAME\\+KEY=VALUE"):
+        keepkv.get_method("h2o+interval")
+    with pytest.raises(ValueError, match="recent_ratio"):
+        keepkv.get_method("h2o+bogus=1")
+
+
 def test_unsupported_architecture():
     with pytest.raises(ValueError, match="llama"):
         keepkv.CompressedCache(GPT2Config(), "full")

@@ -183,6 +183,19 @@ def test_workers_and_joint_decoding_change_nothing(model, tokenizer, tmp_path):
             assert values[2] == pytest.approx(values[0], rel=1e-4, abs=1e-6)
 
 
+def test_method_variants_are_rows_of_their_own(model, tokenizer, tmp_path):
+    """``h2o+interval=1`` is h2o under another name; ``h2o+interval=4`` runs with its parameters."""
+    rows = run_eval(
+        model, tokenizer, suites=["fidelity"], methods=["h2o", "h2o+interval=1", "h2o+interval=4"], budgets=[0.3],
+        samples=2, lengths={"fidelity": 100}, out_dir=tmp_path, progress=False, plot=False,
+    )
+    by_method = {r["method"]: r for r in rows}
+    assert set(by_method) == {"full", "h2o", "h2o+interval=1", "h2o+interval=4"}
+    assert by_method["h2o+interval=1"]["score"] == by_method["h2o"]["score"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["method_params"]["h2o+interval=4"]["interval"] == 4
+
+
 def test_cli_run_and_report(model, tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("keepkv.models.load_model", lambda path=None: (model, tokenizer))
     parser = argparse.ArgumentParser()

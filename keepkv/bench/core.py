@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import datetime
 import json
@@ -16,6 +15,7 @@ import sys
 import torch
 
 from ..cli import budget_arg
+from ..methods.base import parse_method_spec, parse_value
 from .configs import CONFIGS, build_config, param_bytes, random_model
 from .runner import (
     cache_bytes_per_row,
@@ -62,8 +62,9 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def resolve_methods(methods) -> list[str]:
-    """Registered methods to run ("full" first, added if missing); all registered by default."""
-    from ..methods import METHODS
+    """Registered methods or variants (``name+key=value``) to run ("full" first, added if missing);
+    all registered by default."""
+    from ..methods import METHODS, get_method
 
     if methods is None:
         chosen = sorted(METHODS)
@@ -71,9 +72,8 @@ def resolve_methods(methods) -> list[str]:
         if isinstance(methods, str):
             methods = [m for m in methods.split(",") if m.strip()]
         chosen = [m.strip() for m in methods]
-        unknown = [m for m in chosen if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(sorted(METHODS))}")
+        for method in chosen:
+            get_method(method)  # unknown names and parameters fail here
     chosen = list(dict.fromkeys(chosen))
     return ["full"] + [m for m in chosen if m != "full"]
 
@@ -90,7 +90,7 @@ def resolve_params(methods: list[str], method_params: dict | None) -> dict[str, 
         raise ValueError(f"parameters given for unknown method(s): {', '.join(unknown)}")
     resolved = {}
     for method in methods:
-        fields = {field.name for field in dataclasses.fields(METHODS[method])}
+        fields = {field.name for field in dataclasses.fields(METHODS[parse_method_spec(method)[0]])}
         params = {key: value for key, value in shared.items() if key in fields}
         params.update(method_params.get(method, {}))
         resolved[method] = params
@@ -524,11 +524,7 @@ def parse_params(items: list[str] | None) -> dict:
         if not sep or not key:
             raise ValueError(f"--param wants KEY=VALUE or METHOD.KEY=VALUE, got {item!r}")
         method, dot, name = key.rpartition(".")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-        params.setdefault(method if dot else "*", {})[name] = value
+        params.setdefault(method if dot else "*", {})[name] = parse_value(text)
     return params
 
 

@@ -55,7 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"suites, repeatable (default: {' '.join(_runner.DEFAULT_SUITES)}); also longbench, jsonl "
         "(with --data) and variants such as needle+variant=multikey+haystack=prose",
     )
-    parser.add_argument("--methods", nargs="+", metavar="METHOD", help="methods (default: every registered one)")
+    parser.add_argument(
+        "--methods", nargs="+", metavar="METHOD",
+        help="methods, or variants such as keepkv+interval=8+zip_key=group (default: every registered one)",
+    )
     parser.add_argument(
         "--budgets", nargs="+", type=budget_arg, default=list(_runner.DEFAULT_BUDGETS), metavar="B",
         help="fractions of the prompt or entry counts (default: 0.1 0.2; ppl: fraction of its total length)",

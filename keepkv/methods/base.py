@@ -7,7 +7,9 @@ and rewrites the store in ``compress`` with tensor operations over all rows and 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,11 +27,40 @@ def register(cls):
     return cls
 
 
+def parse_value(text: str):
+    """A parameter value typed on a command line: a Python or JSON literal, else the text itself."""
+    for parse in (ast.literal_eval, json.loads):
+        try:
+            return parse(text)
+        except (ValueError, SyntaxError):
+            pass
+    return text
+
+
+def parse_method_spec(spec: str) -> tuple[str, dict]:
+    """``"keepkv+interval=8+zip_key=group"`` -> ``("keepkv", {"interval": 8, "zip_key": "group"})``.
+
+    A method variant, named the way eval suites are (``name+key=value+...``), so that one run can
+    compare a method with itself under other parameters.
+    """
+    name, *items = spec.split("+")
+    params = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"method variant {spec!r}: write NAME+KEY=VALUE[+KEY=VALUE...], got {item!r}")
+        params[key.strip()] = parse_value(text.strip())
+    return name.strip(), params
+
+
 def get_method(name: str, **params) -> "Method":
-    """Return the method registered as ``name``, built with ``params``.
+    """Return the method registered as ``name`` (or a variant ``name+key=value+...``), built with
+    ``params``.
 
     Raises ValueError naming the valid methods or parameters.
     """
+    name, spec_params = parse_method_spec(name)
+    params = {**spec_params, **params}
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
     cls = METHODS[name]

@@ -313,8 +313,10 @@ class KeepKV(ScoredEviction):
 
     def _logits(self, layer, queries: torch.Tensor) -> torch.Tensor:
         """fp32 scaling·q·k of queries [B, H_kv, g, r, D] against every slot: [B, H_kv, g, r, S]."""
-        keys = layer.keys.float()[:, :, None].transpose(-1, -2)
-        return torch.matmul(queries.float(), keys) * layer.state["scaling"]
+        batch, kv_heads, group, rows, head_dim = queries.shape
+        flat = queries.float().reshape(batch, kv_heads, group * rows, head_dim)  # no per-head copy of K
+        logits = torch.matmul(flat, layer.keys.float().transpose(-1, -2)) * layer.state["scaling"]
+        return logits.view(batch, kv_heads, group, rows, -1)
 
     def _absorb(self, layer, queries: torch.Tensor, query_pos: torch.Tensor) -> None:
         """Fold r query rows (oldest first) into the EMA (eq. 8) and keep the newest row's logits.
