@@ -135,18 +135,33 @@ class LayerStore(CacheLayerMixin):
 
     def select(self, index: torch.Tensor, valid: torch.Tensor) -> None:
         """Keep only the entries at ``index`` [B, H_kv, K]; slots where ``valid`` is False become empty."""
-        self.keys = self._gather("keys", self.keys, index)
-        self.values = self._gather("values", self.values, index)
-        self.bias = self._gather("bias", self.bias, index).masked_fill_(~valid, NEG_INF)
-        self.positions = self._gather("positions", self.positions, index).masked_fill_(~valid, -1)
+        kept = index.shape[2]
+        # The spare slots copy any kept entry; appends overwrite them.
+        index = torch.cat([index, index[..., :1].expand(-1, -1, self.headroom)], dim=-1)
+        self.keys = self._gather("keys", self.keys, index, kept)
+        self.values = self._gather("values", self.values, index, kept)
+        self.bias = self._gather("bias", self.bias, index, kept).masked_fill_(~valid, NEG_INF)
+        self.positions = self._gather("positions", self.positions, index, kept).masked_fill_(~valid, -1)
         for name, extra in self.extras.items():
-            self.extras[name] = self._gather(f"extras.{name}", extra, index)
+            self.extras[name] = self._gather(f"extras.{name}", extra, index, kept)
 
-    # Every per-entry tensor is the prefix [:, :, :S] of a buffer with ``headroom`` spare slots,
+    # Every per-entry tensor is the prefix [:, :, :S] of a contiguous buffer [B, H_kv, S + spare, ...],
     # so appends write in place instead of copying the layer (torch.cat) at every step. A method
     # may assign any tensor instead: the next append then moves it into a new buffer.
-    def _buffer(self, name: str, like: torch.Tensor, length: int) -> torch.Tensor:
-        buffer = like.new_empty(*like.shape[:2], length + self.headroom, *like.shape[3:])
+    def _buffer_of(self, name: str, current: torch.Tensor) -> torch.Tensor | None:
+        """The named buffer if ``current`` is its prefix view, else None."""
+        buffer = self.buffers.get(name)
+        if (
+            buffer is None
+            or buffer.data_ptr() != current.data_ptr()
+            or buffer.stride() != current.stride()
+            or buffer.shape[:2] + buffer.shape[3:] != current.shape[:2] + current.shape[3:]
+        ):
+            return None
+        return buffer
+
+    def _new_buffer(self, name: str, like: torch.Tensor, slots: int) -> torch.Tensor:
+        buffer = like.new_empty(*like.shape[:2], slots, *like.shape[3:])
         self.buffers[name] = buffer
         return buffer
 
@@ -155,26 +170,31 @@ class LayerStore(CacheLayerMixin):
         for ``length`` entries), as a prefix view of the named buffer."""
         size = current.shape[2]
         length = block.shape[2] if isinstance(block, torch.Tensor) else length
-        buffer = self.buffers.get(name)
-        in_place = (
-            buffer is not None
-            and buffer.data_ptr() == current.data_ptr()
-            and buffer.stride() == current.stride()
-            and buffer.shape[2] >= size + length
-        )
-        if not in_place:
-            buffer = self._buffer(name, current, size + length)
+        buffer = self._buffer_of(name, current)
+        if buffer is None or buffer.shape[2] < size + length:
+            buffer = self._new_buffer(name, current, size + length + self.headroom)
             buffer.narrow(2, 0, size).copy_(current)
         fresh = buffer.narrow(2, size, length)
-        fresh.copy_(block) if isinstance(block, torch.Tensor) else fresh.fill_(block)
+        if isinstance(block, torch.Tensor):
+            fresh.copy_(block)
+        else:
+            fresh.fill_(block)
         return buffer.narrow(2, 0, size + length)
 
-    def _gather(self, name: str, current: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """current[index] along the entry axis (index [B, H_kv, K]), written into a new buffer."""
-        kept = index.shape[2]
-        index = index.view(*index.shape, *([1] * (current.dim() - 3))).expand(*index.shape, *current.shape[3:])
-        out = self._buffer(name, current, kept).narrow(2, 0, kept)
-        return torch.gather(current, 2, index, out=out)
+    def _gather(self, name: str, current: torch.Tensor, index: torch.Tensor, kept: int) -> torch.Tensor:
+        """current[index] along the entry axis (index [B, H_kv, N]) as the first ``kept`` slots of a
+        new buffer of N. One index_select over flattened rows: several times faster than
+        torch.gather on CPU, which walks an expanded index element by element."""
+        source = self._buffer_of(name, current)
+        source = current.contiguous() if source is None else source  # [B, H_kv, C, ...]
+        batch, kv_heads, slots = source.shape[:3]
+        row_start = torch.arange(batch * kv_heads, device=index.device).view(batch, kv_heads, 1) * slots
+        buffer = self._new_buffer(name, source, index.shape[2])
+        torch.index_select(
+            source.view(-1, *source.shape[3:]), 0, (row_start + index).view(-1),
+            out=buffer.view(-1, *source.shape[3:]),
+        )
+        return buffer.narrow(2, 0, kept)
 
     def entry_nbytes(self) -> int:
         """Bytes one entry of one row takes over the KV heads: keys, values, bias, positions, extras."""

@@ -160,8 +160,9 @@ class Method:
 class EvictionPlan:
     """Which entries stay and which leave, per row and head.
 
-    keep_idx [B, H_kv, K] in position order, keep_valid [B, H_kv, K];
-    evict_idx [B, H_kv, E], evict_valid [B, H_kv, E]; kept [B, H_kv, S] bool.
+    keep_idx [B, H_kv, K]: the kept slots in position order, then other slots (keep_valid False);
+    evict_idx [B, H_kv, E]: the evicted slots in position order, then others (evict_valid False);
+    kept [B, H_kv, S] bool.
     """
 
     keep_idx: torch.Tensor
@@ -174,25 +175,27 @@ class EvictionPlan:
 def plan_eviction(layer, priority: torch.Tensor) -> EvictionPlan:
     """Keep the ``layer.budget`` live entries of highest ``priority`` [B, H_kv, S] per row and head.
 
-    Kept entries stay in their physical order, so a budget that keeps everything changes
-    nothing, bit for bit. No host sync: sizes come from the layer's host-side counters.
+    Each row and head drops its S - budget lowest slots (empty slots rank lowest): one top-k of
+    the few that leave rather than of the many that stay. Kept entries stay in their physical
+    order, so a budget that keeps everything changes nothing, bit for bit. No host sync: sizes
+    come from the layer's host-side counters.
     """
     live = layer.live()
     size = live.shape[-1]
-    keep_count = min(size, layer.capacity)
-    ranked = priority.masked_fill(~live, NEG_INF).topk(keep_count, dim=-1)
-    rank = torch.arange(keep_count, device=live.device)
-    chosen = (rank < layer.budget[..., None]) & live.gather(-1, ranked.indices)
-    keep_sorted = ranked.indices.masked_fill(~chosen, size).sort(-1).values
-    keep_valid = keep_sorted < size
-    keep_idx = keep_sorted.clamp(max=size - 1)
+    most_dropped = max(0, size - layer.min_budget)
+    lowest = priority.masked_fill(~live, NEG_INF).topk(most_dropped, dim=-1, largest=False).indices
+    drops = torch.arange(most_dropped, device=live.device) < (size - layer.budget)[..., None]
+    kept = live & ~torch.zeros_like(live).scatter_(-1, lowest, drops)  # top-k indices are distinct
+    keep_idx, keep_valid = slots_of(kept, min(size, layer.capacity))
+    evict_idx, evict_valid = slots_of(live & ~kept, most_dropped)
+    return EvictionPlan(keep_idx, keep_valid, evict_idx, evict_valid, kept)
 
-    # Invalid picks are clamped onto slot S-1: add, so they cannot erase a real pick there.
-    kept = torch.zeros_like(live, dtype=torch.int32).scatter_add_(-1, keep_idx, keep_valid.int()) > 0
-    evicted = live & ~kept
-    evict_count = min(size, size - layer.min_budget)
-    evict_idx = (~evicted).to(torch.uint8).argsort(dim=-1, stable=True)[..., :evict_count]
-    return EvictionPlan(keep_idx, keep_valid, evict_idx, evicted.gather(-1, evict_idx), kept)
+
+def slots_of(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``count`` slots of mask [B, H_kv, S] in position order, True slots first:
+    (index, index's slot is True), both [B, H_kv, count]."""
+    index = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]
+    return index, mask.gather(-1, index)
 
 
 def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from ..attention import Needs, entry_logits, softmax_probs
 from ..merging import momentum_merge
-from .base import Method, check_range, register
+from .base import Method, check_range, register, slots_of
 
 # Floats in one chunk of the prefill score pass; independent of the batch size, so a row's
 # scores are summed in the same order whether it runs alone or in a batch.
@@ -187,5 +187,4 @@ class ZeroMerge(Method):
         layer.bias = torch.where(is_slot, slot_bias(counts, self.alpha), layer.bias)
 
         kept = is_slot | is_recent | keep_context
-        keep_idx = (~kept).to(torch.uint8).argsort(dim=-1, stable=True)[..., : min(size, layer.capacity)]
-        layer.select(keep_idx, kept.gather(-1, keep_idx))
+        layer.select(*slots_of(kept, min(size, layer.capacity)))
