@@ -111,8 +111,8 @@ def attend(query, keys, values, bias, block_mask, scaling: float, needs: Needs =
         S' = S - q + stop entries: the later block columns are causally masked for these rows."""
         visible = size - block + stop
         rows = query_g[:, :, :, start:stop]
-        logits = entry_logits(rows, keys[:, :, :visible], bias[:, :, :visible], scaling, block_mask[:, 0, start:stop, :stop])
-        return softmax_probs(logits)
+        block_rows = block_mask[:, 0, start:stop, :stop]
+        return softmax_probs(entry_logits(rows, keys[:, :, :visible], bias[:, :, :visible], scaling, block_rows))
 
     def chunks():
         return ((start, min(block, start + rows_per_chunk)) for start in range(0, block, rows_per_chunk))
@@ -123,6 +123,12 @@ def attend(query, keys, values, bias, block_mask, scaling: float, needs: Needs =
             query, keys, values, attn_mask=block_mask, scale=scaling, enable_gqa=True
         ).transpose(1, 2)
         prob_chunks = [row_probs(start, stop) for start, stop in chunks()] if needs.probs else []
+    elif block == 1 and not needs.probs and query.dtype == torch.float32:
+        # A decode step nobody reads probabilities of: SDPA with the bias as its float mask, the
+        # group folded into query rows (K/V not repeated). fp32 only: a bf16 mask would round ln p.
+        output = F.scaled_dot_product_attention(
+            query_g.view(batch, kv_heads, group, head_dim), keys, values, attn_mask=bias[:, :, None, :], scale=scaling
+        ).reshape(batch, kv_heads * group, 1, -1).transpose(1, 2)
     else:
         output_chunks, prob_chunks = [], []
         for start, stop in chunks():
@@ -132,7 +138,7 @@ def attend(query, keys, values, bias, block_mask, scaling: float, needs: Needs =
             output_chunks.append(torch.matmul(flat, values[:, :, :visible]).view(batch, kv_heads, group, rows, -1))
             if needs.probs:
                 prob_chunks.append(probs)
-        output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, head_dim).transpose(1, 2)
+        output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
     if needs.probs:
         stats.probs = torch.cat([F.pad(probs, (0, size - probs.shape[-1])) for probs in prob_chunks], dim=3)
     if needs.colsum:

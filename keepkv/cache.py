@@ -3,8 +3,8 @@
 One storage layout serves every method (DESIGN.md, "Storage"). Per layer, for B rows
 and H_kv KV heads:
 
-    keys, values : [B, H_kv, S, D]  the kept entries; S is the layer's physical capacity,
-                                    the most any row or head keeps
+    keys, values : [B, H_kv, S, D]  the kept entries; S is the layer's size, the most any
+                                    row or head keeps
     bias         : [B, H_kv, S]     fp32, added to every query's logit for that entry:
                                     0 plain token, log p for p Electoral Votes, -inf empty slot
     positions    : [B, H_kv, S]     int64 original position of the entry within its row
@@ -12,6 +12,8 @@ and H_kv KV heads:
     extras[name] : [B, H_kv, S,...] per-entry state of the method (scores, counts), kept
                                     aligned with the entries through every append and select
 
+Each is the prefix view of a contiguous buffer with a few spare slots (one compression
+interval's worth once the layer is compressed), so a decode step appends in place.
 The tensors really shrink when a method compresses: nothing is masked in place.
 """
 
@@ -265,6 +267,10 @@ class CompressedCache(Cache):
 
     A cache built with ``record=Needs(...)`` compresses nothing and keeps the prefill's
     statistics, so that ``fork()`` can start any number of methods from one prefill.
+
+    Each layer is compressed as soon as its own prefill ends, so the whole uncompressed prompt
+    never sits in memory at once (unless the method's ``allocates_from_all_layers``, as D2O's);
+    ``prefill_peak_bytes`` is the largest ``nbytes()`` seen during the prefill.
     """
 
     def __init__(

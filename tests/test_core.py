@@ -170,3 +170,21 @@ def test_true_rope_positions_after_compression(gqa_model):
     assert cache.get_seq_length() == 30
     assert cache.layers[0].size == 8
     assert cache.layers[0].positions[:, 0].max(-1).values.tolist() == [29, 25]
+
+
+def test_decode_attention_paths_agree():
+    """A decode step without probabilities goes through SDPA with the bias as a float mask; it
+    matches the explicit softmax path (which also returns the probabilities) on votes and holes."""
+    from keepkv.attention import Needs, attend
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, size, dim = 3, 6, 2, 37, 16
+    query = torch.randn(batch, heads, 1, dim)
+    keys, values = torch.randn(batch, kv_heads, size, dim), torch.randn(batch, kv_heads, size, dim)
+    bias = torch.randn(batch, kv_heads, size).abs().log1p()  # ln p for p >= 1 votes
+    bias[:, :, 5:9] = float("-inf")  # empty slots
+    block_mask = torch.ones(batch, 1, 1, 1, dtype=torch.bool)
+    fast, _ = attend(query, keys, values, bias, block_mask, 0.3)
+    explicit, stats = attend(query, keys, values, bias, block_mask, 0.3, Needs(probs=True))
+    assert torch.allclose(fast, explicit, atol=1e-6)
+    assert stats.probs[..., 5:9].abs().max() == 0  # the explicit path ran, holes get no weight

@@ -345,7 +345,7 @@ class KeepKV(ScoredEviction):
         log_n = torch.logaddexp(layer.extras["ema_log_n"] + decay, new_n).masked_fill(~live, NEG_INF)
         layer.extras["ema_log_s"] = log_s.permute(0, 1, 3, 2).contiguous()
         layer.extras["ema_log_n"] = log_n
-        layer.state["query"] = queries[:, :, :, -1]  # [B, H_kv, g, D]
+        layer.state["query"] = queries[:, :, :, -1].clone()  # [B, H_kv, g, D]; not a view that holds the block
         layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
 
     @staticmethod
