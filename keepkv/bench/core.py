@@ -15,7 +15,7 @@ import sys
 import torch
 
 from ..cli import budget_arg
-from ..methods.base import parse_method_spec, parse_value
+from ..methods.base import get_method, parse_method_spec, parse_value
 from .configs import CONFIGS, build_config, param_bytes, random_model
 from .runner import (
     cache_bytes_per_row,
@@ -64,7 +64,7 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 def resolve_methods(methods) -> list[str]:
     """Registered methods or variants (``name+key=value``) to run ("full" first, added if missing);
     all registered by default."""
-    from ..methods import METHODS, get_method
+    from ..methods import METHODS
 
     if methods is None:
         chosen = sorted(METHODS)
@@ -297,7 +297,7 @@ def run_bench(
     requested = [m.strip() for m in methods.split(",")] if isinstance(methods, str) else methods
     if requested is not None and "full" not in requested:
         notes.append("full added: every ratio is against full measured in the same run")
-    if any("interval" in p for p in params.values()):
+    if any(get_method(name, **params[name]).interval > 1 for name in names):
         notes.append("interval > 1 trades quality for speed: check it with `keepkv eval`")
 
     errors: dict[str, str] = {}
