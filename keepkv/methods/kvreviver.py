@@ -672,11 +672,13 @@ class KVReviver(Method):
         cand_sorted, cand_idx = score.masked_fill(~is_candidate, float("inf")).topk(width, largest=False)
         vague_sorted, vague_idx = vague_score.topk(width, largest=True)
         swap = swap_counts(cand_sorted, vague_sorted, self.replace_rate)
-        most = int(swap.sum(-1).max())
-        if most == 0:
-            return
-        cand_idx, vague_idx, swap = cand_idx[..., :most], vague_idx[..., :most], swap[..., :most]
-        cand_score, in_score = cand_sorted[..., :most], vague_sorted[..., :most]
+        if layer.device.type == "cpu":  # trim to the swaps that happen; on accelerators avoid the host sync
+            most = int(swap.sum(-1).max())
+            if most == 0:
+                return
+            cand_idx, vague_idx, swap = cand_idx[..., :most], vague_idx[..., :most], swap[..., :most]
+            cand_sorted, vague_sorted = cand_sorted[..., :most], vague_sorted[..., :most]
+        cand_score, in_score = cand_sorted, vague_sorted
         out_pos = layer.positions.gather(-1, cand_idx)
         out_keys, out_values = self._gather_kv(layer, cand_idx)
         in_pos = vague_pos.gather(-1, vague_idx)
@@ -696,7 +698,7 @@ class KVReviver(Method):
         layer.extras["score"] = score.scatter(-1, cand_idx, torch.where(swap, in_score, cand_score))
         state["vague_pos"] = vague_pos.scatter(-1, vague_idx, torch.where(swap, out_pos.to(torch.int32), in_pos))
         state["vague_score"] = vague_score.scatter(-1, vague_idx, torch.where(swap, cand_score, in_score))
-        state["swaps"] = state.get("swaps", 0) + int(swap.sum())
+        state["swaps"] = state.get("swaps", 0) + swap.sum()  # a tensor: no host sync per step
 
     # -- reporting -----------------------------------------------------------------------------
     @staticmethod
@@ -733,5 +735,5 @@ class KVReviver(Method):
             "largest_layer_rebuilt_bytes": max(layer.state.get("peak_rebuilt_bytes", 0) for layer in cache.layers),
             "rebuilt_bytes_alive": self.tracker.live,
             "full_cache_bytes": int(first.real_seen.sum()) * per_token * cache.num_layers,
-            "swaps": sum(layer.state.get("swaps", 0) for layer in cache.layers),
+            "swaps": int(sum(layer.state.get("swaps", 0) for layer in cache.layers)),
         }
