@@ -31,6 +31,7 @@ __all__ = [
     "buckets_for_budget",
     "fisher_layer_scores",
     "allocate_layer_budgets",
+    "proportional_budgets",
     "fisher_layer_budgets",
 ]
 
@@ -458,17 +459,45 @@ def fisher_layer_scores(
     return scores
 
 
+def proportional_budgets(scores: Tensor, totals: Tensor, minimum: int) -> Tensor:
+    """[L, B] integer budgets, one column per total: proportional to ``scores`` [L], each column
+    summing to ``totals`` [B] exactly, every entry at least ``minimum``.
+
+    Layers whose share falls below the minimum are pinned at it and the rest of the total is
+    re-shared among the others (water-filling, at most L rounds); shares are then floored and
+    the leftover units go to the largest fractional remainders (ties: larger score, then lower
+    layer). A layer with a larger score never gets less. All-zero scores split uniformly.
+    """
+    layers = scores.numel()
+    weights = scores.double().flatten().to(totals.device).clamp(min=0)
+    if not bool(weights.sum() > 0):
+        weights = torch.ones_like(weights)
+    total = totals.double()
+    pinned = torch.zeros(layers, total.numel(), dtype=torch.bool, device=total.device)
+    for _ in range(layers):
+        free = torch.where(pinned, 0.0, weights[:, None])
+        left = total - minimum * pinned.sum(0)
+        share = free / free.sum(0).clamp(min=1e-300) * left
+        share = torch.where(pinned, float(minimum), share)
+        low = ~pinned & (share < minimum)
+        if not bool(low.any()):
+            break
+        pinned |= low
+    base = share.floor().clamp(min=minimum)
+    leftover = (total - base.sum(0)).round().clamp(min=0)  # [B], fewer than the free layers
+    remainder = (share - base).masked_fill(pinned, -math.inf)
+    by_score = weights.argsort(descending=True, stable=True)  # [L] tie order: score, then layer
+    ranked = by_score[remainder[by_score].argsort(dim=0, descending=True, stable=True)]  # [L, B] layers
+    places = torch.arange(layers, device=total.device)[:, None].expand_as(ranked)
+    rank = torch.empty_like(ranked).scatter_(0, ranked, places)
+    return (base + (rank < leftover[None]).double()).long()
+
+
 def allocate_layer_budgets(
     scores: Sequence[float] | Tensor, total_budget: int, min_per_layer: int = 1
 ) -> list[int]:
-    """Integer budgets proportional to ``scores`` that sum to ``total_budget`` exactly.
-
-    Proportional shares s_l · T / Σs; layers whose share falls below ``min_per_layer``
-    are pinned at the minimum and the rest of the budget is re-shared among the others
-    (water-filling), then shares are floored and the leftover units go to the largest
-    fractional remainders (ties: lower layer index first). A layer with a larger score
-    never gets a smaller budget. All-zero scores give a uniform split.
-    """
+    """Integer budgets proportional to ``scores`` that sum to ``total_budget`` exactly, each at
+    least ``min_per_layer`` (see :func:`proportional_budgets`)."""
     s = torch.as_tensor(scores, dtype=torch.float64).flatten().cpu()
     L = s.numel()
     if L == 0:
@@ -484,41 +513,7 @@ def allocate_layer_budgets(
             f"total_budget must be >= layers * min_per_layer = {L} * {min_per_layer} = "
             f"{L * min_per_layer}, got {total_budget}"
         )
-    if s.sum() == 0:
-        s = torch.ones_like(s)
-
-    pinned = torch.zeros(L, dtype=torch.bool)
-    share = torch.zeros(L, dtype=torch.float64)
-    for _ in range(L):  # at most L rounds; runs once per model, not on a hot path
-        free = ~pinned
-        left = total_budget - min_per_layer * int(pinned.sum())
-        w = s[free]
-        w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1.0 / w.numel())
-        share[free] = w * left
-        share[pinned] = float(min_per_layer)
-        low = free & (share < min_per_layer)
-        if not low.any():
-            break
-        pinned |= low
-
-    base = torch.floor(share).to(torch.int64)
-    base[pinned] = min_per_layer
-    base = torch.clamp(base, min=min_per_layer)
-    leftover = total_budget - int(base.sum())
-    # Float round-off guard (exact arithmetic gives 0 <= leftover < #free layers).
-    while leftover < 0:
-        i = int(torch.argmax(torch.where(base > min_per_layer, base, torch.zeros_like(base))))
-        base[i] -= 1
-        leftover += 1
-    if leftover > 0:
-        rem = share - base.double()
-        free_ids = [i for i in range(L) if not bool(pinned[i])]
-        order = sorted(free_ids, key=lambda i: (-float(rem[i]), -float(s[i]), i))
-        for step in range(leftover):
-            base[order[step % len(order)]] += 1
-    out = [int(x) for x in base]
-    assert sum(out) == total_budget
-    return out
+    return proportional_budgets(s, torch.tensor([total_budget]), min_per_layer)[:, 0].tolist()
 
 
 def fisher_layer_budgets(

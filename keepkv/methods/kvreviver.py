@@ -128,7 +128,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Needs
-from ..sketch import CountSketch, _hash_positions, fisher_layer_scores
+from ..sketch import CountSketch, _hash_positions, fisher_layer_scores, proportional_budgets
 from .base import Method, check_range, plan_eviction, pool_group, register
 
 NEG_INF = float("-inf")
@@ -287,32 +287,6 @@ def _registered_scores(config) -> torch.Tensor | None:
     return None
 
 
-def proportional_budgets(scores: torch.Tensor, row_budget: torch.Tensor, minimum: int) -> torch.Tensor:
-    """[L, B] integer layer budgets per row: proportional to ``scores`` [L], summing to
-    L x ``row_budget`` [B] exactly, each at least ``minimum`` (water-filling, then largest
-    remainders). Vectorised over rows; the loop runs at most L rounds."""
-    layers = scores.numel()
-    weights = scores.double().to(row_budget.device).clamp(min=0)
-    if weights.sum() <= 0:
-        weights = torch.ones_like(weights)
-    total = row_budget.double() * layers  # [B]
-    pinned = torch.zeros(layers, row_budget.numel(), dtype=torch.bool, device=row_budget.device)
-    for _ in range(layers):
-        free = torch.where(pinned, 0.0, weights[:, None])
-        left = total - minimum * pinned.sum(0)
-        share = free / free.sum(0).clamp(min=1e-300) * left
-        share = torch.where(pinned, float(minimum), share)
-        low = ~pinned & (share < minimum)
-        if not bool(low.any()):
-            break
-        pinned |= low
-    base = share.floor().clamp(min=minimum)
-    leftover = (total - base.sum(0)).round().clamp(min=0)  # [B]
-    remainder = (share - base).masked_fill(pinned, NEG_INF)
-    rank = remainder.argsort(dim=0, descending=True, stable=True).argsort(dim=0, stable=True)
-    return (base + (rank < leftover[None]).double()).long()
-
-
 # ------------------------------------------------------------------------------- method
 
 
@@ -465,7 +439,7 @@ class KVReviver(Method):
             return row_budget[None, :, None].expand(layers, -1, kv_heads).clone()
         if scores.numel() != layers:
             raise ValueError(f"layer_scores has {scores.numel()} entries, the model has {layers} layers")
-        budgets = proportional_budgets(scores, row_budget, self.min_budget())
+        budgets = proportional_budgets(scores, row_budget * layers, self.min_budget())
         return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
 
     def prepare(self, model, calibration_ids=None) -> None:
