@@ -140,12 +140,13 @@ class LayerStore(CacheLayerMixin):
         kept = index.shape[2]
         # The spare slots copy any kept entry; appends overwrite them.
         index = torch.cat([index, index[..., :1].expand(-1, -1, self.headroom)], dim=-1)
-        self.keys = self._gather("keys", self.keys, index, kept)
-        self.values = self._gather("values", self.values, index, kept)
-        self.bias = self._gather("bias", self.bias, index, kept).masked_fill_(~valid, NEG_INF)
-        self.positions = self._gather("positions", self.positions, index, kept).masked_fill_(~valid, -1)
+        rows = {}  # source slots -> flat row index, shared by the tensors whose buffers match
+        self.keys = self._gather("keys", self.keys, index, kept, rows)
+        self.values = self._gather("values", self.values, index, kept, rows)
+        self.bias = self._gather("bias", self.bias, index, kept, rows).masked_fill_(~valid, NEG_INF)
+        self.positions = self._gather("positions", self.positions, index, kept, rows).masked_fill_(~valid, -1)
         for name, extra in self.extras.items():
-            self.extras[name] = self._gather(f"extras.{name}", extra, index, kept)
+            self.extras[name] = self._gather(f"extras.{name}", extra, index, kept, rows)
 
     # Every per-entry tensor is the prefix [:, :, :S] of a contiguous buffer [B, H_kv, S + spare, ...],
     # so appends write in place instead of copying the layer (torch.cat) at every step. A method
@@ -183,19 +184,18 @@ class LayerStore(CacheLayerMixin):
             fresh.fill_(block)
         return buffer.narrow(2, 0, size + length)
 
-    def _gather(self, name: str, current: torch.Tensor, index: torch.Tensor, kept: int) -> torch.Tensor:
+    def _gather(self, name: str, current: torch.Tensor, index: torch.Tensor, kept: int, rows: dict) -> torch.Tensor:
         """current[index] along the entry axis (index [B, H_kv, N]) as the first ``kept`` slots of a
         new buffer of N. One index_select over flattened rows: several times faster than
         torch.gather on CPU, which walks an expanded index element by element."""
         source = self._buffer_of(name, current)
         source = current.contiguous() if source is None else source  # [B, H_kv, C, ...]
         batch, kv_heads, slots = source.shape[:3]
-        row_start = torch.arange(batch * kv_heads, device=index.device).view(batch, kv_heads, 1) * slots
+        if slots not in rows:
+            row_start = torch.arange(batch * kv_heads, device=index.device).view(batch, kv_heads, 1) * slots
+            rows[slots] = (row_start + index).view(-1)
         buffer = self._new_buffer(name, source, index.shape[2])
-        torch.index_select(
-            source.view(-1, *source.shape[3:]), 0, (row_start + index).view(-1),
-            out=buffer.view(-1, *source.shape[3:]),
-        )
+        torch.index_select(source.view(-1, *source.shape[3:]), 0, rows[slots], out=buffer.view(-1, *source.shape[3:]))
         return buffer.narrow(2, 0, kept)
 
     def entry_nbytes(self) -> int:
