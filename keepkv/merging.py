@@ -458,38 +458,52 @@ def spread_values(
 
 
 def cosine_nearest(
-    keys: torch.Tensor, src: torch.Tensor, candidates_mask: torch.Tensor, chunk_elements: int = 1 << 24
+    keys: torch.Tensor,
+    src: torch.Tensor,
+    candidates_mask: torch.Tensor,
+    candidate_idx: torch.Tensor | None = None,
+    chunk_elements: int = 1 << 24,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Most cosine-similar candidate of each evicted key (D2O eq. 8; KeepKV's merge target).
 
-    Only the evicted keys are compared with the others: (k_e · K^T) / (‖k_e‖ ‖K‖), in chunks of
-    the plan holding at most ``chunk_elements`` similarities.
+    Only the evicted keys are compared: (k_e · K^T) / (‖k_e‖ ‖K‖), in chunks of the plan
+    holding at most ``chunk_elements`` similarities.
 
     Parameters
     ----------
     keys : [B, H_kv, S, D].
     src : [B, H_kv, E] slot of each evicted entry (negative padding is clamped to 0).
     candidates_mask : [B, H_kv, S] bool, slots allowed as targets (normally the kept ones).
+    candidate_idx : [B, H_kv, K], optional slots that include every candidate (a plan's
+        ``keep_idx``). When K < S / 2 (a prefill compression) the keys are compared with these
+        K keys only, not with all S.
 
     Returns
     -------
     best_idx : [B, H_kv, E] int64, slot of the most similar candidate.
-    best_sim : [B, H_kv, E] fp32, its cosine similarity; -inf (with index 0) where a row has no
-        candidate.
+    best_sim : [B, H_kv, E] fp32, its cosine similarity; -inf (with any index) where a row has
+        no candidate.
     """
     keys = keys.float()
-    batch, kv_heads, size = candidates_mask.shape
-    norms = keys.norm(dim=-1).clamp_min(1e-12)  # [B, H_kv, S], F.normalize's eps
-    candidate_norms = norms.masked_fill(~candidates_mask, math.inf).unsqueeze(-2)  # non-candidates -> 0
+    if candidate_idx is not None and 2 * candidate_idx.shape[-1] < keys.shape[2]:
+        targets, allowed = _gather_entries(keys, candidate_idx), candidates_mask.gather(-1, candidate_idx)
+    else:
+        targets, allowed, candidate_idx = keys, candidates_mask, None
+    target_norms = targets.norm(dim=-1).clamp_min(1e-12)  # F.normalize's eps
+    target_norms = target_norms.masked_fill(~allowed, math.inf).unsqueeze(-2)  # non-candidates -> 0
     best_idx, best_sim = [], []
-    for part in src.clamp_min(0).split(max(1, chunk_elements // max(1, batch * kv_heads * size)), dim=-1):
-        src_unit = _gather_entries(keys, part) / norms.gather(-1, part).unsqueeze(-1)  # [B, H_kv, e, D]
-        similarity = (src_unit @ keys.transpose(-1, -2)) / candidate_norms  # [B, H_kv, e, S]
-        similarity = similarity.masked_fill(~candidates_mask.unsqueeze(-2), -math.inf)
+    for part in src.clamp_min(0).split(max(1, chunk_elements // allowed.numel()), dim=-1):
+        src_keys = _gather_entries(keys, part)  # [B, H_kv, e, D]
+        src_unit = src_keys / src_keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        similarity = (src_unit @ targets.transpose(-1, -2)) / target_norms  # [B, H_kv, e, S or K]
+        similarity = similarity.masked_fill(~allowed.unsqueeze(-2), -math.inf)
         sim, idx = similarity.max(dim=-1)
         best_idx.append(idx)
         best_sim.append(sim)
-    return torch.cat(best_idx, dim=-1), torch.cat(best_sim, dim=-1)
+    best_idx = torch.cat(best_idx, dim=-1)
+    if candidate_idx is not None:
+        best_idx = candidate_idx.gather(-1, best_idx)
+    return best_idx, torch.cat(best_sim, dim=-1)
 
 
 def attention_mass(

@@ -467,6 +467,16 @@ def test_cosine_nearest_matches_brute_force():
     candidates[0, 0] = False
     candidates[0, 0, 4] = True  # a row with a single candidate
     best_idx, best_sim = cosine_nearest(keys, src, candidates)
+    # Searching a compact index set that holds every candidate finds the same slots.
+    from keepkv.methods.base import slots_of
+
+    sparse = candidates & (torch.arange(S) % 3 == 1)  # row [0, 0] keeps its single candidate, slot 4
+    holders = slots_of(sparse, int(sparse.sum(-1).max()))[0]
+    assert 2 * holders.shape[-1] < S
+    compact_idx, compact_sim = cosine_nearest(keys, src, sparse, holders)
+    masked_idx, masked_sim = cosine_nearest(keys, src, sparse)
+    assert torch.equal(compact_idx, masked_idx) and torch.allclose(compact_sim, masked_sim)
+    assert torch.equal(compact_idx[0, 0], torch.full_like(compact_idx[0, 0], 4))
     for b in range(B):
         for h in range(H_KV):
             for e in range(src.shape[-1]):

@@ -176,7 +176,7 @@ class D2O(H2O):
             return
         plan = plan_eviction(layer, self.priority(layer))
         kept = plan.kept
-        target, similarity = cosine_nearest(layer.keys, plan.evict_idx, kept)
+        target, similarity = cosine_nearest(layer.keys, plan.evict_idx, kept, plan.keep_idx)
         candidate = plan.evict_valid & torch.isfinite(similarity)
         tau = self.update_threshold(layer, similarity, candidate)
         merge = candidate & (similarity >= tau.unsqueeze(-1))

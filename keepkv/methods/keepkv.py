@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats
 from ..merging import KEY_RULES, cosine_nearest, zip_merge
 from ..offload import FullKVCopy, offload_report
-from .base import ScoredEviction, check_range, plan_eviction, protected, register
+from .base import ScoredEviction, check_range, plan_eviction, protected, register, slots_of
 
 NEG_INF = float("-inf")
 SCORE_MODES = ("ema", "exact")
@@ -441,13 +441,15 @@ class KeepKV(ScoredEviction):
             has_better[:, :, start:stop] = ((sim >= self.threshold) & better).any(-1)
         roots = live & (is_protected | ~has_better)
         movers = live & ~roots
-        src = torch.arange(size, device=layer.device).expand_as(order)
-        dst, sim = cosine_nearest(layer.keys, src, roots)
-        merge = movers & (sim >= self.threshold)
+        # Only movers look for a root: the second similarity pass is (movers x S), not S x S.
+        src, is_mover = slots_of(movers, int(movers.sum(-1).max()))  # a host sync, once per prefill
+        dst, sim = cosine_nearest(layer.keys, src, roots, slots_of(roots, int(roots.sum(-1).max()))[0])
+        merge = is_mover & (sim >= self.threshold)
         if not bool(merge.any()):
             return
         self.merge(layer, src, dst, merge, exact, ema)
-        layer.bias = layer.bias.masked_fill(merge, NEG_INF)
+        merged = torch.zeros_like(live).scatter_(-1, src, merge)  # src slots are distinct
+        layer.bias = layer.bias.masked_fill(merged, NEG_INF)
         if exact:  # the merged keys changed: the query's exact logits of the new store
             logits = self._logits(layer, layer.state["query"][:, :, :, None])[:, :, :, 0]
             layer.state["exact_logits"] = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
@@ -459,7 +461,7 @@ class KeepKV(ScoredEviction):
         plan = plan_eviction(layer, self.priority(layer, ema[1]))
         kept = plan.kept
         if plan.evict_idx.shape[-1] > 0:
-            dst, sim = cosine_nearest(layer.keys, plan.evict_idx, kept)
+            dst, sim = cosine_nearest(layer.keys, plan.evict_idx, kept, plan.keep_idx)
             merge = plan.evict_valid & (sim >= self.threshold)
             dropped = plan.evict_valid & ~merge
             lost = layer.bias.gather(-1, plan.evict_idx).double().exp().masked_fill(~dropped, 0.0).sum(-1)
