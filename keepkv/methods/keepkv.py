@@ -145,7 +145,8 @@ class KeepKV(ScoredEviction):
         this at the last layer (Appendix B.3: 0.8), rescaled so the mean budget is the budget.
     zip_key : str
         ZIP key rule, see :func:`keepkv.merging.zip_merge`: "paper" (eq. 25 with a gain
-        safeguard), "projection" (singularity-free, default for now) or "group" (GQA min-norm).
+        safeguard), "projection" (singularity-free, the default: it ties "group" on the dev
+        seed's ppl and fidelity, and "paper" is clearly worse there) or "group" (GQA min-norm).
     scores : str
         "ema" or "exact": scores of decode-time merges (see above).
     prefill_scores : str
