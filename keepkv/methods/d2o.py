@@ -13,7 +13,6 @@ from .h2o import H2O
 
 ALLOCATIONS = ("paper", "code")
 MERGE_RULES = ("paper", "code")
-# Floats in one chunk of the evicted-by-kept similarity matrix (bounds the prefill workspace).
 
 
 def d2o_merge(keys, values, src, dst, merge, similarity, rule: str = "paper"):
