@@ -205,6 +205,18 @@ def test_a_failing_method_is_reported_not_fatal(monkeypatch):
     assert "boom" in result["errors"][Broken.name]
 
 
+@pytest.mark.parametrize("progress", [False, True])
+def test_progress_flag_governs_every_bar_and_message(capsys, progress):
+    result = bench.run_bench(
+        config=tiny_config(), methods=["full"], prompt_len=16, gen_len=3, repeats=1, warmup=0,
+        memory_cap_gb=0.25, max_measure_batch=1, progress=progress,
+    )
+    assert result["memory_cap"]["methods"][0]["measured_batch"] == 1
+    shown = capsys.readouterr().err
+    assert ("memory cap rep" in shown) == progress
+    assert ("step" in shown) == progress
+
+
 def test_cli_writes_json_table_and_png(tmp_path, capsys):
     args = build_parser().parse_args(
         ["--config", "smollm2-135m", "--layers", "1", "--prompt-len", "16", "--gen-len", "2", "--batch", "1", "2",

@@ -309,7 +309,7 @@ def run_bench(
         try:
             return run_once(
                 loaded, method, budget, params[method], prompt_len=L, gen_len=G, batch=batch, seed=rep_seed,
-                overhead_steps=overhead, profile_steps=prof, progress=bar,
+                overhead_steps=overhead, profile_steps=prof, progress=bar and progress,
             )
         except Exception as error:  # a method under development must not sink the whole benchmark
             if method == "full":
@@ -336,7 +336,7 @@ def run_bench(
                     method, batch, prompt_len, gen_len, seed + rep,
                     overhead=overhead_steps if rep == 0 else 0,
                     prof=profile_steps if rep == 0 and batch == largest else 0,
-                    bar=progress,
+                    bar=True,
                 )
                 if out is None:
                     continue
