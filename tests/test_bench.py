@@ -1,15 +1,17 @@
 """keepkv.bench: correctness only (no timing asserts)."""
 
 import json
+import sys
 from dataclasses import dataclass
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 import keepkv
 from keepkv import bench
 from keepkv.bench.core import build_parser, main, parse_params
-from keepkv.bench.runner import MethodTimer, cache_bytes_per_row, max_batch, run_once
+from keepkv.bench.runner import MethodTimer, PeakMemory, cache_bytes_per_row, current_rss, max_batch, run_once
 from keepkv.methods import METHODS
 
 from conftest import tiny_model
@@ -267,3 +269,16 @@ def test_main_accepts_a_parent_parsers_model_and_json_flag(capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out)["fixed"][0]["method"] == "full"
     assert "Fixed batch" in captured.err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc heap behaviour")
+def test_cpu_peak_memory_does_not_start_from_heap_an_earlier_run_freed():
+    # Many small blocks stay in glibc's heap after they are freed; a probe measured on top of
+    # them would reuse that memory and show no growth (the memory cap then saw zero workspace).
+    blocks = [torch.ones(1 << 14) for _ in range(4000)]  # 4000 x 64 KiB
+    del blocks
+    retained = current_rss()
+    with PeakMemory("cpu") as memory:
+        pass
+    assert memory.start < retained - (150 << 20)
+

@@ -10,6 +10,7 @@ own. On CUDA a step is timed with CUDA events (no host sync inside the loop); on
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import platform
@@ -68,13 +69,23 @@ def current_rss() -> int:
         return process_peak_rss()
 
 
+def release_freed_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere), so that
+    an RSS delta counts this run's allocations rather than reusing memory an earlier run freed."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakMemory:
     """Peak memory over a ``with`` block.
 
     CUDA: ``torch.cuda.max_memory_allocated`` after resetting the peak stats (``kind`` =
     ``"cuda_max_allocated"``). CPU: the peak of the process RSS sampled every ``interval``
     seconds by a thread (``kind`` = ``"process_rss_sampled"``), since ``getrusage``'s peak is
-    process-wide and cannot be reset between methods. ``start`` is the reading at entry.
+    process-wide and cannot be reset between methods; freed heap is released first, or a run
+    would reuse what the previous one freed and show no growth. ``start`` is the reading at entry.
     """
 
     def __init__(self, device, interval: float = 0.002):
@@ -91,6 +102,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = self.peak = torch.cuda.memory_allocated(self.device)
         else:
+            release_freed_heap()
             self.start = self.peak = current_rss()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
