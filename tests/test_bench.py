@@ -281,4 +281,3 @@ def test_cpu_peak_memory_does_not_start_from_heap_an_earlier_run_freed():
     with PeakMemory("cpu") as memory:
         pass
     assert memory.start < retained - (150 << 20)
-
