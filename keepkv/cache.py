@@ -247,6 +247,27 @@ def row_budgets(budget: int | float, prompt_lengths: torch.Tensor) -> torch.Tens
     return torch.full_like(prompt_lengths, budget)
 
 
+def fit_to_prompt(budgets: torch.Tensor, mean_budget: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
+    """Layer budgets [L, B, H_kv] that never exceed their row's prompt, with the same mean.
+
+    A budget above the prompt would keep nothing more than the whole prompt, and its excess would
+    be lost (PyramidKV's largest layers, at high budgets). Each row's budgets are pulled towards
+    its uniform ``mean_budget`` [B], b + λ (a - b), with the largest λ <= 1 that fits the prompt
+    [B]: the shape of the allocation is kept, only flattened, and the mean stays b (KVCache-Factory
+    instead falls back to uniform budgets when its pyramid does not fit). Cumulative rounding over
+    layers keeps the total.
+    """
+    mean = mean_budget.double()[None, :, None]
+    cap = prompt_lengths.double()[None, :, None]
+    deviation = budgets.double() - mean
+    room = torch.where(deviation > 0, (cap - mean).clamp(min=0) / deviation, torch.inf)
+    shrink = room.amin(dim=(0, 2), keepdim=True).clamp(max=1.0)  # λ per row
+    fitted = mean + shrink * deviation
+    cumulative = fitted.cumsum(0).round()
+    rounded = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1]))
+    return torch.where(shrink < 1, rounded.clamp(min=1).minimum(cap), budgets.double()).long()
+
+
 class CompressedCache(Cache):
     """A KV cache that keeps at most ``budget`` entries per layer and head, chosen by ``method``.
 
@@ -366,6 +387,7 @@ class CompressedCache(Cache):
         budgets = self.method.allocate(self, per_row)
         if budgets is None:
             return None
+        budgets = fit_to_prompt(budgets, per_row, self.prompt_lengths)
         # A prompt that fits its mean budget is not compressed in any layer (as PyramidKV's code).
         fits = (self.prompt_lengths <= per_row)[None, :, None]
         return torch.where(fits, per_row[None, :, None], budgets)

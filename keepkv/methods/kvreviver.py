@@ -96,7 +96,8 @@ The sketch costs ``rows x b`` entries, b = floor(vague_share x N / rows), at lea
 vague_share > 0; the exact part is E = N - rows x b, of which Recent gets
 R = max(1, round(recent_share x N)) and Candidate the rest, E - R (its share plus the
 rounding left-overs; it includes the sinks). Stored entries therefore stay within
-E + slack <= N + slack, and stored + sketch within N + slack. ``buckets`` fixes b
+E + slack <= N + slack, and stored + sketch within N + slack. A row whose tokens fit N keeps
+them all exactly (its sketch stays empty) until it outgrows N: a fitting row is never touched. ``buckets`` fixes b
 instead (an ablation knob: the sketch is then extra memory on top of N - the exact part
 still follows the shares).
 
@@ -599,7 +600,9 @@ class KVReviver(Method):
         if layer.size > state["exact_min"]:
             score = layer.extras["score"]
             priority = score.masked_fill(self.protected(layer), float("inf"))
-            view = _ExactView(layer, state["exact"], state["exact_max"], state["exact_min"])
+            # A row whose tokens fit its budget keeps them all, exactly: nothing goes to the sketch.
+            exact = torch.where(layer.real_seen[:, None] <= layer.budget, layer.budget, state["exact"])
+            view = _ExactView(layer, exact, layer.capacity, state["exact_min"])
             plan = plan_eviction(view, priority)
             if sketch is not None and plan.evict_idx.shape[-1]:
                 self._to_vague(layer, plan.evict_idx, plan.evict_valid)

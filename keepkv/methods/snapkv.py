@@ -7,16 +7,19 @@ import torch.nn.functional as F
 
 from ..attention import Needs
 from .base import ScoredEviction, check_range, pool_group, register
+from .zip_merging import ZipMerging
 
 
 @register
 @dataclass
-class SnapKV(ScoredEviction):
+class SnapKV(ZipMerging, ScoredEviction):
     """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024).
 
     At the end of prefill, the attention of the last ``window`` queries (the observation
     window), summed over those queries and averaged over each GQA group, is max-pooled along
-    the sequence with ``kernel`` and the top entries are kept with the window itself.
+    the prefix before the window with ``kernel`` (the window's own columns are not pooled, as
+    in the authors' code and kvpress: pooling them would hand the window's large self-attention
+    to the tokens just before it), and the top entries are kept with the window itself.
     The paper compresses at prefill only; here decoding keeps memory bounded too: new
     tokens' attention is added to the scores and the newest ``window`` tokens stay protected.
 
@@ -26,6 +29,9 @@ class SnapKV(ScoredEviction):
         Observation window w (paper: 32). Also the recent tokens always kept.
     kernel : int
         Max-pool kernel size (paper: 7; odd).
+    merge, threshold, zip_key
+        ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
+        (:class:`keepkv.methods.zip_merging.ZipMerging`); the paper evicts ("none").
     interval : int
         Compress every ``interval`` decode steps.
     """
@@ -46,10 +52,14 @@ class SnapKV(ScoredEviction):
 
     def observe(self, layer, stats):
         if stats.is_prefill:
-            votes = pool_group(stats.window_probs, row_dim=3)
+            votes = pool_group(stats.window_probs, row_dim=3)  # [B, H_kv, S]
             batch, kv_heads, size = votes.shape
-            pooled = F.max_pool1d(votes.view(-1, 1, size), self.kernel, stride=1, padding=self.kernel // 2)
-            layer.extras["score"] += pooled.view(batch, kv_heads, size)
+            prefix = size - stats.window_probs.shape[3]
+            if prefix > 0:
+                votes[..., :prefix] = F.max_pool1d(
+                    votes[..., :prefix].reshape(-1, 1, prefix), self.kernel, stride=1, padding=self.kernel // 2
+                ).view(batch, kv_heads, prefix)
+            layer.extras["score"] += votes
         else:
             layer.extras["score"] += pool_group(stats.probs, row_dim=3)
 
