@@ -55,7 +55,7 @@ g = t / m̄, and it is kept only where 1/G <= g <= G (see :func:`zip_merge`)."""
 GROUP_RIDGE = 1e-6
 """Ridge of the "group" key rule, relative to the mean squared norm of the group's queries."""
 
-KEY_RULES = ("paper", "projection", "group")
+KEY_RULES = ("paper", "projection", "group", "mean")
 
 
 class _Groups(NamedTuple):
@@ -241,6 +241,10 @@ def zip_merge(
           relative). With exact per-head logits, q_h·k_r·scaling = t_h for every head. The
           weights of v_r and k̄ come from ``log_scores`` (the caller's pooled score): the value
           condition cannot hold for all g heads at once in general.
+      "mean"
+          k_r = k̄, the weighted mean key with no correction: the authors' released code (votes
+          in the bias, values and keys averaged with the same weights). Not lossless: the merged
+          entry's logit is m̄ instead of t.
 
     Parameters
     ----------
@@ -249,7 +253,7 @@ def zip_merge(
         slots (finite bias).
     log_scores : [B, H_kv, S], ln ŝ per entry (finite on every slot the plan touches).
     src, dst, merge : [B, H_kv, E] eviction plan (see module docstring).
-    key_rule : "paper", "projection" or "group".
+    key_rule : "paper", "projection", "group" or "mean".
     queries : [B, H_kv, D] for "projection" (and the "paper" fallback): one query direction per
         KV head (the current query, or the caller's pooling over the group / window);
         [B, H_kv, g, D] for "group".
@@ -313,6 +317,8 @@ def zip_merge(
         else:
             fallback_keys = _shift_along_query(mean_keys, queries, target_logit - mean_logit, scaling)
         merged_keys = torch.where(use_eq25.unsqueeze(-1), gain.unsqueeze(-1) * mean_keys, fallback_keys)
+    elif key_rule == "mean":
+        merged_keys = mean_keys
     elif key_rule == "projection":
         merged_keys = _shift_along_query(mean_keys, queries, target_logit - mean_logit, scaling)
     else:

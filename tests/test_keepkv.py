@@ -31,7 +31,7 @@ class ConvexMerge(KeepKV):
 
     name = "convex-merge-test"
 
-    def merge(self, layer, src, dst, merge, exact, ema=None):
+    def merge_entries(self, layer, src, dst, merge, exact, ema=None):
         weights = torch.ones(src.shape, device=src.device)
         layer.keys, layer.values = convex_merge(layer.keys, layer.values, src, dst, merge, weights)
 
@@ -182,7 +182,7 @@ def test_lemma6_identical_entries_merge_without_error(zip_key):
     layer = store_from(keys, values, window, method, 0.35)
     before = (layer.keys.clone(), layer.values.clone(), layer.bias.clone())
     src, dst = torch.full((batch, kv_heads, 1), 7), torch.full((batch, kv_heads, 1), 2)
-    method.merge(layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), exact=False)
+    method.merge_entries(layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), exact=False)
     layer.bias = layer.bias.index_fill(-1, torch.tensor([7]), float("-inf"))
     assert torch.allclose(layer.bias[:, :, 2].exp(), torch.tensor(2.0))
     for seed in range(5):  # any later query
@@ -296,7 +296,7 @@ def test_opposite_sign_logits_give_finite_keys():
         layer.bias[0, 0, 5] = math.log(0.5 * math.exp(0.5) / (2 * math.exp(-2.0)))
         reference = _attend(query[:, :, :, 0].reshape(1, 1, dim), layer.keys, layer.values, layer.bias, scaling)
         src, dst = torch.tensor([[[4]]]), torch.tensor([[[5]]])
-        method.merge(layer, src, dst, torch.ones(1, 1, 1, dtype=torch.bool), exact=True)
+        method.merge_entries(layer, src, dst, torch.ones(1, 1, 1, dtype=torch.bool), exact=True)
         merged = layer.keys[0, 0, 5]
         assert torch.isfinite(merged).all() and merged.norm() < 10 * keys.norm(dim=-1).max(), (zip_key, merged)
         layer.bias[0, 0, 4] = float("-inf")
@@ -407,7 +407,7 @@ def test_perturbation_result_is_json_and_formats():
         {"alpha": 1.0},
         {"window": 0},
         {"refresh_interval": 0},
-        {"zip_key": "mean"},
+        {"zip_key": "cosine"},
         {"scores": "oracle"},
         {"prefill_order": "random"},
         {"recent_ratio": 1.2},

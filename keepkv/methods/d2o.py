@@ -9,7 +9,7 @@ import torch
 
 from ..merging import convex_merge, cosine_nearest
 from .base import check_range, plan_eviction, register
-from .h2o import H2O
+from .h2o import AccumulatedAttention
 
 ALLOCATIONS = ("paper", "code")
 MERGE_RULES = ("paper", "code")
@@ -60,7 +60,7 @@ def largest_remainder(shares: torch.Tensor, totals: torch.Tensor) -> torch.Tenso
 
 @register
 @dataclass
-class D2O(H2O):
+class D2O(AccumulatedAttention):
     """D2O (Wan et al., "D2O: Dynamic Discriminative Operations for Efficient Long-Context
     Inference of Large Language Models", 2024).
 

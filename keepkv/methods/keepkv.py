@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats
-from ..merging import KEY_RULES, cosine_nearest, zip_merge
+from ..merging import cosine_nearest
 from ..offload import FullKVCopy, offload_report
-from .base import ScoredEviction, check_range, plan_eviction, protected, register, slots_of
+from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register, slots_of
+from .zip_merging import ZipMerging, nearest_kept, pool_log_scores, query_logits, zip_into
 
 NEG_INF = float("-inf")
 SCORE_MODES = ("ema", "exact")
@@ -35,34 +36,9 @@ def _group_logsumexp(own: torch.Tensor, incoming: torch.Tensor, dst: torch.Tenso
     return peak + total.log()
 
 
-def pool_log_scores(head_scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Pool per-query-head log-scores of a GQA group into one log-score per entry.
-
-    head_scores [B, H_kv, g, S] (ln s^h, -inf on empty slots), bias [B, H_kv, S] (ln p)
-    -> [B, H_kv, S].
-
-    The pooled score is the mean over the group's heads of each entry's per-vote attention share
-    s_i^h / Z_h (Z_h = Σ_j p_j s_j^h), mapped back to the logit scale by the geometric mean of
-    the heads' partition functions:
-
-        ln ŝ_i = ln( (1/g) Σ_h s_i^h / Z_h ) + (1/g) Σ_h ln Z_h.
-
-    Weighting each head by its normalised attention makes the merge weights w_i = p_i ŝ_i
-    proportional to the attention mass the entry carries summed over the heads, which is the
-    weighting under which one merged value best serves all heads at once. With g = 1 it is the
-    identity (ln ŝ = ln s exactly, no rounding), so MHA keeps Theorem 3's exact logits.
-    """
-    if head_scores.shape[2] == 1:
-        return head_scores[:, :, 0]
-    log_z = torch.logsumexp(head_scores + bias[:, :, None], dim=-1)  # [B, H_kv, g]
-    log_z = log_z.where(torch.isfinite(log_z), 0.0)
-    shares = torch.logsumexp(head_scores - log_z[..., None], dim=2) - math.log(head_scores.shape[2])
-    return shares + log_z.mean(-1, keepdim=True)
-
-
 @register
 @dataclass
-class KeepKV(ScoredEviction):
+class KeepKV(ZipMerging, ScoredEviction):
     """KeepKV (Tian et al., "KeepKV: Achieving Periodic Lossless KV Cache Compression for
     Efficient LLM Inference", arXiv 2504.09936).
 
@@ -124,8 +100,32 @@ class KeepKV(ScoredEviction):
     lossless on MHA (Theorem 3) and the error accumulated since the last refresh is gone.
     The copy is kept only when ``refresh_interval`` is set; see :meth:`offload_report`.
 
+    Selection and merging are separate choices
+    -------------------------------------------
+    ``selection="ema"`` is the ranking above. Any scored eviction method's name (``"snapkv"``,
+    ``"h2o"``, ``"pyramidkv"``, ``"streamingllm"``, ``"window"``) hands the ranking, the
+    protected tokens and the layer budgets to that method (with its defaults), as the paper
+    combines KeepKV with H2O and PyramidInfer (Figure 5); the merges stay KeepKV's (EMA scores,
+    merge-first prefill). ``merge="none"`` keeps the selection and evicts instead of merging.
+    The other direction, an eviction method with KeepKV's merge, is ``snapkv+merge=zip``
+    (:mod:`keepkv.methods.zip_merging`).
+
+    Exact budgets
+    -------------
+    Every compression leaves each row and head exactly min(budget, its tokens) entries. Merge-first
+    prefill merges at most the entries a row and head must shed (the most similar first), so a
+    row that fits its budget is never merged; eviction with merging sheds the rest.
+
     Parameters
     ----------
+    selection : str
+        "ema" (KeepKV's EMA ranking) or a scored eviction method whose selection to use (see above).
+    kernel : int
+        Odd max-pool width over neighbouring entries of the EMA ranking (1: no pooling). Pooling
+        keeps the neighbours of a highly attended token, so a multi-token fact survives whole
+        (SnapKV's pooling; not in the KeepKV paper).
+    merge : str
+        "zip" (ZIP-merge evicted entries, the paper) or "none" (evict only: the selection alone).
     threshold : float
         Merge threshold T on key cosine similarity, in [-1, 1] (paper: 0.8). T = -1 merges every
         evicted entry (nothing is evicted unmerged).
@@ -146,7 +146,8 @@ class KeepKV(ScoredEviction):
     zip_key : str
         ZIP key rule, see :func:`keepkv.merging.zip_merge`: "paper" (eq. 25 with a gain
         safeguard), "projection" (singularity-free, the default: it ties "group" on the dev
-        seed's ppl and fidelity, and "paper" is clearly worse there) or "group" (GQA min-norm).
+        seed's ppl and fidelity, and "paper" is clearly worse there), "group" (GQA min-norm) or
+        "mean" (the weighted mean key of the authors' released code).
     scores : str
         "ema" or "exact": scores of decode-time merges (see above).
     prefill_scores : str
@@ -174,12 +175,13 @@ class KeepKV(ScoredEviction):
     name = "keepkv"
     paper = "Tian et al. 2025, arXiv 2504.09936"
     sinks: int = 4
-    threshold: float = 0.8
+    merge: str = "zip"
+    selection: str = "ema"
+    kernel: int = 1
     alpha: float = 0.94
     window: int = 32
     recent_ratio: float = 0.2
     last_layer_share: float = 0.8
-    zip_key: str = "projection"
     scores: str = "ema"
     prefill_scores: str = "exact"
     prefill_order: str = "merge_first"
@@ -187,20 +189,23 @@ class KeepKV(ScoredEviction):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("threshold", "alpha", "recent_ratio", "last_layer_share"):
+        for name in ("alpha", "recent_ratio", "last_layer_share"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-        check_range("threshold", self.threshold, -1.0, 1.0)
         check_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=True)
         check_range("recent_ratio", self.recent_ratio, 0.0, 1.0)
         check_range("last_layer_share", self.last_layer_share, 0.0, 1.0, low_open=True)
         if not _is_int(self.window) or self.window < 1:
             raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+        if not _is_int(self.kernel) or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd int >= 1, got {self.kernel!r}")
+        self._selector = None if self.selection == "ema" else self._build_selector()
+        if self._selector is not None and self.refresh_interval is not None:
+            raise ValueError("refresh_interval re-ranks entries by the EMA: use it with selection='ema'")
         if self.refresh_interval is not None and (not _is_int(self.refresh_interval) or self.refresh_interval < 1):
             raise ValueError(f"refresh_interval must be None or an int >= 1, got {self.refresh_interval!r}")
         choices = {
-            "zip_key": KEY_RULES,
             "scores": SCORE_MODES,
             "prefill_scores": SCORE_MODES,
             "prefill_order": PREFILL_ORDERS,
@@ -209,24 +214,39 @@ class KeepKV(ScoredEviction):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
 
+    def _build_selector(self) -> ScoredEviction:
+        selectors = sorted(
+            name for name, cls in METHODS.items() if issubclass(cls, ZipMerging) and cls is not KeepKV
+        )
+        if self.selection not in selectors:
+            raise ValueError(f"selection must be 'ema' or one of {', '.join(selectors)}, got {self.selection!r}")
+        return METHODS[self.selection](interval=self.interval)
+
     # -- hooks of Method -------------------------------------------------------------------
     def needs(self, is_prefill: bool) -> Needs:
-        return Needs()  # the method computes the unnormalised logits it needs itself
+        # KeepKV computes the unnormalised logits it needs itself; a selector may ask for more.
+        return Needs() if self._selector is None else self._selector.needs(is_prefill)
 
     def setup_layer(self, layer) -> None:
-        pass  # extras need the GQA group size, known at the first observe()
+        # KeepKV's own extras need the GQA group size, known at the first observe().
+        if self._selector is not None:
+            self._selector.setup_layer(layer)
 
     def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
         sinks = budget.clamp(max=self.sinks)
         return ((budget - sinks).double() * self.recent_ratio).round().long()
 
     def allocate(self, cache, row_budget: torch.Tensor) -> torch.Tensor:
-        """PyramidInfer cosine decay of the heavy share; sinks and recent equal in every layer.
+        """The selector's budgets, or (``selection="ema"``) PyramidInfer's cosine decay.
+
+        PyramidInfer cosine decay of the heavy share; sinks and recent equal in every layer.
 
         Per row with mean budget b: heavy_l = (b - sinks - recent) · f_l / mean(f), with
         f_l = c + (1 - c)(1 + cos(π l / (L - 1))) / 2 falling from 1 to c = ``last_layer_share``.
         Layer budgets are rounded cumulatively, so they sum to exactly L·b.
         """
+        if self._selector is not None:
+            return self._selector.allocate(cache, row_budget)
         layers = cache.num_layers
         kv_heads = cache.layers[0].keys.shape[1]
         budget = row_budget.double()
@@ -255,6 +275,8 @@ class KeepKV(ScoredEviction):
             query_pos = layer.positions[:, 0, -rows:]
             self._absorb(layer, query, query_pos)
             layer.state["steps"] += rows
+        if self._selector is not None:
+            self._selector.observe(layer, stats)
         if self.refresh_interval is None:
             return
         is_real = layer.positions[:, 0, -rows:] >= 0
@@ -312,13 +334,6 @@ class KeepKV(ScoredEviction):
             layer.state["query_window"] = layer.keys.new_zeros(batch, kv_heads, group, 0, head_dim)
             layer.state["query_window_pos"] = layer.positions.new_zeros(batch, 0)
 
-    def _logits(self, layer, queries: torch.Tensor) -> torch.Tensor:
-        """fp32 scaling·q·k of queries [B, H_kv, g, r, D] against every slot: [B, H_kv, g, r, S]."""
-        batch, kv_heads, group, rows, head_dim = queries.shape
-        flat = queries.float().reshape(batch, kv_heads, group * rows, head_dim)  # no per-head copy of K
-        logits = torch.matmul(flat, layer.keys.float().transpose(-1, -2)) * layer.state["scaling"]
-        return logits.view(batch, kv_heads, group, rows, -1)
-
     def _absorb(self, layer, queries: torch.Tensor, query_pos: torch.Tensor) -> None:
         """Fold r query rows (oldest first) into the EMA (eq. 8) and keep the newest row's logits.
 
@@ -328,7 +343,7 @@ class KeepKV(ScoredEviction):
         """
         rows = queries.shape[3]
         live = layer.live()
-        logits = self._logits(layer, queries)  # [B, H_kv, g, r, S]
+        logits = query_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
         log_fresh = math.log1p(-self.alpha)
         decay = rows * math.log(self.alpha)
         old_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S]
@@ -357,50 +372,38 @@ class KeepKV(ScoredEviction):
         return (layer.extras["ema_log_s"].permute(0, 1, 3, 2) - log_n).masked_fill(~live[:, :, None], NEG_INF)
 
     def priority(self, layer, pooled: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, H_kv, S]: +inf for sinks and recent, else the predicted attention mass ln p + ln ŝ.
+        """[B, H_kv, S]: +inf for sinks and recent, else the predicted attention mass ln p + ln ŝ,
+        max-pooled over ``kernel`` neighbouring slots (the selector's priority if there is one).
 
         ``pooled``: the pooled EMA log-scores, if already computed.
         """
+        if self._selector is not None:
+            return self._selector.priority(layer)
         recent = layer.state.get("recent")
         if recent is None:
             recent = self.recent_count(layer.budget)
         if pooled is None:
             pooled = pool_log_scores(self.ema_scores(layer), layer.bias)
-        return (layer.bias + pooled).masked_fill(protected(layer, self.sinks, recent), float("inf"))
+        mass = layer.bias + pooled
+        if self.kernel > 1:  # slots are in position order: neighbours are neighbouring tokens
+            batch, kv_heads, size = mass.shape
+            mass = F.max_pool1d(mass.view(-1, 1, size), self.kernel, stride=1, padding=self.kernel // 2)
+            mass = mass.view(batch, kv_heads, size).masked_fill(~layer.live(), NEG_INF)
+        return mass.masked_fill(protected(layer, self.sinks, recent), float("inf"))
 
     # -- compression -------------------------------------------------------------------------
-    def merge(self, layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, exact: bool, ema=None) -> None:
+    def merge_entries(
+        self, layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, exact: bool, ema=None
+    ) -> None:
         """ZIP-merge the plan (src -> dst where ``merge``) into the layer's store, in place.
 
         ``exact``: merge with the newest query's logits, else with the EMA scores; ``ema``: the
-        (per-head, pooled) EMA log-scores if already computed. Overridable: a subclass can swap
-        the merge rule while keeping candidates and budgets.
+        (per-head, pooled) EMA log-scores if already computed.
         """
-        heads_ema, pooled_ema = ema if ema is not None else self._ema(layer)
-        if exact:
-            heads = layer.state["exact_logits"]
-            pooled = pool_log_scores(heads, layer.bias)
-        else:
-            heads, pooled = heads_ema, pooled_ema
-        query = layer.state["query"]  # [B, H_kv, g, D]
-        group = self.zip_key == "group"
+        heads_ema = (ema if ema is not None else self._ema(layer))[0]
+        heads = layer.state["exact_logits"] if exact else heads_ema
         self._merge_ema(layer, heads_ema, src, dst, merge)  # reads the votes before the merge
-        # Empty slots never take part in a merge; zero them so no 0·(-inf) can reach a scatter.
-        keys, values, bias = zip_merge(
-            layer.keys,
-            layer.values,
-            layer.bias,
-            pooled.where(torch.isfinite(pooled), 0.0),
-            src,
-            dst,
-            merge,
-            key_rule=self.zip_key,
-            queries=query if group else query.mean(2),
-            scaling=layer.state["scaling"],
-            group_log_scores=heads.where(torch.isfinite(heads), 0.0) if group else None,
-            in_place=True,
-        )
-        layer.keys, layer.values, layer.bias = keys, values, bias
+        zip_into(layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key)
 
     def _ema(self, layer, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         heads = self.ema_scores(layer, live)
@@ -423,8 +426,13 @@ class KeepKV(ScoredEviction):
         layer.extras["ema_log_s"] = torch.where(is_target[..., None], log_s, layer.extras["ema_log_s"])
 
     def _merge_first(self, layer, exact: bool) -> None:
-        """Prefill phase 1: consolidate similar entries before any eviction (Appendix B, Table 3)."""
+        """Prefill phase 1: consolidate similar entries before any eviction (Appendix B, Table 3).
+
+        At most the entries each row and head must shed merge, the most similar to their root
+        first: merging never takes a row below its budget, and a row that fits is untouched.
+        """
         live = layer.live()
+        excess = (live.sum(-1) - layer.budget).clamp(min=0)  # [B, H_kv]
         ema = self._ema(layer, live)
         priority = self.priority(layer, ema[1])
         is_protected = torch.isinf(priority) & (priority > 0)
@@ -446,13 +454,16 @@ class KeepKV(ScoredEviction):
         src, is_mover = slots_of(movers, int(movers.sum(-1).max()))  # a host sync, once per prefill
         dst, sim = cosine_nearest(layer.keys, src, roots, slots_of(roots, int(roots.sum(-1).max()))[0])
         merge = is_mover & (sim >= self.threshold)
+        by_similarity = sim.masked_fill(~merge, NEG_INF).argsort(dim=-1, descending=True, stable=True)
+        sim_rank = torch.empty_like(by_similarity).scatter_(-1, by_similarity, ranks[..., : src.shape[-1]])
+        merge &= sim_rank < excess[..., None]
         if not bool(merge.any()):
             return
-        self.merge(layer, src, dst, merge, exact, ema)
+        self.merge_entries(layer, src, dst, merge, exact, ema)
         merged = torch.zeros_like(live).scatter_(-1, src, merge)  # src slots are distinct
         layer.bias = layer.bias.masked_fill(merged, NEG_INF)
         if exact:  # the merged keys changed: the query's exact logits of the new store
-            logits = self._logits(layer, layer.state["query"][:, :, :, None])[:, :, :, 0]
+            logits = query_logits(layer.state["query"][:, :, :, None], layer.keys, layer.state["scaling"])[:, :, :, 0]
             layer.state["exact_logits"] = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
 
     def _evict_and_merge(self, layer, exact: bool) -> None:
@@ -460,20 +471,21 @@ class KeepKV(ScoredEviction):
         live = layer.live()
         ema = self._ema(layer, live)
         plan = plan_eviction(layer, self.priority(layer, ema[1]))
-        kept = plan.kept
         if plan.evict_idx.shape[-1] > 0:
-            dst, sim = cosine_nearest(layer.keys, plan.evict_idx, kept, plan.keep_idx)
-            merge = plan.evict_valid & (sim >= self.threshold)
+            if self.merge == "zip":
+                dst, merge = nearest_kept(layer, plan, self.threshold)
+            else:
+                dst, merge = plan.evict_idx, torch.zeros_like(plan.evict_valid)
             dropped = plan.evict_valid & ~merge
             lost = layer.bias.gather(-1, plan.evict_idx).double().exp().masked_fill(~dropped, 0.0).sum(-1)
             layer.state["lost_votes"] += lost
             # On CPU skip the merge when nothing merges; on accelerators avoid the host sync.
-            if layer.device.type != "cpu" or bool(merge.any()):
-                self.merge(layer, plan.evict_idx, dst, merge, exact, ema)
+            if self.merge == "zip" and (layer.device.type != "cpu" or bool(merge.any())):
+                self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema)
         layer.select(plan.keep_idx, plan.keep_valid)
 
     def _compress_prefill(self, layer, exact: bool) -> None:
-        if self.prefill_order == "merge_first":
+        if self.prefill_order == "merge_first" and self.merge == "zip":
             self._merge_first(layer, exact)
         self._evict_and_merge(layer, exact)
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..merging import convex_merge
 from .base import check_range, plan_eviction, register
-from .h2o import H2O
+from .h2o import AccumulatedAttention
 
 
 def gaussian_weights(keys: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ def kvmerger_merge(keys, values, src, dst, merge, sigma):
 
 @register
 @dataclass
-class KVMerger(H2O):
+class KVMerger(AccumulatedAttention):
     """KVMerger (Wang et al., "Model Tells You Where to Merge: Adaptive KV Cache Merging for
     LLMs on Long-Context Tasks", 2024), following the paper as summarised in KeepKV's appendix
     A.2 (eq. 12); no public code exists.

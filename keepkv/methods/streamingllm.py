@@ -3,11 +3,12 @@
 from dataclasses import dataclass
 
 from .base import ScoredEviction, register
+from .zip_merging import ZipMerging
 
 
 @register
 @dataclass
-class StreamingLLM(ScoredEviction):
+class StreamingLLM(ZipMerging, ScoredEviction):
     """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024).
 
     Keeps the first ``sinks`` tokens of each row and fills the rest of the budget with the
@@ -17,6 +18,9 @@ class StreamingLLM(ScoredEviction):
     ----------
     sinks : int
         Attention-sink tokens always kept (paper: 4).
+    merge, threshold, zip_key
+        ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
+        (:class:`keepkv.methods.zip_merging.ZipMerging`); default "none" (evict).
     interval : int
         Compress every ``interval`` decode steps.
     """

@@ -3,15 +3,19 @@
 from dataclasses import dataclass
 
 from .base import ScoredEviction, register
+from .zip_merging import ZipMerging
 
 
 @register
 @dataclass
-class Window(ScoredEviction):
+class Window(ZipMerging, ScoredEviction):
     """Keep the ``budget`` most recent tokens of each row (a sliding window).
 
     Parameters
     ----------
+    merge, threshold, zip_key
+        ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
+        (:class:`keepkv.methods.zip_merging.ZipMerging`); default "none" (evict).
     interval : int
         Compress every ``interval`` decode steps.
     """

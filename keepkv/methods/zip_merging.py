@@ -1,0 +1,141 @@
+"""ZIP-merging with Electoral Votes as a choice any scored selection can take.
+
+KeepKV's paper says its merging "imposes no specific constraints on cache allocation or token
+selection" and combines it with H2O and PyramidInfer (its Figure 5). Here selection (which
+entries leave: a method's scores, protected tokens and layer budgets) and merging (what
+happens to the entries that leave) are separate: :class:`ZipMerging` adds ``merge``,
+``threshold`` and ``zip_key`` to an eviction method, so ``snapkv+merge=zip`` is SnapKV's
+selection whose evicted entries are ZIP-merged (eq. 7 / 25) into their most cosine-similar
+kept entry (similarity >= ``threshold``), the merged entry carrying the summed votes as ln p
+in the cache's bias. KeepKV itself is EMA selection with the same merge (``keepkv+merge=none``
+is its selection alone).
+
+An eviction method's merges use the exact logits of the current query (the last prompt query
+at prefill, the newest query while decoding), so each merge leaves that query's attention
+output unchanged on an MHA model (Theorem 3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..merging import KEY_RULES, cosine_nearest, zip_merge
+from .base import EvictionPlan, check_range
+
+NEG_INF = float("-inf")
+MERGE_RULES = ("none", "zip")
+
+
+def query_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """fp32 scaling·q·k of queries [B, H_kv, g, r, D] against every slot of keys [B, H_kv, S, D]:
+    [B, H_kv, g, r, S]. The group is folded into the rows, so K is never copied per head."""
+    batch, kv_heads, group, rows, head_dim = queries.shape
+    flat = queries.float().reshape(batch, kv_heads, group * rows, head_dim)
+    logits = torch.matmul(flat, keys.float().transpose(-1, -2)) * scaling
+    return logits.view(batch, kv_heads, group, rows, -1)
+
+
+def pool_log_scores(head_scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Pool per-query-head log-scores of a GQA group into one log-score per entry.
+
+    head_scores [B, H_kv, g, S] (ln s^h, -inf on empty slots), bias [B, H_kv, S] (ln p)
+    -> [B, H_kv, S].
+
+    The pooled score is the mean over the group's heads of each entry's per-vote attention share
+    s_i^h / Z_h (Z_h = Σ_j p_j s_j^h), mapped back to the logit scale by the geometric mean of
+    the heads' partition functions:
+
+        ln ŝ_i = ln( (1/g) Σ_h s_i^h / Z_h ) + (1/g) Σ_h ln Z_h.
+
+    Weighting each head by its normalised attention makes the merge weights w_i = p_i ŝ_i
+    proportional to the attention mass the entry carries summed over the heads, which is the
+    weighting under which one merged value best serves all heads at once. With g = 1 it is the
+    identity (ln ŝ = ln s exactly, no rounding), so MHA keeps Theorem 3's exact logits.
+    """
+    if head_scores.shape[2] == 1:
+        return head_scores[:, :, 0]
+    log_z = torch.logsumexp(head_scores + bias[:, :, None], dim=-1)  # [B, H_kv, g]
+    log_z = log_z.where(torch.isfinite(log_z), 0.0)
+    shares = torch.logsumexp(head_scores - log_z[..., None], dim=2) - math.log(head_scores.shape[2])
+    return shares + log_z.mean(-1, keepdim=True)
+
+
+def nearest_kept(layer, plan: EvictionPlan, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge targets of a plan: (dst, merge), both [B, H_kv, E]: each evicted entry's most
+    cosine-similar kept entry, and whether it is at least ``threshold`` similar."""
+    dst, sim = cosine_nearest(layer.keys, plan.evict_idx, plan.kept, plan.keep_idx)
+    return dst, plan.evict_valid & (sim >= threshold)
+
+
+def zip_into(
+    layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, head_log_scores: torch.Tensor,
+    query: torch.Tensor, scaling: float, zip_key: str,
+) -> None:
+    """ZIP-merge ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]) in the layer's store, in place.
+
+    head_log_scores [B, H_kv, g, S]: ln s^h per query head (-inf on empty slots), pooled over the
+    group by :func:`pool_log_scores` for the merge weights; query [B, H_kv, g, D]: the queries the
+    key rule moves the key along (their mean, or each of them for ``zip_key="group"``).
+    """
+    group = zip_key == "group"
+    pooled = pool_log_scores(head_log_scores, layer.bias)
+    # Empty slots never take part in a merge; zero them so no 0·(-inf) can reach a scatter.
+    keys, values, bias = zip_merge(
+        layer.keys,
+        layer.values,
+        layer.bias,
+        pooled.where(torch.isfinite(pooled), 0.0),
+        src,
+        dst,
+        merge,
+        key_rule=zip_key,
+        queries=query if group else query.mean(2),
+        scaling=scaling,
+        group_log_scores=head_log_scores.where(torch.isfinite(head_log_scores), 0.0) if group else None,
+        in_place=True,
+    )
+    layer.keys, layer.values, layer.bias = keys, values, bias
+
+
+@dataclass
+class ZipMerging:
+    """Mixin of a scored eviction method: ZIP-merge what it evicts (see the module docstring).
+
+    Parameters
+    ----------
+    merge : str
+        "none" (evict) or "zip" (ZIP-merge evicted entries with Electoral Votes).
+    threshold : float
+        Merge only into a kept entry whose key cosine similarity is at least this, in [-1, 1]
+        (KeepKV's T, paper 0.8); -1 merges every evicted entry.
+    zip_key : str
+        Key rule of :func:`keepkv.merging.zip_merge`: "projection", "group", "paper" or "mean".
+    """
+
+    merge: str = "none"
+    threshold: float = 0.8
+    zip_key: str = "projection"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.merge not in MERGE_RULES:
+            raise ValueError(f"merge must be one of {', '.join(map(repr, MERGE_RULES))}, got {self.merge!r}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or math.isnan(self.threshold):
+            raise ValueError(f"threshold must be a number, got {self.threshold!r}")
+        check_range("threshold", self.threshold, -1.0, 1.0)
+        if self.zip_key not in KEY_RULES:
+            raise ValueError(f"zip_key must be one of {', '.join(map(repr, KEY_RULES))}, got {self.zip_key!r}")
+
+    def apply(self, layer, plan: EvictionPlan, stats) -> None:
+        """Merge the evicted entries into their nearest kept ones with the current query's exact
+        logits, then keep the plan's entries."""
+        if self.merge == "zip" and plan.evict_idx.shape[-1] > 0:
+            query = stats.query[:, :, :, -1]  # [B, H_kv, g, D]
+            logits = query_logits(query[:, :, :, None], layer.keys, stats.scaling)[:, :, :, 0]
+            logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
+            dst, merge = nearest_kept(layer, plan, self.threshold)
+            zip_into(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key)
+        layer.select(plan.keep_idx, plan.keep_valid)
