@@ -15,7 +15,8 @@ from keepkv.sketch import proportional_budgets
 
 from conftest import decode_loop, random_batch, run_generate, tiny_model
 
-UNIFORM = dict(allocation="uniform")
+# The tests below were written for the paper's estimator; "mean" (the default) has its own cases.
+UNIFORM = dict(allocation="uniform", estimate="sum")
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +74,7 @@ def test_collision_free_sketch_is_exact_and_equals_full(estimate):
     output equals the full cache's."""
     model = tiny_model("llama-gqa")
     input_ids, attention_mask = random_batch(length=24, pad=(0, 4))
-    params = dict(buckets=4096, vague_share=0.0, recent_share=0.5, candidate_share=0.5, estimate=estimate, **UNIFORM)
+    params = dict(buckets=4096, vague_share=0.0, recent_share=0.5, candidate_share=0.5, **{**UNIFORM, "estimate": estimate})
     full = prefill(model, input_ids, attention_mask, "full", 1.0)
     cache = prefill(model, input_ids, attention_mask, "kvreviver", 6, **params)
     for layer, reference in zip(cache.layers, full.layers):
@@ -196,7 +197,7 @@ def test_peak_rebuild_memory_is_one_layer():
     assert one_layer_kv <= layer.state["rebuilt_bytes"] < 2 * one_layer_kv
     assert report["peak_rebuilt_bytes"] < 2 * one_layer_kv
     # What is stored stays far below the full cache.
-    assert report["stored_bytes"] < 0.4 * report["full_cache_bytes"]
+    assert report["stored_bytes"] < 0.45 * report["full_cache_bytes"]  # budget 0.25 + sketch + scalars
     assert report["sketch_bytes"] > 0
 
 
