@@ -190,6 +190,35 @@ def test_lemma6_identical_entries_merge_without_error(zip_key):
         assert torch.allclose(_attend(later, *layer_entries(layer), 0.35), _attend(later, *before, 0.35), atol=1e-6)
 
 
+@pytest.mark.parametrize("score_norm", ["none", "row"])
+def test_ema_initialisation_matches_eq8_by_hand(score_norm):
+    """ln ŝ after prefill = ln(Σ_r w_r s_r / Σ_r w_r), w_r = (1-α)α^age over the window's rows
+    (eq. 8); with score_norm="row" each s_r is first divided by its row's Σ_j s_rj, and the result
+    read back on the newest row's logit scale. A loud row (logits x8) dominates only "none"."""
+    torch.manual_seed(2)
+    batch, kv_heads, group, size, dim, rows = 1, 1, 1, 9, 8, 3
+    keys, values = torch.randn(batch, kv_heads, size, dim), torch.randn(batch, kv_heads, size, dim)
+    window = torch.randn(batch, kv_heads, group, rows, dim)
+    window[:, :, :, 0] *= 8.0  # the oldest row's logits are far larger than the others'
+    method = KeepKV(window=rows, alpha=0.5, score_norm=score_norm)
+    layer = store_from(keys, values, window, method, 0.35)
+    logits = 0.35 * window[0, 0, 0] @ keys[0, 0].T  # [r, S]; causal: row r sees slots <= S - rows + r
+    visible = torch.arange(size)[None] <= torch.arange(size - rows, size)[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    log_z = torch.logsumexp(logits, dim=-1)
+    scores = logits - log_z[:, None] if score_norm == "row" else logits
+    weights = torch.tensor([0.25, 0.5, 1.0])[:, None] * visible  # (1-α)α^age, normalisation cancels
+    expected = (scores.exp() * weights).sum(0) / weights.sum(0)
+    expected = expected.log() + (log_z[-1] if score_norm == "row" else 0.0)
+    got = method.ema_scores(layer)[0, 0, 0]
+    assert torch.allclose(got, expected, atol=1e-5), (got, expected)
+    # ranking: "none" follows the loud row's own ranking of the slots it sees, "row" need not
+    loud_order = logits[0, : size - rows + 1].argsort(descending=True)
+    got_order = got[: size - rows + 1].argsort(descending=True)
+    if score_norm == "none":
+        assert torch.equal(got_order[:3], loud_order[:3])
+
+
 def layer_entries(layer):
     return layer.keys, layer.values, layer.bias
 
@@ -410,6 +439,7 @@ def test_perturbation_result_is_json_and_formats():
         {"zip_key": "cosine"},
         {"scores": "oracle"},
         {"prefill_order": "random"},
+        {"score_norm": "softmax"},
         {"recent_ratio": 1.2},
     ],
 )

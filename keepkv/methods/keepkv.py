@@ -16,6 +16,7 @@ from .zip_merging import ZipMerging, nearest_kept, pool_log_scores, query_logits
 
 NEG_INF = float("-inf")
 SCORE_MODES = ("ema", "exact")
+SCORE_NORMS = ("none", "row")
 PREFILL_ORDERS = ("merge_first", "evict_first")
 
 
@@ -96,7 +97,7 @@ class KeepKV(ZipMerging, ScoredEviction):
     together with the last ``window`` queries. Every N decode steps the layer's store is rebuilt
     from that copy exactly as at the end of prefill, as if the whole sequence so far were the
     prompt: votes reset to 1, the EMA re-initialised over the last ``window`` queries, and
-    merge-first compression with the exact scores of the current query, so that step is
+    the prefill compression (``prefill_order``) with the exact scores of the current query, so that step is
     lossless on MHA (Theorem 3) and the error accumulated since the last refresh is gone.
     The copy is kept only when ``refresh_interval`` is set; see :meth:`offload_report`.
 
@@ -106,7 +107,7 @@ class KeepKV(ZipMerging, ScoredEviction):
     ``"h2o"``, ``"pyramidkv"``, ``"streamingllm"``, ``"window"``) hands the ranking, the
     protected tokens and the layer budgets to that method (with its defaults), as the paper
     combines KeepKV with H2O and PyramidInfer (Figure 5); the merges stay KeepKV's (EMA scores,
-    merge-first prefill). ``merge="none"`` keeps the selection and evicts instead of merging.
+    ``prefill_order``). ``merge="none"`` keeps the selection and evicts instead of merging.
     The other direction, an eviction method with KeepKV's merge, is ``snapkv+merge=zip``
     (:mod:`keepkv.methods.zip_merging`).
 
@@ -115,6 +116,14 @@ class KeepKV(ZipMerging, ScoredEviction):
     Every compression leaves each row and head exactly min(budget, its tokens) entries. Merge-first
     prefill merges at most the entries a row and head must shed (the most similar first), so a
     row that fits its budget is never merged; eviction with merging sheds the rest.
+
+    Why evict-first is the default
+    ------------------------------
+    Merge-first (the paper's order) decides by key similarity, not importance: an entry the
+    selection would keep is merged away whenever a more important entry's key is T-similar,
+    and key cosine >= 0.8 is common. A needle's tokens go that way: on the dev seed's needle
+    suite (1k tokens, 24 prompts) merge-first answers 2/24 at budget 0.2 where evict-first, with
+    the same selection, answers 21/24 (README, "KeepKV ablation").
 
     Parameters
     ----------
@@ -148,15 +157,21 @@ class KeepKV(ZipMerging, ScoredEviction):
         safeguard), "projection" (singularity-free, the default: it ties "group" on the dev
         seed's ppl and fidelity, and "paper" is clearly worse there), "group" (GQA min-norm) or
         "mean" (the weighted mean key of the authors' released code).
+    score_norm : str
+        "none" (the paper: the EMA of the unnormalised scores s, eq. 8, so a query whose logits
+        are large outweighs the others) or "row" (each query's scores divided by its partition
+        function Σ p s before they enter the EMA, so every query counts equally, as in H2O's and
+        SnapKV's sums of attention probabilities; read back on the newest query's logit scale).
     scores : str
         "ema" or "exact": scores of decode-time merges (see above).
     prefill_scores : str
         "exact" or "ema": scores of prefill merges (see above).
     prefill_order : str
-        "merge_first" (Appendix B, Table 3): every non-protected entry that has a more important
+        "evict_first" (default): eviction with merging only, as during decoding. "merge_first"
+        (the paper, Appendix B, Table 3): every non-protected entry that has a more important
         entry at least T similar first merges into its most similar "root" (an entry with no more
-        important entry at least T similar), then eviction (with merging) brings the layer to its
-        budget. "evict_first": eviction with merging only. Decode-time compression is always
+        important entry at least T similar; at most the entries a row must shed), then eviction
+        (with merging) brings the layer to its budget. Decode-time compression is always
         evict-then-merge.
     refresh_interval : int or None
         N >= 1: rebuild every layer from the full copy every N decode steps. None: never, and no
@@ -169,7 +184,7 @@ class KeepKV(ZipMerging, ScoredEviction):
     Notes
     -----
     Merge-first prefill compares every key with every other key (O(S²) per head, chunked), at
-    prefill and at each refresh.
+    prefill and at each refresh; evict-first compares evicted keys with kept ones only.
     """
 
     name = "keepkv"
@@ -182,9 +197,10 @@ class KeepKV(ZipMerging, ScoredEviction):
     window: int = 32
     recent_ratio: float = 0.2
     last_layer_share: float = 0.8
+    score_norm: str = "none"
     scores: str = "ema"
     prefill_scores: str = "exact"
-    prefill_order: str = "merge_first"
+    prefill_order: str = "evict_first"
     refresh_interval: int | None = None
 
     def __post_init__(self):
@@ -201,6 +217,8 @@ class KeepKV(ZipMerging, ScoredEviction):
         if not _is_int(self.kernel) or self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd int >= 1, got {self.kernel!r}")
         self._selector = None if self.selection == "ema" else self._build_selector()
+        if self.score_norm not in SCORE_NORMS:
+            raise ValueError(f"score_norm must be one of {', '.join(map(repr, SCORE_NORMS))}, got {self.score_norm!r}")
         if self._selector is not None and self.refresh_interval is not None:
             raise ValueError("refresh_interval re-ranks entries by the EMA: use it with selection='ema'")
         if self.refresh_interval is not None and (not _is_int(self.refresh_interval) or self.refresh_interval < 1):
@@ -348,14 +366,26 @@ class KeepKV(ZipMerging, ScoredEviction):
         decay = rows * math.log(self.alpha)
         old_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S]
         if rows == 1:  # a decode step: the newest query sees every live entry
-            new_s = logits[:, :, :, 0] + log_fresh
-            new_n = torch.full_like(layer.bias, log_fresh)
+            visible = live[:, :, None, :]  # [B, H_kv, 1, S]
         else:
             key_pos = layer.positions[:, :, None, :]  # [B, H_kv, 1, S]
             visible = live[:, :, None, :] & (key_pos <= query_pos[:, None, :, None]) & (query_pos >= 0)[:, None, :, None]
+        scores = logits
+        if self.score_norm == "row":
+            # ln Z = ln Σ_j p_j s_j of each query row over what it sees: each query then counts
+            # equally in the EMA, as in H2O's and SnapKV's sums of attention probabilities.
+            seen = (logits + layer.bias[:, :, None, None]).masked_fill(~visible[:, :, None], NEG_INF)
+            log_z = torch.logsumexp(seen, dim=-1)  # [B, H_kv, g, r]
+            log_z = log_z.where(torch.isfinite(log_z), 0.0)
+            scores = logits - log_z[..., None]
+            layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see ema_scores
+        if rows == 1:
+            new_s = scores[:, :, :, 0] + log_fresh
+            new_n = torch.full_like(layer.bias, log_fresh)
+        else:
             ages = torch.arange(rows - 1, -1, -1, device=layer.device, dtype=torch.float32)
             weights = (log_fresh + ages * math.log(self.alpha))[:, None].masked_fill(~visible, NEG_INF)  # [B, H_kv, r, S]
-            new_s = torch.logsumexp(weights[:, :, None] + logits, dim=3)  # [B, H_kv, g, S]
+            new_s = torch.logsumexp(weights[:, :, None] + scores, dim=3)  # [B, H_kv, g, S]
             new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
         log_s = torch.logaddexp(old_s + decay, new_s).masked_fill(~live[:, :, None], NEG_INF)
         log_n = torch.logaddexp(layer.extras["ema_log_n"] + decay, new_n).masked_fill(~live, NEG_INF)
@@ -364,12 +394,17 @@ class KeepKV(ZipMerging, ScoredEviction):
         layer.state["query"] = queries[:, :, :, -1].clone()  # [B, H_kv, g, D]; not a view that holds the block
         layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
 
-    @staticmethod
-    def ema_scores(layer, live: torch.Tensor | None = None) -> torch.Tensor:
+    def _log_scale(self, layer) -> torch.Tensor | float:
+        """[B, H_kv, g] ln Z of the newest query with ``score_norm="row"`` (else 0): the EMA of
+        normalised scores times it is on the logit scale of that query, as ZIP's key rule needs."""
+        return layer.state["log_z"][..., None] if self.score_norm == "row" else 0.0
+
+    def ema_scores(self, layer, live: torch.Tensor | None = None) -> torch.Tensor:
         """[B, H_kv, g, S] bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (-inf on empty slots)."""
         live = layer.live() if live is None else live
         log_n = layer.extras["ema_log_n"].masked_fill(~live, 0.0)[:, :, None]
-        return (layer.extras["ema_log_s"].permute(0, 1, 3, 2) - log_n).masked_fill(~live[:, :, None], NEG_INF)
+        log_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2) - log_n + self._log_scale(layer)
+        return log_s.masked_fill(~live[:, :, None], NEG_INF)
 
     def priority(self, layer, pooled: torch.Tensor | None = None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for sinks and recent, else the predicted attention mass ln p + ln ŝ,
@@ -422,7 +457,7 @@ class KeepKV(ZipMerging, ScoredEviction):
         votes = _group_logsumexp(layer.bias, incoming_p, dst_idx)
         mean_score = _group_logsumexp(log_w, incoming_w, head_dst) - votes[:, :, None]
         is_target = torch.zeros_like(layer.bias, dtype=torch.int32).scatter_add(-1, dst_idx, merge.int()) > 0
-        log_s = (mean_score + layer.extras["ema_log_n"][:, :, None]).permute(0, 1, 3, 2)
+        log_s = (mean_score - self._log_scale(layer) + layer.extras["ema_log_n"][:, :, None]).permute(0, 1, 3, 2)
         layer.extras["ema_log_s"] = torch.where(is_target[..., None], log_s, layer.extras["ema_log_s"])
 
     def _merge_first(self, layer, exact: bool) -> None:
