@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -173,10 +174,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings(show):
+    """A ``warnings.showwarning`` that prints keepkv's warnings (keepkv/diagnostics.py) as one
+    ``keepkv: warning: ...`` line each and hands any other warning to ``show``."""
+    from .diagnostics import KeepKVWarning
+
+    def show_warning(message, category, *args, **kwargs):
+        if issubclass(category, KeepKVWarning):
+            print(f"keepkv: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, *args, **kwargs)
+
+    return show_warning
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        code = args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            code = args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"keepkv: error: {error}", file=sys.stderr)
         return 2

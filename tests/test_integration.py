@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import keepkv
 from keepkv.cli import main
@@ -49,3 +50,19 @@ def test_cli_errors_are_one_line(capsys):
     assert error.startswith("keepkv: error: unknown method 'nope'") and error.count("\n") == 1
     assert main(["generate", "hi", "--model", "/does/not/exist.gguf"]) == 2
     assert "/does/not/exist.gguf" in capsys.readouterr().err
+
+
+def test_plain_generate_unchanged_after_keepkv(embedded):
+    model, tokenizer = embedded
+    inputs = tokenizer(["The capital of France is", "One, two, three,"], return_tensors="pt", padding=True)
+
+    def plain():
+        return model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+
+    before = plain()
+    implementation = model.config._attn_implementation
+    keepkv.generate(model, tokenizer, "Name a colour.", method="keepkv", budget=0.5, max_new_tokens=4)
+    assert model.config._attn_implementation == implementation
+    assert torch.equal(plain(), before)
+    keepkv.enable(model)
+    assert torch.equal(plain(), before)
