@@ -34,7 +34,7 @@ def _param(text: str) -> tuple[str, object]:
 def _load(args):
     from .models import load_model
 
-    return load_model(args.model)
+    return load_model(args.model, dtype=args.dtype)
 
 
 def _check_method(args) -> None:
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", help="local HF model directory or GGUF file (default: embedded SmolLM2-135M)")
     common.add_argument("--json", action="store_true", help="print JSON")
+    dtype_args = argparse.ArgumentParser(add_help=False)
+    dtype_args.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
     method_args = argparse.ArgumentParser(add_help=False)
     method_args.add_argument("--method", default="keepkv", help="compression method (see `keepkv methods`)")
     method_args.add_argument("--budget", type=budget_arg, default=0.1, help="fraction in (0, 1] or entry count")
@@ -137,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     methods = commands.add_parser("methods", parents=[common], help="list methods, parameters and defaults")
     methods.set_defaults(func=cmd_methods)
 
-    gen = commands.add_parser("generate", parents=[common, method_args], help="answer a prompt")
+    gen = commands.add_parser("generate", parents=[common, dtype_args, method_args], help="answer a prompt")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--prompt-file", help="read the prompt from a file")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -145,13 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--answer-prefix", default="", metavar="TEXT", help="start the reply with TEXT")
     gen.set_defaults(func=cmd_generate)
 
-    demo = commands.add_parser("demo", parents=[common], help="hidden-fact document, every method side by side")
+    demo = commands.add_parser("demo", parents=[common, dtype_args], help="hidden-fact document, every method side by side")
     demo.add_argument("--budget", type=budget_arg, default=0.1)
     demo.add_argument("--methods", nargs="+", help="methods to show (default: all)")
     demo.set_defaults(func=cmd_demo)
 
     pert = commands.add_parser(
-        "perturbation", parents=[common, method_args], help="attention-output error of compression per layer"
+        "perturbation", parents=[common, dtype_args, method_args], help="attention-output error of compression per layer"
     )
     pert.add_argument("prompt", nargs="?", help="prompt (default: a built-in ~1k-token document)")
     pert.add_argument("--prompt-file")

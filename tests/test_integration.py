@@ -66,3 +66,10 @@ def test_plain_generate_unchanged_after_keepkv(embedded):
     assert torch.equal(plain(), before)
     keepkv.enable(model)
     assert torch.equal(plain(), before)
+
+
+def test_cli_budget_warning_is_one_line(embedded, capsys):
+    # A one-letter question in the chat template is ~31 tokens: keepkv's default 0.1 keeps 3, below its 4 sinks.
+    assert main(["generate", "a", "--max-new-tokens", "2", "--json"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("keepkv: warning: budget 0.1 keeps 3 entries")
