@@ -86,11 +86,22 @@ def cmd_generate(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from .demo import format_demo, run_demo
+    import torch
 
+    from .cache import validate_budget
+    from .demo import format_demo, run_demo
+    from .methods import get_method
+
+    for budget in args.budgets:
+        validate_budget(budget)
+    for name in args.methods:
+        get_method(name)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be an int >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     model, tokenizer = _load(args)
-    rows = run_demo(model, tokenizer, methods=args.methods, budget=args.budget, progress=not args.json)
-    print(json.dumps(rows, indent=2) if args.json else format_demo(rows))
+    result = run_demo(model, tokenizer, methods=args.methods, budgets=args.budgets, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else format_demo(result))
 
 
 def cmd_perturbation(args) -> None:
@@ -122,6 +133,8 @@ def cmd_bench(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .demo import DEMO_BUDGETS, DEMO_METHODS
+
     parser = argparse.ArgumentParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", help="local HF model directory or GGUF file (default: embedded SmolLM2-135M)")
@@ -147,9 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--answer-prefix", default="", metavar="TEXT", help="start the reply with TEXT")
     gen.set_defaults(func=cmd_generate)
 
-    demo = commands.add_parser("demo", parents=[common, dtype_args], help="hidden-fact document, every method side by side")
-    demo.add_argument("--budget", type=budget_arg, default=0.1)
-    demo.add_argument("--methods", nargs="+", help="methods to show (default: all)")
+    demo = commands.add_parser(
+        "demo", parents=[common, dtype_args], help="hidden pass key: memory kept against correctness, per method and budget"
+    )
+    demo.add_argument("--budgets", type=budget_arg, nargs="+", default=list(DEMO_BUDGETS), metavar="B",
+                      help=f"budgets to try (default: {' '.join(map(str, DEMO_BUDGETS))})")
+    demo.add_argument("--methods", nargs="+", default=list(DEMO_METHODS), metavar="M",
+                      help=f"methods besides the full cache (default: {' '.join(DEMO_METHODS)})")
+    demo.add_argument("--threads", type=int, default=1,
+                      help="torch threads (default 1: a busy machine's threads wait for each other, 7x slower)")
     demo.set_defaults(func=cmd_demo)
 
     pert = commands.add_parser(

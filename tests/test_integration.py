@@ -73,3 +73,18 @@ def test_cli_budget_warning_is_one_line(embedded, capsys):
     assert main(["generate", "a", "--max-new-tokens", "2", "--json"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and warnings[0].startswith("keepkv: warning: budget 0.1 keeps 3 entries")
+
+
+def test_demo_json(embedded, capsys):
+    assert main(["demo", "--methods", "snapkv", "--budgets", "0.5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    full, snapkv = result["cells"]
+    assert full["method"] == "full" and full["correct"] and result["key"] in full["answer"]
+    assert snapkv["method"] == "snapkv" and snapkv["budget"] == 0.5 and snapkv["share"] < 0.6
+    assert result["needs"]["snapkv"] == (0.5 if snapkv["correct"] else None)
+    assert result["best"] == (snapkv if snapkv["correct"] else None)
+
+
+def test_demo_rejects_bad_budget_before_loading(capsys):
+    assert main(["demo", "--budgets", "0.5", "2.0"]) == 2
+    assert capsys.readouterr().err.startswith("keepkv: error: a float budget is a fraction")
