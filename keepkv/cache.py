@@ -273,7 +273,10 @@ class CompressedCache(Cache):
     """A KV cache that keeps at most ``budget`` entries per layer and head, chosen by ``method``.
 
     Pass it as ``past_key_values`` to ``model.generate()`` or a forward loop of a model whose
-    attention implementation is ``"keepkv"`` (``keepkv.enable(model)`` sets it).
+    attention implementation is ``"keepkv"`` (``keepkv.enable(model)`` or ``with
+    keepkv.enabled(model)`` sets it). At the end of the prefill it warns
+    (:class:`keepkv.KeepKVWarning`) when a compressed row's budget is below the method's
+    ``protected_entries()``, or when an int budget of 1 was likely meant as 1.0.
 
     Parameters
     ----------

@@ -106,6 +106,11 @@ def generate(
         Show a progress bar over generated tokens.
     **method_params
         Parameters of the method.
+
+    The model's attention implementation is switched to ``"keepkv"`` for the call and restored
+    after it. A :class:`keepkv.KeepKVWarning` says when prompt plus new tokens exceed the model's
+    ``max_position_embeddings``, or when the budget leaves a compressed prompt fewer entries than
+    the method's protected tokens.
     """
     prompts = validate_prompts(prompts)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
