@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--methods", nargs="+", default=list(DEMO_METHODS), metavar="M",
                       help=f"methods besides the full cache (default: {' '.join(DEMO_METHODS)})")
     demo.add_argument("--threads", type=int, default=1,
-                      help="torch threads (default 1: a busy machine's threads wait for each other, 7x slower)")
+                      help="torch threads (default 1: on a busy machine more threads wait for each other)")
     demo.set_defaults(func=cmd_demo)
 
     pert = commands.add_parser(
