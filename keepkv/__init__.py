@@ -1,7 +1,8 @@
 """keepkv: KV-cache compression for Hugging Face LLMs (KeepKV and the methods it is measured against)."""
 
-from .attention import enable
+from .attention import enable, enabled
 from .cache import CompressedCache
+from .diagnostics import KeepKVWarning
 from .generation import GenerationResult, generate
 from .methods import Method, describe_methods, get_method
 from .models import load_model
@@ -9,9 +10,11 @@ from .models import load_model
 __all__ = [
     "CompressedCache",
     "GenerationResult",
+    "KeepKVWarning",
     "Method",
     "describe_methods",
     "enable",
+    "enabled",
     "generate",
     "get_method",
     "load_model",

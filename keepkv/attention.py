@@ -1,9 +1,10 @@
 """The attention path: softmax(q·K^T·scaling + bias)·V over a layer's kept entries.
 
 Registered with transformers' AttentionInterface as ``"keepkv"``, together with a mask
-builder of the same name. The mask builder returns only the *new block's* mask
-[B, 1, q, q] (causal, padded keys off): once a layer is compressed, physical slots no
-longer line up with logical positions, so the stored entries are masked by their bias.
+builder of the same name that builds the standard SDPA mask. The keepkv path uses only the
+*new block's* columns of it, [B, 1, q, q] (causal, padded keys off): once a layer is
+compressed, physical slots no longer line up with logical positions, so the stored entries
+are masked by their bias. Without a CompressedCache the path is plain SDPA.
 
 Grouped-query attention: the g = H / H_kv query heads of KV head h are heads h·g … h·g+g−1
 (HF's ``repeat_kv`` order). They are viewed as [B, H_kv, g, q, D] so keys are never repeated.
@@ -12,12 +13,14 @@ Grouped-query attention: the g = H / H_kv query heads of KV head h are heads h·
 from __future__ import annotations
 
 import contextvars
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NEG_INF = float("-inf")
 # Floats in one chunk of prefill logits: bounds the workspace, never a full T×T matrix.
@@ -152,39 +155,39 @@ def attend(query, keys, values, bias, block_mask, scaling: float, needs: Needs =
 
 
 def keepkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The function transformers calls for ``attn_implementation="keepkv"``."""
+    """The function transformers calls for ``attn_implementation="keepkv"``.
+
+    With a CompressedCache in the forward pass, the cache attends over its kept entries. Without
+    one (``use_cache=False``, a DynamicCache, plain ``model.generate``) this is the standard SDPA
+    path with the standard mask, so a model left on ``"keepkv"`` still works as before.
+    """
     cache = ACTIVE_CACHE.get()
     if cache is None:
-        raise RuntimeError(
-            "attn_implementation='keepkv' needs a keepkv.CompressedCache as past_key_values "
-            "(use keepkv.generate(), or pass past_key_values=CompressedCache(model.config, ...))"
-        )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     ACTIVE_CACHE.set(None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if attention_mask is None or attention_mask.shape[-1] != query.shape[2]:
-        attention_mask = block_causal_mask(query.shape[0], query.shape[2], None, query.device)
-    return cache.forward_layer(module.layer_idx, query, key, value, attention_mask, scaling), None
+    block_mask = new_block_mask(attention_mask, query.shape[0], query.shape[2], query.device)
+    return cache.forward_layer(module.layer_idx, query, key, value, block_mask, scaling), None
 
 
-def block_causal_mask(batch: int, block: int, padding_2d, device) -> torch.Tensor:
-    """[B, 1, q, q] bool: causal within the new block, padded keys off.
+def new_block_mask(attention_mask, batch: int, block: int, device) -> torch.Tensor:
+    """[B, 1, q, q] bool: the new block's columns of the standard mask, causal with padded keys off.
 
-    ``padding_2d`` is HF's 2-D attention mask (1 = real token) over the logical sequence; its
-    last q columns are the new block. A padded query still sees itself, so no row is empty.
+    ``attention_mask`` is what :func:`keepkv_mask` built, [B, 1, q, kv] bool over the logical
+    sequence (its last q columns are the new block), or None for a plain causal mask. A padded
+    query still sees itself, so no row is empty (an empty row would turn its output into NaN,
+    which would reach the real rows through the stored values).
     """
-    causal = torch.ones(block, block, dtype=torch.bool, device=device).tril()
-    mask = causal.expand(batch, 1, block, block)
-    if padding_2d is not None:
-        key_is_real = padding_2d[:, -block:].to(device=device, dtype=torch.bool)
-        mask = mask & key_is_real[:, None, None, :]
-        mask = mask | torch.eye(block, dtype=torch.bool, device=device)
-    return mask
+    if attention_mask is None:
+        return torch.ones(block, block, dtype=torch.bool, device=device).tril().expand(batch, 1, block, block)
+    return attention_mask[..., -block:] | torch.eye(block, dtype=torch.bool, device=device)
 
 
-def keepkv_mask(batch_size: int, q_length: int, kv_length: int = 0, attention_mask=None, device="cpu", **kwargs):
-    """Mask builder registered for ``"keepkv"``: the new block's mask only (see module doc)."""
-    return block_causal_mask(batch_size, q_length, attention_mask, device)
+def keepkv_mask(*args, **kwargs):
+    """Mask builder registered for ``"keepkv"``: the standard SDPA mask [B, 1, q, kv] (or None for
+    a plain causal one). The keepkv path reads only its last q columns (see module doc)."""
+    return sdpa_mask(*args, **kwargs)
 
 
 AttentionInterface.register("keepkv", keepkv_attention)
@@ -192,6 +195,23 @@ AttentionMaskInterface.register("keepkv", keepkv_mask)
 
 
 def enable(model) -> None:
-    """Switch ``model`` to keepkv's attention path (works for any Llama-family model)."""
+    """Switch ``model`` to keepkv's attention path (works for any Llama-family model).
+
+    The model keeps working without a CompressedCache: that path is then the standard SDPA one.
+    :func:`enabled` switches back when it is done.
+    """
     if model.config._attn_implementation != "keepkv":
         model.set_attn_implementation("keepkv")
+
+
+@contextmanager
+def enabled(model):
+    """``with keepkv.enabled(model): ...`` runs the block on keepkv's attention path and restores
+    the model's previous attention implementation afterwards, even on error."""
+    previous = model.config._attn_implementation
+    enable(model)
+    try:
+        yield model
+    finally:
+        if model.config._attn_implementation != previous:
+            model.set_attn_implementation(previous)

@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ACTIVE_CACHE, Needs, StepStats, attend
+from .diagnostics import warn_budget
 from .methods import Method, get_method
 from .models import check_architecture
 
@@ -272,7 +273,10 @@ class CompressedCache(Cache):
     """A KV cache that keeps at most ``budget`` entries per layer and head, chosen by ``method``.
 
     Pass it as ``past_key_values`` to ``model.generate()`` or a forward loop of a model whose
-    attention implementation is ``"keepkv"`` (``keepkv.enable(model)`` sets it).
+    attention implementation is ``"keepkv"`` (``keepkv.enable(model)`` or ``with
+    keepkv.enabled(model)`` sets it). At the end of the prefill it warns
+    (:class:`keepkv.KeepKVWarning`) when a compressed row's budget is below the method's
+    ``protected_entries()``, or when an int budget of 1 was likely meant as 1.0.
 
     Parameters
     ----------
@@ -387,10 +391,19 @@ class CompressedCache(Cache):
         budgets = self.method.allocate(self, per_row)
         if budgets is None:
             return None
+        self._warn_budget(per_row)
         budgets = fit_to_prompt(budgets, per_row, self.prompt_lengths)
         # A prompt that fits its mean budget is not compressed in any layer (as PyramidKV's code).
         fits = (self.prompt_lengths <= per_row)[None, :, None]
         return torch.where(fits, per_row[None, :, None], budgets)
+
+    def _warn_budget(self, per_row: torch.Tensor) -> None:
+        """Warn (once per prefill, one host sync) about the compressed row that keeps the fewest entries."""
+        lengths, kept = self.prompt_lengths.tolist(), per_row.tolist()
+        compressed = [(entries, length) for entries, length in zip(kept, lengths) if length > entries]
+        if compressed:
+            entries, length = min(compressed)
+            warn_budget(self.method, self.budget, length, entries)
 
     def fork(self, method: str | Method, budget: int | float = 1.0, **method_params) -> "CompressedCache":
         """A new cache for ``method`` that starts from this recorded prefill, without a forward pass.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -33,7 +34,7 @@ def _param(text: str) -> tuple[str, object]:
 def _load(args):
     from .models import load_model
 
-    return load_model(args.model)
+    return load_model(args.model, dtype=args.dtype)
 
 
 def _check_method(args) -> None:
@@ -85,11 +86,22 @@ def cmd_generate(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from .demo import format_demo, run_demo
+    import torch
 
+    from .cache import validate_budget
+    from .demo import format_demo, run_demo
+    from .methods import get_method
+
+    for budget in args.budgets:
+        validate_budget(budget)
+    for name in args.methods:
+        get_method(name)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be an int >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     model, tokenizer = _load(args)
-    rows = run_demo(model, tokenizer, methods=args.methods, budget=args.budget, progress=not args.json)
-    print(json.dumps(rows, indent=2) if args.json else format_demo(rows))
+    result = run_demo(model, tokenizer, methods=args.methods, budgets=args.budgets, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else format_demo(result))
 
 
 def cmd_perturbation(args) -> None:
@@ -121,10 +133,14 @@ def cmd_bench(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .demo import DEMO_BUDGETS, DEMO_METHODS
+
     parser = argparse.ArgumentParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", help="local HF model directory or GGUF file (default: embedded SmolLM2-135M)")
     common.add_argument("--json", action="store_true", help="print JSON")
+    dtype_args = argparse.ArgumentParser(add_help=False)
+    dtype_args.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
     method_args = argparse.ArgumentParser(add_help=False)
     method_args.add_argument("--method", default="keepkv", help="compression method (see `keepkv methods`)")
     method_args.add_argument("--budget", type=budget_arg, default=0.1, help="fraction in (0, 1] or entry count")
@@ -136,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     methods = commands.add_parser("methods", parents=[common], help="list methods, parameters and defaults")
     methods.set_defaults(func=cmd_methods)
 
-    gen = commands.add_parser("generate", parents=[common, method_args], help="answer a prompt")
+    gen = commands.add_parser("generate", parents=[common, dtype_args, method_args], help="answer a prompt")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--prompt-file", help="read the prompt from a file")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -144,13 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--answer-prefix", default="", metavar="TEXT", help="start the reply with TEXT")
     gen.set_defaults(func=cmd_generate)
 
-    demo = commands.add_parser("demo", parents=[common], help="hidden-fact document, every method side by side")
-    demo.add_argument("--budget", type=budget_arg, default=0.1)
-    demo.add_argument("--methods", nargs="+", help="methods to show (default: all)")
+    demo = commands.add_parser(
+        "demo", parents=[common, dtype_args], help="hidden pass key: memory kept against correctness, per method and budget"
+    )
+    demo.add_argument("--budgets", type=budget_arg, nargs="+", default=list(DEMO_BUDGETS), metavar="B",
+                      help=f"budgets to try (default: {' '.join(map(str, DEMO_BUDGETS))})")
+    demo.add_argument("--methods", nargs="+", default=list(DEMO_METHODS), metavar="M",
+                      help=f"methods besides the full cache (default: {' '.join(DEMO_METHODS)})")
+    demo.add_argument("--threads", type=int, default=1,
+                      help="torch threads (default 1: on a busy machine more threads wait for each other)")
     demo.set_defaults(func=cmd_demo)
 
     pert = commands.add_parser(
-        "perturbation", parents=[common, method_args], help="attention-output error of compression per layer"
+        "perturbation", parents=[common, dtype_args, method_args], help="attention-output error of compression per layer"
     )
     pert.add_argument("prompt", nargs="?", help="prompt (default: a built-in ~1k-token document)")
     pert.add_argument("--prompt-file")
@@ -173,10 +195,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings(show):
+    """A ``warnings.showwarning`` that prints keepkv's warnings (keepkv/diagnostics.py) as one
+    ``keepkv: warning: ...`` line each and hands any other warning to ``show``."""
+    from .diagnostics import KeepKVWarning
+
+    def show_warning(message, category, *args, **kwargs):
+        if issubclass(category, KeepKVWarning):
+            print(f"keepkv: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, *args, **kwargs)
+
+    return show_warning
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        code = args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            code = args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"keepkv: error: {error}", file=sys.stderr)
         return 2

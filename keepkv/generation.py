@@ -8,8 +8,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from .attention import enable
+from .attention import enabled
 from .cache import CompressedCache
+from .diagnostics import warn_context_length
 
 
 @dataclass
@@ -105,6 +106,11 @@ def generate(
         Show a progress bar over generated tokens.
     **method_params
         Parameters of the method.
+
+    The model's attention implementation is switched to ``"keepkv"`` for the call and restored
+    after it. A :class:`keepkv.KeepKVWarning` says when prompt plus new tokens exceed the model's
+    ``max_position_embeddings``, or when the budget leaves a compressed prompt fewer entries than
+    the method's protected tokens.
     """
     prompts = validate_prompts(prompts)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -113,25 +119,26 @@ def generate(
     cache.method.prepare(model)
     device = next(model.parameters()).device
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
-    enable(model)
     prompt_length = inputs["input_ids"].shape[1]
-    if max_new_tokens == 0:
-        model(**inputs, past_key_values=cache, use_cache=True)
-        new_tokens = inputs["input_ids"][:, :0]
-    else:
-        stopping = StoppingCriteriaList([_Progress(max_new_tokens)]) if progress else None
-        output = model.generate(
-            **inputs,
-            past_key_values=cache,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=tokenizer.pad_token_id,
-            stopping_criteria=stopping,
-        )
-        new_tokens = output[:, prompt_length:]
+    warn_context_length(model.config, prompt_length, max_new_tokens)
+    with enabled(model):
+        if max_new_tokens == 0:
+            model(**inputs, past_key_values=cache, use_cache=True)
+            new_tokens = inputs["input_ids"][:, :0]
+        else:
+            stopping = StoppingCriteriaList([_Progress(max_new_tokens)]) if progress else None
+            output = model.generate(
+                **inputs,
+                past_key_values=cache,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=tokenizer.pad_token_id,
+                stopping_criteria=stopping,
+            )
+            new_tokens = output[:, prompt_length:]
     summary = cache.summary()
     answers = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     real_new = (new_tokens != tokenizer.pad_token_id).sum(-1) if new_tokens.numel() else new_tokens.sum(-1)

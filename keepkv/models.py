@@ -11,13 +11,19 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What a truncated or corrupt file raises from inside the GGUF, JSON and safetensors parsers.
+_UNREADABLE = (struct.error, ValueError, OSError, EOFError, KeyError, IndexError, RuntimeError, SafetensorError)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -41,6 +47,31 @@ def check_architecture(config) -> None:
             f"unsupported model_type {model_type!r}; keepkv supports: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    """A parameter dtype: float32, bfloat16 or float16, as a torch.dtype or its name.
+
+    Raises
+    ------
+    ValueError
+        Naming the valid dtypes.
+    """
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+
+
+@contextmanager
+def _readable(what: str):
+    """Turn a parser's error on a truncated or corrupt file into one ValueError line: what, then why."""
+    try:
+        yield
+    except _UNREADABLE as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"{what}: {reason}") from None
 
 
 def embedded_gguf_path() -> Path:
@@ -100,11 +131,14 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     ``target`` either is complete or does not exist.
     """
     kwargs = {"gguf_file": gguf.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **kwargs
-    )
+    unreadable = f"cannot read {gguf} as a GGUF model (truncated or corrupt?)"
+    with _readable(unreadable):
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **kwargs
+        )
     check_architecture(model.config)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    with _readable(unreadable):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -123,14 +157,15 @@ def _load_dir(directory: Path, dtype: torch.dtype):
     """Model and tokenizer (``None`` if the folder has none) of a local HF folder."""
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory} is not a Hugging Face model directory: no config.json")
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    unreadable = f"cannot load the model directory {directory}"
+    with _readable(unreadable):
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
     check_architecture(config)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, config=config, dtype=dtype, local_files_only=True
-    )
-    tokenizer = None
-    if any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    with _readable(unreadable):
+        model = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=dtype, local_files_only=True)
+        tokenizer = None
+        if any((directory / name).is_file() for name in _TOKENIZER_FILES):
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model, tokenizer
 
 
@@ -143,8 +178,8 @@ def load_model(path: str | os.PathLike | None = None, dtype=torch.float32, devic
         ``None`` for the embedded SmolLM2-135M-Instruct GGUF, a ``.gguf`` file,
         or a local Hugging Face model directory. A GGUF is dequantised on first
         use and its dense copy cached under :func:`cache_dir`.
-    dtype : torch.dtype
-        Parameter dtype of the returned model.
+    dtype : torch.dtype or str
+        Parameter dtype of the returned model: float32, bfloat16 or float16.
     device : str or torch.device
         Device the model is moved to.
 
@@ -159,10 +194,13 @@ def load_model(path: str | os.PathLike | None = None, dtype=torch.float32, devic
     Raises
     ------
     ValueError
-        If the path does not exist, is a file other than ``.gguf``, is a
-        directory without ``config.json``, or names an unsupported
-        architecture (see :data:`SUPPORTED_ARCHITECTURES`).
+        One line, if the dtype is not one of :data:`DTYPES`, the path does not
+        exist, is a file other than ``.gguf``, is a truncated or corrupt GGUF, is
+        a directory without ``config.json`` or one whose config, weights or
+        tokenizer cannot be read, or names an unsupported architecture (see
+        :data:`SUPPORTED_ARCHITECTURES`).
     """
+    dtype = parse_dtype(dtype)
     source = embedded_gguf_path() if path is None else Path(path).expanduser()
     if not source.exists():
         raise ValueError(f"model path does not exist: {source}")

@@ -34,6 +34,25 @@ def tiny_model(kind: str = "llama-gqa", layers: int = 2, seed: int = 0):
     return model.eval()
 
 
+class CharTokenizer:
+    """One token per character, enough for keepkv.generate on a tiny model."""
+
+    chat_template = None
+    pad_token = eos_token = "<pad>"
+    pad_token_id = 0
+    padding_side = "left"
+
+    def __call__(self, texts, return_tensors="pt", padding=True, add_special_tokens=True):
+        rows = [[3 + ord(c) % (VOCAB - 3) for c in text] for text in texts]
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(str(int(t)) for t in row) for row in ids]
+
+
 @pytest.fixture(params=["llama-mha", "llama-gqa", "qwen2"])
 def any_model(request):
     return tiny_model(request.param)

@@ -154,12 +154,6 @@ def test_bad_prompts_and_lengths(gqa_model):
         keepkv.generate(gqa_model, _Tokenizer(), "hello", max_new_tokens=-1)
 
 
-def test_attention_without_compressed_cache_is_a_clear_error(gqa_model):
-    keepkv.enable(gqa_model)
-    with pytest.raises(RuntimeError, match="CompressedCache"):
-        gqa_model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
-
-
 @torch.no_grad()
 def test_true_rope_positions_after_compression(gqa_model):
     """New tokens get the number of tokens seen as position, not the physical cache length."""

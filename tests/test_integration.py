@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import keepkv
 from keepkv.cli import main
@@ -49,3 +50,41 @@ def test_cli_errors_are_one_line(capsys):
     assert error.startswith("keepkv: error: unknown method 'nope'") and error.count("\n") == 1
     assert main(["generate", "hi", "--model", "/does/not/exist.gguf"]) == 2
     assert "/does/not/exist.gguf" in capsys.readouterr().err
+
+
+def test_plain_generate_unchanged_after_keepkv(embedded):
+    model, tokenizer = embedded
+    inputs = tokenizer(["The capital of France is", "One, two, three,"], return_tensors="pt", padding=True)
+
+    def plain():
+        return model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+
+    before = plain()
+    implementation = model.config._attn_implementation
+    keepkv.generate(model, tokenizer, "Name a colour.", method="keepkv", budget=0.5, max_new_tokens=4)
+    assert model.config._attn_implementation == implementation
+    assert torch.equal(plain(), before)
+    keepkv.enable(model)
+    assert torch.equal(plain(), before)
+
+
+def test_cli_budget_warning_is_one_line(embedded, capsys):
+    # A one-letter question in the chat template is ~31 tokens: keepkv's default 0.1 keeps 3, below its 4 sinks.
+    assert main(["generate", "a", "--max-new-tokens", "2", "--json"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("keepkv: warning: budget 0.1 keeps 3 entries")
+
+
+def test_demo_json(embedded, capsys):
+    assert main(["demo", "--methods", "snapkv", "--budgets", "0.5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    full, snapkv = result["cells"]
+    assert full["method"] == "full" and full["correct"] and result["key"] in full["answer"]
+    assert snapkv["method"] == "snapkv" and snapkv["budget"] == 0.5 and snapkv["share"] < 0.6
+    assert result["needs"]["snapkv"] == (0.5 if snapkv["correct"] else None)
+    assert result["best"] == (snapkv if snapkv["correct"] else None)
+
+
+def test_demo_rejects_bad_budget_before_loading(capsys):
+    assert main(["demo", "--budgets", "0.5", "2.0"]) == 2
+    assert capsys.readouterr().err.startswith("keepkv: error: a float budget is a fraction")

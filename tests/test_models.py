@@ -1,4 +1,5 @@
 import socket
+import struct
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import transformers
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 
 from keepkv import models
+from keepkv.cli import main
 from keepkv.models import SUPPORTED_ARCHITECTURES, check_architecture, load_model
 
 
@@ -70,6 +72,92 @@ def test_unsupported_model_type(tmp_path, no_network):
         load_model(tmp_path)
     for name in SUPPORTED_ARCHITECTURES:
         assert name in str(err.value)
+
+
+@pytest.fixture
+def truncated_gguf(tmp_path, monkeypatch):
+    """The first 1 MB of the embedded GGUF (its header alone is larger), else a bare GGUF header."""
+    monkeypatch.setenv("KEEPKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "broken.gguf"
+    try:
+        head = models.embedded_gguf_path().read_bytes()[: 1 << 20]
+    except ValueError:
+        head = b"GGUF" + struct.pack("<IQQ", 3, 1, 4)  # version 3, 1 tensor, 4 metadata keys, then nothing
+    path.write_bytes(head)
+    return path
+
+
+def one_line_value_error(call) -> str:
+    with pytest.raises(ValueError) as err:
+        call()
+    message = str(err.value)
+    assert message and "\n" not in message and err.value.__cause__ is None
+    return message
+
+
+def test_truncated_gguf(truncated_gguf):
+    message = one_line_value_error(lambda: load_model(truncated_gguf))
+    assert message.startswith(f"cannot read {truncated_gguf} as a GGUF model (truncated or corrupt?)")
+    assert not models._converted_dir(truncated_gguf).exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"not a gguf file at all"], ids=["empty", "no-magic"])
+def test_corrupt_gguf(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("KEEPKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    assert "as a GGUF model" in one_line_value_error(lambda: load_model(path))
+
+
+def test_directory_with_corrupt_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64')
+    message = one_line_value_error(lambda: load_model(tmp_path))
+    assert message.startswith(f"cannot load the model directory {tmp_path}") and "JSON" in message
+
+
+def test_directory_without_weights(tmp_path, no_network):
+    _tiny_llama(tmp_path, with_tokenizer=False)
+    (tmp_path / "model.safetensors").unlink()
+    assert "no file named model.safetensors" in one_line_value_error(lambda: load_model(tmp_path))
+
+
+def test_directory_with_corrupt_weights(tmp_path, no_network):
+    _tiny_llama(tmp_path, with_tokenizer=False)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    message = one_line_value_error(lambda: load_model(tmp_path))
+    assert message.startswith(f"cannot load the model directory {tmp_path}")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, "fp16", None])
+def test_wrong_dtype(tmp_path, dtype):
+    # Checked before the path: no model is read.
+    message = one_line_value_error(lambda: load_model(tmp_path / "nope", dtype=dtype))
+    assert message == f"dtype must be one of float32, bfloat16, float16; got {dtype!r}"
+
+
+def test_dtype_names(tmp_path, no_network):
+    _tiny_llama(tmp_path, with_tokenizer=False)
+    assert load_model(tmp_path, dtype="bfloat16")[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--model", "{gguf}"], "as a GGUF model (truncated or corrupt?)"),
+        (["--model", "{dir}"], "cannot load the model directory"),
+        (["--dtype", "int8"], "dtype must be one of float32, bfloat16, float16; got 'int8'"),
+    ],
+    ids=["truncated-gguf", "corrupt-dir", "dtype"],
+)
+def test_cli_load_errors_are_one_line(truncated_gguf, tmp_path, capsys, argv, expected):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{")
+    argv = [arg.format(gguf=truncated_gguf, dir=corrupt) for arg in argv]
+    assert main(["generate", "hi", *argv]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("keepkv: error: ") and expected in error and error.count("\n") == 1
 
 
 def test_check_architecture():

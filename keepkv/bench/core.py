@@ -16,6 +16,7 @@ import torch
 
 from ..cli import budget_arg
 from ..methods.base import get_method, parse_method_spec, parse_value
+from ..models import DTYPES
 from .configs import CONFIGS, build_config, param_bytes, random_model
 from .runner import (
     cache_bytes_per_row,
@@ -29,7 +30,6 @@ from .runner import (
 )
 
 GB = 1 << 30
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RANDOM_NOTE = "random weights: speed only"
 
 

@@ -129,6 +129,11 @@ class Method:
         """Derive model-specific constants once, before generation (KVReviver's Fisher layer
         scores read the K/V projection weights). The only hook that sees the model."""
 
+    def protected_entries(self) -> int:
+        """Entries a compressed row keeps whatever their scores (leading sinks plus a fixed recent
+        window), per layer and head. A smaller budget cannot hold them: the cache warns."""
+        return 0
+
     def check_budget(self, cache) -> None:
         """Raise ValueError if the cache's budget cannot work for this method."""
 
@@ -236,6 +241,9 @@ class ScoredEviction(Method):
         super().__post_init__()
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
             raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+
+    def protected_entries(self) -> int:
+        return self.sinks
 
     def setup_layer(self, layer) -> None:
         layer.add_extra("score")

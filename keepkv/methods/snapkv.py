@@ -65,3 +65,6 @@ class SnapKV(ZipMerging, ScoredEviction):
 
     def recent_count(self, budget):
         return torch.full_like(budget, self.window)
+
+    def protected_entries(self):
+        return self.sinks + self.window

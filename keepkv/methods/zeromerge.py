@@ -135,6 +135,9 @@ class ZeroMerge(Method):
             scores += (probs.sum(2) * weights[:, None]).sum(2)
         return scores
 
+    def protected_entries(self):
+        return self.merge_slots + self.min_recent
+
     # -- compression -------------------------------------------------------------------
     def split(self, budget: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(slots, recent, context) [B, H_kv] of each budget; they add up to the budget."""

@@ -1,0 +1,64 @@
+"""Warnings where the output will be poor: one KeepKVWarning each, none where all is well."""
+
+import warnings
+
+import pytest
+
+import keepkv
+
+from conftest import CharTokenizer
+
+PROMPT = "x" * 31  # 31 tokens with CharTokenizer (no chat template)
+
+
+def generate_warnings(model, prompts=PROMPT, method="keepkv", budget=0.1, max_new_tokens=1) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        keepkv.generate(model, CharTokenizer(), prompts, method, budget, max_new_tokens=max_new_tokens)
+    return [str(w.message) for w in caught if issubclass(w.category, keepkv.KeepKVWarning)]
+
+
+def test_budget_below_protected_tokens_warns_once(gqa_model):
+    # keepkv protects 4 sinks; a tenth of 31 tokens keeps 3.
+    (message,) = generate_warnings(gqa_model)
+    assert "keeps 3 entries" in message and "31-token" in message and "4 protected" in message
+    assert "\n" not in message
+    assert generate_warnings(gqa_model, budget=4) == []
+    # snapkv protects its observation window.
+    (message,) = generate_warnings(gqa_model, method="snapkv", budget=0.5)
+    assert "32 protected" in message
+
+
+def test_fewest_kept_compressed_row_is_named_and_fitting_rows_are_not(gqa_model):
+    (message,) = generate_warnings(gqa_model, [PROMPT, "y" * 200], budget=0.1)
+    assert "keeps 3 entries" in message
+    # A row that fits its budget is never touched, so a short prompt under an entry budget is fine.
+    assert generate_warnings(gqa_model, ["abc"], budget=3) == []
+
+
+def test_int_budget_one_warns(gqa_model):
+    (message,) = generate_warnings(gqa_model, method="h2o", budget=1)
+    assert "1.0" in message and "entry count" in message
+    (message,) = generate_warnings(gqa_model, method="keepkv", budget=1)
+    assert "1.0" in message and "protected" in message
+    assert generate_warnings(gqa_model, method="h2o", budget=1.0) == []
+
+
+def test_full_never_warns_about_budget(gqa_model):
+    assert generate_warnings(gqa_model, method="full", budget=1) == []
+
+
+def test_context_length_warning(gqa_model):
+    gqa_model.config.max_position_embeddings = 32
+    (message,) = generate_warnings(gqa_model, method="full", max_new_tokens=2)
+    assert "31 tokens" in message and "2 new tokens" in message and "max_position_embeddings (32)" in message
+    assert generate_warnings(gqa_model, method="full", max_new_tokens=1) == []
+
+
+def test_warnings_can_be_filtered(gqa_model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=keepkv.KeepKVWarning)
+        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "keepkv", 0.1, max_new_tokens=1)
+    with pytest.warns(keepkv.KeepKVWarning):
+        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "keepkv", 0.1, max_new_tokens=1)
