@@ -54,7 +54,7 @@ def format_demo(rows: list[dict]) -> str:
         share = row["cache_bytes"] / row["full_cache_bytes"]
         answer = textwrap.shorten(row["answer"], 40, placeholder="…")
         lines.append(
-            f"{row['method']:<13} {row['budget']:>6} {row['kept_entries']:>7.1f} "
+            f"{row['method']:<13} {'-' if row['budget'] is None else row['budget']:>6} {row['kept_entries']:>7.1f} "
             f"{row['cache_bytes'] / 2**20:>9.2f} {share:>7.0%}  {'yes' if row['correct'] else 'no ':<3} {answer}"
         )
     return "\n".join(lines)
