@@ -52,7 +52,8 @@ class _Progress(StoppingCriteria):
     def _layer_done(self, *args) -> None:
         self.bar.update(1)
 
-    def _close_stage(self) -> None:
+    def close(self) -> None:
+        """End the current stage: remove the counting hooks, close its bar."""
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
@@ -60,14 +61,11 @@ class _Progress(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         if not self.decoding:  # the first call comes after the prefill and the first token
-            self._close_stage()
+            self.close()
             self.bar = tqdm(total=self.new_tokens, desc=f"{self.method}: generating", unit="tok", leave=False)
             self.decoding = True
         self.bar.update(1)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    def close(self) -> None:
-        self._close_stage()
 
 
 def build_prompts(tokenizer, prompts: list[str], chat: bool, answer_prefix: str) -> list[str]:
