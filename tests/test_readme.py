@@ -54,8 +54,7 @@ COMMANDS = [
 
 
 def test_the_readme_has_blocks_to_check():
-    assert PYTHON and COMMANDS
-    assert {argv[0] for argv in (c.values[0] for c in COMMANDS)} >= {"demo", "eval", "report", "bench", "generate"}
+    assert PYTHON and COMMANDS  # a change to the fence syntax would otherwise skip every check
 
 
 @pytest.mark.parametrize(
