@@ -12,14 +12,14 @@ and H_kv KV heads:
     extras[name] : [B, H_kv, S,...] per-entry state of the method (scores, counts), kept
                                     aligned with the entries through every append and select
 
-Each is the prefix view of a contiguous buffer with a few spare slots (one compression
-interval's worth once the layer is compressed), so a decode step appends in place.
+Each is the prefix view of a contiguous buffer with spare slots (an eighth of its length
+while the layer is uncompressed, one compression interval's worth once it is compressed),
+so a decode step appends in place.
 The tensors really shrink when a method compresses: nothing is masked in place.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +31,17 @@ from .methods import Method, get_method
 from .models import check_architecture
 
 NEG_INF = float("-inf")
-# Spare slots a layer's buffers get when they grow before compression (an uncompressed layer
-# reallocates every GROWTH tokens); a compressed layer keeps room for one interval's appends.
-GROWTH = 64
+# An uncompressed layer's buffers grow by an eighth of their length, at least GROWTH_MIN slots:
+# reallocations stay rare on long sequences and spare slots stay a small share of short ones.
+# A compressed layer keeps room for one interval's appends instead (LayerStore.headroom).
+GROWTH_MIN = 8
+GROWTH_SHARE = 8
+
+
+def split_evenly(total: int, rows: int) -> torch.Tensor:
+    """[rows] int64 shares of ``total`` that differ by at most 1 and add up to it."""
+    share, left = divmod(total, rows)
+    return torch.full((rows,), share, dtype=torch.long) + (torch.arange(rows) < left).long()
 
 
 class LayerStore(CacheLayerMixin):
@@ -65,7 +73,7 @@ class LayerStore(CacheLayerMixin):
         self.pending = 0
         self.prefill_stats: StepStats | None = None
         self.buffers: dict[str, torch.Tensor] = {}
-        self.headroom = GROWTH
+        self.headroom: int | None = None  # spare slots of a compressed layer; None: grow in proportion
 
     # -- CacheLayerMixin -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -140,7 +148,7 @@ class LayerStore(CacheLayerMixin):
         """Keep only the entries at ``index`` [B, H_kv, K]; slots where ``valid`` is False become empty."""
         kept = index.shape[2]
         # The spare slots copy any kept entry; appends overwrite them.
-        index = torch.cat([index, index[..., :1].expand(-1, -1, self.headroom)], dim=-1)
+        index = torch.cat([index, index[..., :1].expand(-1, -1, self.spare_slots(kept))], dim=-1)
         rows = {}  # source slots -> flat row index, shared by the tensors whose buffers match
         self.keys = self._gather("keys", self.keys, index, kept, rows)
         self.values = self._gather("values", self.values, index, kept, rows)
@@ -148,6 +156,10 @@ class LayerStore(CacheLayerMixin):
         self.positions = self._gather("positions", self.positions, index, kept, rows).masked_fill_(~valid, -1)
         for name, extra in self.extras.items():
             self.extras[name] = self._gather(f"extras.{name}", extra, index, kept, rows)
+
+    def spare_slots(self, slots: int) -> int:
+        """Spare slots a buffer of ``slots`` in-use slots gets when it is (re)allocated."""
+        return self.headroom if self.headroom is not None else max(GROWTH_MIN, slots // GROWTH_SHARE)
 
     # Every per-entry tensor is the prefix [:, :, :S] of a contiguous buffer [B, H_kv, S + spare, ...],
     # so appends write in place instead of copying the layer (torch.cat) at every step. A method
@@ -176,7 +188,7 @@ class LayerStore(CacheLayerMixin):
         length = block.shape[2] if isinstance(block, torch.Tensor) else length
         buffer = self._buffer_of(name, current)
         if buffer is None or buffer.shape[2] < size + length:
-            buffer = self._new_buffer(name, current, size + length + self.headroom)
+            buffer = self._new_buffer(name, current, size + length + self.spare_slots(size + length))
             buffer.narrow(2, 0, size).copy_(current)
         fresh = buffer.narrow(2, size, length)
         if isinstance(block, torch.Tensor):
@@ -221,14 +233,48 @@ class LayerStore(CacheLayerMixin):
         )
         return owned + sum(storages.values())
 
+    def row_nbytes(self) -> dict[str, torch.Tensor]:
+        """[B] int64 bytes per row, in four parts that add up to ``nbytes()`` over the rows.
+
+        ``entries``: the row's live entries (keys, values, bias, positions, extras);
+        ``padding``: its empty slots below the layer's size S (left padding, or slots that
+        another row or head of the batch fills); ``spare``: slots past S kept for the next
+        appends; ``state``: per-layer method state (every such tensor is laid out per row, so
+        each row holds an even share of it).
+        """
+        batch, kv_heads, size = self.bias.shape
+        storages = {}  # storage -> bytes of one slot of one head, over the tensors it backs
+        for tensor in (self.keys, self.values, self.bias, self.positions, *self.extras.values()):
+            storage = tensor.untyped_storage()
+            storages.setdefault(storage.data_ptr(), [storage.nbytes(), 0])[1] += (
+                tensor[0, 0, 0].numel() * tensor.element_size()
+            )
+        slot_bytes = sum(per_slot for _, per_slot in storages.values())
+        buffer_bytes = sum(total for total, _ in storages.values())
+        live = self.live_counts().sum(-1).cpu()  # [B] over the heads
+        return {
+            "entries": live * slot_bytes,
+            "padding": (kv_heads * size - live) * slot_bytes,
+            "spare": split_evenly(buffer_bytes - batch * kv_heads * size * slot_bytes, batch),
+            "state": split_evenly(self.nbytes() - buffer_bytes, batch),
+        }
+
 
 @dataclass
 class CacheSummary:
-    """Per-row memory summary of a CompressedCache."""
+    """Per-row memory of a CompressedCache (lists indexed by row).
 
-    kept_entries: list[float]  # mean live entries per layer and KV head, per row
-    cache_bytes: list[int]  # this cache's bytes, split evenly over rows (empty slots included)
-    full_cache_bytes: list[int]  # bytes an uncompressed cache of the row's tokens would hold
+    ``cache_bytes[r] == entry_bytes[r] + padding_bytes[r] + spare_bytes[r] + state_bytes[r]``,
+    and ``sum(cache_bytes) == cache.nbytes()``: the rows' figures add up to the real bytes.
+    """
+
+    kept_entries: list[float]  # mean live entries per layer and KV head
+    cache_bytes: list[int]  # what the row holds: the four parts below
+    entry_bytes: list[int]  # its live entries: keys, values, bias, positions, per-entry method state
+    padding_bytes: list[int]  # its empty slots below each layer's size (left padding, ragged rows/heads)
+    spare_bytes: list[int]  # its slots past each layer's size, kept for the next appends
+    state_bytes: list[int]  # its share of per-layer method state (e.g. KVReviver's sketch)
+    full_cache_bytes: list[int]  # keys + values an uncompressed cache of the row's tokens would hold
 
 
 def validate_budget(budget) -> None:
@@ -432,12 +478,17 @@ class CompressedCache(Cache):
     def summary(self) -> CacheSummary:
         """Kept entries and bytes per row, next to what an uncompressed cache would hold."""
         first = self.layers[0]
-        batch, kv_heads, _, head_dim = first.keys.shape
+        _, kv_heads, _, head_dim = first.keys.shape
         kept = torch.stack([layer.live_counts().double().mean(-1) for layer in self.layers]).mean(0)
         per_entry = 2 * head_dim * first.keys.element_size() * kv_heads * self.num_layers
-        tokens = first.real_seen
+        rows = [layer.row_nbytes() for layer in self.layers]
+        parts = {part: sum(row[part] for row in rows).tolist() for part in ("entries", "padding", "spare", "state")}
         return CacheSummary(
             kept_entries=[round(float(k), 2) for k in kept],
-            cache_bytes=[math.ceil(self.nbytes() / batch)] * batch,
-            full_cache_bytes=[int(t) * per_entry for t in tokens],
+            cache_bytes=[sum(row) for row in zip(*parts.values())],
+            entry_bytes=parts["entries"],
+            padding_bytes=parts["padding"],
+            spare_bytes=parts["spare"],
+            state_bytes=parts["state"],
+            full_cache_bytes=[int(t) * per_entry for t in first.real_seen],
         )

@@ -77,11 +77,19 @@ def cmd_generate(args) -> None:
         print(json.dumps(result.to_dict()))
         return
     print(result.answer)
-    print(
-        f"[{result.method} budget={result.budget}] prompt {result.prompt_tokens} tokens, kept "
-        f"{result.kept_entries:.1f} entries per layer and head, cache {result.cache_bytes / 2**20:.2f} MiB "
-        f"vs full {result.full_cache_bytes / 2**20:.2f} MiB ({result.cache_bytes / result.full_cache_bytes:.1%})",
-        file=sys.stderr,
+    print(memory_line(result), file=sys.stderr)
+
+
+def memory_line(result) -> str:
+    """One line: what the cache kept and held, its parts, and its share of an uncompressed cache."""
+    mib = 2**20
+    label = result.method if result.budget is None else f"{result.method} budget={result.budget}"
+    return (
+        f"[{label}] prompt {result.prompt_tokens} tokens, kept {result.kept_entries:.1f} entries per layer "
+        f"and head; cache {result.cache_bytes / mib:.2f} MiB = entries {result.entry_bytes / mib:.2f} + padding "
+        f"{result.padding_bytes / mib:.2f} + spare slots {result.spare_bytes / mib:.2f} + method state "
+        f"{result.state_bytes / mib:.2f}; full cache {result.full_cache_bytes / mib:.2f} MiB "
+        f"({result.cache_bytes / result.full_cache_bytes:.1%})"
     )
 
 

@@ -15,15 +15,23 @@ from .diagnostics import warn_context_length
 
 @dataclass
 class GenerationResult:
-    """One prompt's answer and what its cache held at the end."""
+    """One prompt's answer and what its row of the cache held at the end.
+
+    ``cache_bytes = entry_bytes + padding_bytes + spare_bytes + state_bytes`` (see
+    :class:`keepkv.cache.CacheSummary`), and the rows of one call add up to the cache's bytes.
+    """
 
     answer: str
     prompt_tokens: int
     kept_entries: float  # mean live entries per layer and KV head
-    cache_bytes: int
-    full_cache_bytes: int
+    cache_bytes: int  # what this row holds: the four parts below
+    entry_bytes: int  # its live entries (keys, values, bias, positions, per-entry method state)
+    padding_bytes: int  # its empty slots (left padding; slots other rows or heads of the batch fill)
+    spare_bytes: int  # slots kept free for the next appends
+    state_bytes: int  # its share of per-layer method state (e.g. KVReviver's sketch)
+    full_cache_bytes: int  # keys + values of an uncompressed cache of this row's tokens
     method: str
-    budget: float | int
+    budget: float | int | None  # None: the method kept everything and used no budget
     new_tokens: int
 
     def to_dict(self) -> dict:
@@ -31,12 +39,32 @@ class GenerationResult:
 
 
 class _Progress(StoppingCriteria):
-    """A progress bar over generated tokens that never stops generation."""
+    """Progress bars named after the method, one per stage: the prefill, a tick per decoder layer
+    (forward hooks that only count, removed when the prefill ends), then a tick per generated
+    token. Never stops generation."""
 
-    def __init__(self, total: int):
-        self.bar = tqdm(total=total, desc="generating", unit="tok", leave=False)
+    def __init__(self, model, method: str, new_tokens: int):
+        layers = model.get_decoder().layers
+        self.method, self.new_tokens = method, new_tokens
+        self.bar = tqdm(total=len(layers), desc=f"{method}: prefill", unit="layer", leave=False)
+        self.hooks = [layer.register_forward_hook(self._layer_done) for layer in layers]
+        self.decoding = False
+
+    def _layer_done(self, *args) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        """End the current stage: remove the counting hooks, close its bar."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        self.bar.close()
 
     def __call__(self, input_ids, scores, **kwargs):
+        if not self.decoding:  # the first call comes after the prefill and the first token
+            self.close()
+            self.bar = tqdm(total=self.new_tokens, desc=f"{self.method}: generating", unit="tok", leave=False)
+            self.decoding = True
         self.bar.update(1)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -103,7 +131,8 @@ def generate(
     answer_prefix : str
         Text that starts the assistant's reply.
     progress : bool
-        Show a progress bar over generated tokens.
+        Show progress bars on stderr, named after the method: the prefill (per decoder layer),
+        then the generated tokens.
     **method_params
         Parameters of the method.
 
@@ -121,24 +150,28 @@ def generate(
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
     prompt_length = inputs["input_ids"].shape[1]
     warn_context_length(model.config, prompt_length, max_new_tokens)
-    with enabled(model):
-        if max_new_tokens == 0:
-            model(**inputs, past_key_values=cache, use_cache=True)
-            new_tokens = inputs["input_ids"][:, :0]
-        else:
-            stopping = StoppingCriteriaList([_Progress(max_new_tokens)]) if progress else None
-            output = model.generate(
-                **inputs,
-                past_key_values=cache,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=tokenizer.pad_token_id,
-                stopping_criteria=stopping,
-            )
-            new_tokens = output[:, prompt_length:]
+    bars = _Progress(model, cache.method.name, max_new_tokens) if progress else None
+    try:
+        with enabled(model):
+            if max_new_tokens == 0:
+                model(**inputs, past_key_values=cache, use_cache=True)
+                new_tokens = inputs["input_ids"][:, :0]
+            else:
+                output = model.generate(
+                    **inputs,
+                    past_key_values=cache,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                    pad_token_id=tokenizer.pad_token_id,
+                    stopping_criteria=StoppingCriteriaList([bars]) if bars else None,
+                )
+                new_tokens = output[:, prompt_length:]
+    finally:
+        if bars:
+            bars.close()
     summary = cache.summary()
     answers = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     real_new = (new_tokens != tokenizer.pad_token_id).sum(-1) if new_tokens.numel() else new_tokens.sum(-1)
@@ -148,9 +181,13 @@ def generate(
             prompt_tokens=int(inputs["attention_mask"][row].sum()),
             kept_entries=summary.kept_entries[row],
             cache_bytes=summary.cache_bytes[row],
+            entry_bytes=summary.entry_bytes[row],
+            padding_bytes=summary.padding_bytes[row],
+            spare_bytes=summary.spare_bytes[row],
+            state_bytes=summary.state_bytes[row],
             full_cache_bytes=summary.full_cache_bytes[row],
             method=cache.method.name,
-            budget=budget,
+            budget=None if cache.layer_budgets is None else budget,
             new_tokens=int(real_new[row]),
         )
         for row in range(len(prompts))

@@ -314,3 +314,21 @@ def test_budget_too_small_for_sinks_and_one_recent_token():
         prefill(model, input_ids, attention_mask, "kvreviver", 0.1, **UNIFORM)
     with pytest.raises(ValueError, match="layer_scores has 3"):
         prefill(model, input_ids, attention_mask, "kvreviver", 12, layer_scores=(1.0, 2.0, 3.0))
+
+
+@torch.no_grad()
+def test_cache_grows_by_the_vague_scalars_only():
+    """Past its budget a row's stored entries and sketch stay constant; every generated token adds one
+    vague token per layer and KV head, i.e. its int32 position and fp32 score: 8 x H_kv x L bytes."""
+    model = tiny_model("llama-gqa", layers=2)
+    input_ids, attention_mask = random_batch(batch=1, length=60, pad=(0,))
+    cache = keepkv.CompressedCache(model.config, "kvreviver", 16, **UNIFORM)
+    sizes = []
+    for cache in decode_loop(model, input_ids, attention_mask, cache, steps=12):
+        summary, report = cache.summary(), cache.method.memory_report(cache)
+        assert report["stored_bytes"] == cache.nbytes() == summary.cache_bytes[0]
+        assert report["entry_bytes"] + report["sketch_bytes"] + report["vague_scalar_bytes"] <= report["stored_bytes"]
+        sizes.append((cache.nbytes(), summary.entry_bytes[0], report["sketch_bytes"]))
+    kv_heads, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
+    assert all(after[0] - before[0] == 8 * kv_heads * layers for before, after in zip(sizes, sizes[1:]))
+    assert len({entries for _, entries, _ in sizes}) == 1 and len({sketch for _, _, sketch in sizes}) == 1

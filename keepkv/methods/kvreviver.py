@@ -105,8 +105,12 @@ still follows the shares).
 
 Beyond the N entries each vague token costs 8 bytes of scalars (int32 position, fp32
 score): for head_dim 64 that is 1.6% (fp32) or 3% (bf16) of an entry per vague token -
-at a 10% budget about 14% / 28% on top of the stored entries. ``memory_report`` counts
-them (and the sketch); ``LayerStore.nbytes`` does not see ``layer.state``.
+at a 10% budget about 14% / 28% on top of the stored entries. They are what keeps every
+token swappable back (its score) and rebuildable (its position), so they grow with every
+token a row takes past its budget - 8 x H_kv x L bytes per generated token, 720 B on
+SmolLM2-135M - while the stored entries and the sketch stay constant. ``LayerStore.nbytes``
+(hence ``cache.nbytes()`` and ``summary().state_bytes``) counts them and the sketch;
+``memory_report`` shows them apart.
 
 Layer budgets (``allocation``): ``"fisher"`` (default, the paper's appendix) gives layer l
 a share of L x N proportional to its Fisher score, at least the smallest workable budget;
@@ -686,24 +690,14 @@ class KVReviver(Method):
         state["swaps"] = state.get("swaps", 0) + swap.sum()  # a tensor: no host sync per step
 
     # -- reporting -----------------------------------------------------------------------------
-    @staticmethod
-    def state_nbytes(layer) -> int:
-        """Bytes of the layer's method state: the sketch and the per-vague-token scalars."""
-        total = 0
-        for value in layer.state.values():
-            if isinstance(value, CountSketch):
-                total += value.nbytes()
-            elif isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-        return total
-
     def memory_report(self, cache) -> dict:
         """Stored bytes (entries, sketch, vague scalars) next to the measured rebuild peak."""
-        entries = sum(layer.nbytes() for layer in cache.layers)
+        summary = cache.summary()
+        # the entries' buffers; cache.nbytes() adds the sketch and the per-layer state tensors
+        entries = sum(summary.entry_bytes) + sum(summary.padding_bytes) + sum(summary.spare_bytes)
         sketch = sum(
             layer.state["sketch"].nbytes() for layer in cache.layers if layer.state.get("sketch") is not None
         )
-        state = sum(self.state_nbytes(layer) for layer in cache.layers)
         first = cache.layers[0]
         per_token = 2 * first.keys.shape[1] * first.keys.shape[-1] * first.keys.element_size()
         return {
@@ -715,7 +709,7 @@ class KVReviver(Method):
                 for name in ("vague_pos", "vague_score")
                 if name in layer.state
             ),
-            "stored_bytes": entries + state,
+            "stored_bytes": cache.nbytes(),
             "peak_rebuilt_bytes": self.tracker.peak,
             "largest_layer_rebuilt_bytes": max(layer.state.get("peak_rebuilt_bytes", 0) for layer in cache.layers),
             "rebuilt_bytes_alive": self.tracker.live,
