@@ -6,7 +6,6 @@ import torch
 import keepkv
 from keepkv.cache import GROWTH_MIN, GROWTH_SHARE
 from keepkv.cli import memory_line
-from keepkv.demo import format_demo
 from keepkv.methods import METHODS
 
 from conftest import decode_loop, random_batch, run_generate, tiny_model
@@ -109,5 +108,3 @@ def test_full_reports_no_budget_and_its_parts():
     line = memory_line(full[0])
     assert line.startswith("[full] ") and "budget" not in line and "spare slots" in line
     assert memory_line(h2o[0]).startswith("[h2o budget=0.5] ")
-    table = format_demo([{**r.to_dict(), "correct": False, "key": "0"} for r in (full[0], h2o[0])]).splitlines()
-    assert table[2].split()[:2] == ["full", "-"] and table[3].split()[:2] == ["h2o", "0.5"]
