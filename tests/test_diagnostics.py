@@ -11,7 +11,7 @@ from conftest import CharTokenizer
 PROMPT = "x" * 31  # 31 tokens with CharTokenizer (no chat template)
 
 
-def generate_warnings(model, prompts=PROMPT, method="keepkv", budget=0.1, max_new_tokens=1) -> list[str]:
+def generate_warnings(model, prompts=PROMPT, method="keepkv+selection=ema", budget=0.1, max_new_tokens=1) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         keepkv.generate(model, CharTokenizer(), prompts, method, budget, max_new_tokens=max_new_tokens)
@@ -19,7 +19,7 @@ def generate_warnings(model, prompts=PROMPT, method="keepkv", budget=0.1, max_ne
 
 
 def test_budget_below_protected_tokens_warns_once(gqa_model):
-    # keepkv protects 4 sinks; a tenth of 31 tokens keeps 3.
+    # keepkv with its EMA selection protects 4 sinks; a tenth of 31 tokens keeps 3.
     (message,) = generate_warnings(gqa_model)
     assert "keeps 3 entries" in message and "31-token" in message and "4 protected" in message
     assert "\n" not in message

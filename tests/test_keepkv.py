@@ -16,6 +16,10 @@ from keepkv.perturbation import _attend, builtin_document, format_perturbation, 
 
 from conftest import decode_loop, random_batch, tiny_model
 
+# KeepKV with its own EMA selection: the theorems and the EMA are tested on it (the registered
+# default selects with SnapKV; tests/test_zip_merging.py covers the selections).
+EMA = "keepkv+selection=ema"
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -90,13 +94,13 @@ def test_theorem3_prefill_merge_is_lossless_on_mha(zip_key, order):
     model = tiny_model("llama-mha")
     ids = prompt_ids()
     params = dict(threshold=-1.0, zip_key=zip_key, prefill_order=order, prefill_scores="exact")
-    result = perturbation(model, None, ids, "keepkv", budget=12, steps=(), **params)
+    result = perturbation(model, None, ids, EMA, budget=12, steps=(), **params)
     assert max(result["layers"]) <= 1e-5, result["layers"]
     # next-token logits of the last prompt token recomputed on the compressed cache
     keepkv.enable(model)
     full = keepkv.CompressedCache(model.config, "full", 1.0)
     model(input_ids=ids, past_key_values=full)
-    cache = keepkv.CompressedCache(model.config, "keepkv", 12, **params)
+    cache = keepkv.CompressedCache(model.config, EMA, 12, **params)
     model(input_ids=ids, past_key_values=cache)
     reference = recompute_logits(model, full, ids[:, -1:], ids.shape[1] - 1)
     compressed = recompute_logits(model, cache, ids[:, -1:], ids.shape[1] - 1)
@@ -114,7 +118,7 @@ def test_theorem3_decode_merges_with_exact_scores_are_lossless(zip_key):
     model = tiny_model("llama-mha")
     ids = prompt_ids(30)
     cache = keepkv.CompressedCache(
-        model.config, "keepkv", 10, threshold=-1.0, zip_key=zip_key, scores="exact", prefill_order="evict_first"
+        model.config, EMA, 10, threshold=-1.0, zip_key=zip_key, scores="exact", prefill_order="evict_first"
     )
     hook = Hook(cache)
     mask = torch.ones_like(ids)
@@ -137,9 +141,9 @@ def test_theorem3_decode_merges_with_exact_scores_are_lossless(zip_key):
 def test_done_when_exact_keepkv_vs_eviction_and_convex_merge():
     model = tiny_model("llama-mha")
     ids = prompt_ids()
-    exact = perturbation(model, None, ids, "keepkv", budget=12, steps=(), threshold=-1.0)
+    exact = perturbation(model, None, ids, EMA, budget=12, steps=(), threshold=-1.0)
     assert max(exact["layers"]) <= 1e-5
-    for method in ("h2o", "streamingllm", ConvexMerge(threshold=-1.0)):
+    for method in ("h2o", "streamingllm", ConvexMerge(selection="ema", threshold=-1.0)):
         other = perturbation(model, None, ids, method, budget=12, steps=())
         assert min(other["layers"]) >= 1e-3, (method, other["layers"])
 
@@ -177,7 +181,7 @@ def test_lemma6_identical_entries_merge_without_error(zip_key):
     batch, kv_heads, group, size, dim = 2, 2, 2, 10, 8
     keys, values = torch.randn(batch, kv_heads, size, dim), torch.randn(batch, kv_heads, size, dim)
     keys[:, :, 7], values[:, :, 7] = keys[:, :, 2], values[:, :, 2]
-    method = KeepKV(zip_key=zip_key, window=3)  # rows at positions 7-9: both copies see the same queries
+    method = KeepKV(selection="ema", zip_key=zip_key, window=3)  # rows at positions 7-9: both copies see the same queries
     window = torch.randn(batch, kv_heads, group, 3, dim)
     layer = store_from(keys, values, window, method, 0.35)
     before = (layer.keys.clone(), layer.values.clone(), layer.bias.clone())
@@ -200,7 +204,7 @@ def test_ema_initialisation_matches_eq8_by_hand(score_norm):
     keys, values = torch.randn(batch, kv_heads, size, dim), torch.randn(batch, kv_heads, size, dim)
     window = torch.randn(batch, kv_heads, group, rows, dim)
     window[:, :, :, 0] *= 8.0  # the oldest row's logits are far larger than the others'
-    method = KeepKV(window=rows, alpha=0.5, score_norm=score_norm)
+    method = KeepKV(selection="ema", window=rows, alpha=0.5, score_norm=score_norm)
     layer = store_from(keys, values, window, method, 0.35)
     logits = 0.35 * window[0, 0, 0] @ keys[0, 0].T  # [r, S]; causal: row r sees slots <= S - rows + r
     visible = torch.arange(size)[None] <= torch.arange(size - rows, size)[:, None]
@@ -228,7 +232,7 @@ def layer_entries(layer):
 def test_votes_are_conserved_over_500_decode_steps():
     model = tiny_model("llama-gqa", layers=1)
     ids, mask = random_batch(batch=2, length=30, pad=(0, 6))
-    cache = keepkv.CompressedCache(model.config, "keepkv", 12, threshold=0.3)
+    cache = keepkv.CompressedCache(model.config, EMA, 12, threshold=0.3)
     merged = dropped = False
     for step, cache in enumerate(decode_loop(model, ids, mask, cache, steps=500)):
         for layer in cache.layers:
@@ -247,7 +251,7 @@ def test_gqa_group_key_keeps_every_heads_attention_mass():
     captured = {}
     errors = {}
     for zip_key in ("group", "projection"):
-        cache = keepkv.CompressedCache(model.config, "keepkv", 12, threshold=-1.0, zip_key=zip_key)
+        cache = keepkv.CompressedCache(model.config, EMA, 12, threshold=-1.0, zip_key=zip_key)
         inner = cache.forward_layer
 
         def hook(index, query, keys, values, mask, scaling, inner=inner):
@@ -281,7 +285,7 @@ def test_low_precision_with_large_logits_stays_finite(dtype):
     ids, mask = random_batch(batch=2, length=30, pad=(0, 5))
     largest = []
     for zip_key in ("paper", "projection", "group"):
-        cache = keepkv.CompressedCache(model.config, "keepkv", 8, threshold=0.0, zip_key=zip_key)
+        cache = keepkv.CompressedCache(model.config, EMA, 8, threshold=0.0, zip_key=zip_key)
         inner = cache.forward_layer
 
         def hook(index, query, keys, values, block_mask, scaling, inner=inner):
@@ -319,7 +323,7 @@ def test_opposite_sign_logits_give_finite_keys():
     keys[0, 0, 4, 0], keys[0, 0, 5, 0] = 0.5, -2.0  # logits +0.5 and -2
     values = torch.randn(1, 1, 6, dim)
     for zip_key in ("paper", "projection", "group"):
-        method = KeepKV(zip_key=zip_key, window=1)
+        method = KeepKV(selection="ema", zip_key=zip_key, window=1)
         layer = store_from(keys, values, query, method, scaling)
         # votes that make p4 s4 ln s4 + p5 s5 ln s5 = 0
         layer.bias[0, 0, 5] = math.log(0.5 * math.exp(0.5) / (2 * math.exp(-2.0)))
@@ -338,7 +342,7 @@ def test_opposite_sign_logits_give_finite_keys():
 def test_refresh_equals_rebuild_and_full_copy_is_bit_exact():
     model = tiny_model("llama-mha")
     ids, mask = random_batch(batch=2, length=24, pad=(0, 5))
-    cache = keepkv.CompressedCache(model.config, "keepkv", 8, threshold=-1.0, refresh_interval=4, window=6)
+    cache = keepkv.CompressedCache(model.config, EMA, 8, threshold=-1.0, refresh_interval=4, window=6)
     hook = Hook(cache)
     refreshed = 0
     for step, cache in enumerate(decode_loop(model, ids, mask, cache, steps=9)):
@@ -393,7 +397,7 @@ def test_full_copy_grows_and_loads_exactly():
 def test_2000_step_decode_stays_within_budget():
     model = tiny_model("llama-gqa", layers=1)
     ids, mask = random_batch(batch=2, length=20, pad=(0, 4))
-    cache = keepkv.CompressedCache(model.config, "keepkv", 16)
+    cache = keepkv.CompressedCache(model.config, EMA, 16)
     for cache in decode_loop(model, ids, mask, cache, steps=2000):
         layer = cache.layers[0]
         assert (layer.live_counts() <= layer.budget).all() and layer.size <= layer.capacity
@@ -402,7 +406,7 @@ def test_2000_step_decode_stays_within_budget():
 
 def test_layer_budgets_follow_cosine_decay_with_mean_budget():
     model = tiny_model("llama-gqa", layers=6)
-    method = KeepKV()
+    method = KeepKV(selection="ema")
     cache = keepkv.CompressedCache(model.config, method, 100)
     for layer in cache.layers:
         layer.keys = torch.zeros(1, 2, 0, 16)
@@ -416,7 +420,7 @@ def test_layer_budgets_follow_cosine_decay_with_mean_budget():
 
 def test_perturbation_result_is_json_and_formats():
     model = tiny_model("llama-gqa")
-    result = perturbation(model, None, prompt_ids(), "keepkv", budget=0.3, steps=(1, 3))
+    result = perturbation(model, None, prompt_ids(), EMA, budget=0.3, steps=(1, 3))
     text = json.dumps(result)
     assert set(json.loads(text)) >= {"overall", "layers", "later", "logits_error"}
     assert len(result["layers"]) == 2 and set(result["later"]) == {1, 3}

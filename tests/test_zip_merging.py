@@ -64,7 +64,7 @@ def test_keepkv_selection_changes_what_is_kept():
     model = tiny_model("llama-gqa", layers=2)
     input_ids, attention_mask = random_batch(batch=1, length=60, pad=(0,))
     kept = []
-    for spec in ("keepkv+merge=none", "keepkv+selection=snapkv+merge=none"):
+    for spec in ("keepkv+selection=ema+merge=none", "keepkv+selection=snapkv+merge=none"):
         cache = keepkv.CompressedCache(model.config, spec, 0.3)
         next(decode_loop(model, input_ids, attention_mask, cache, steps=1))
         kept.append(cache.layers[1].positions)

@@ -43,9 +43,12 @@ class KeepKV(ZipMerging, ScoredEviction):
     """KeepKV (Tian et al., "KeepKV: Achieving Periodic Lossless KV Cache Compression for
     Efficient LLM Inference", arXiv 2504.09936).
 
-    What is kept: ``sinks`` leading tokens, a recent window and heavy hitters (recent:heavy =
-    ``recent_ratio``:(1 - ``recent_ratio``)) ranked by their attention mass ln p + ln ŝ, with
-    PyramidInfer's cosine-decayed layer budgets. Every entry chosen for eviction is ZIP-merged
+    What is kept is a selection rule's choice (``selection``). The default is SnapKV's (the
+    attention of the last 32 prompt queries, pooled; the window kept), the best measured on the
+    dev seed; the paper's is PyramidInfer's, and ``selection="ema"`` is KeepKV's own: ``sinks``
+    leading tokens, a recent window and heavy hitters (recent:heavy = ``recent_ratio``:(1 -
+    ``recent_ratio``)) ranked by their attention mass ln p + ln ŝ, with PyramidInfer's
+    cosine-decayed layer budgets. Every entry chosen for eviction is ZIP-merged
     (eq. 7 / 25) into the kept entry (sinks and recent included) whose key is most
     cosine-similar, if that similarity is at least ``threshold``; otherwise it is evicted.
     Every entry carries Electoral Votes p (1 for a token; a merge adds them), stored as ln p in
@@ -128,7 +131,8 @@ class KeepKV(ZipMerging, ScoredEviction):
     Parameters
     ----------
     selection : str
-        "ema" (KeepKV's EMA ranking) or a scored eviction method whose selection to use (see above).
+        A scored eviction method whose selection to use (default "snapkv", see above), or "ema"
+        (KeepKV's EMA ranking, the only one a periodic refresh can use).
     kernel : int
         Odd max-pool width over neighbouring entries of the EMA ranking (1: no pooling). Pooling
         keeps the neighbours of a highly attended token, so a multi-token fact survives whole
@@ -191,7 +195,7 @@ class KeepKV(ZipMerging, ScoredEviction):
     paper = "Tian et al. 2025, arXiv 2504.09936"
     sinks: int = 4
     merge: str = "zip"
-    selection: str = "ema"
+    selection: str = "snapkv"
     kernel: int = 1
     alpha: float = 0.94
     window: int = 32
@@ -249,6 +253,9 @@ class KeepKV(ZipMerging, ScoredEviction):
         # KeepKV's own extras need the GQA group size, known at the first observe().
         if self._selector is not None:
             self._selector.setup_layer(layer)
+
+    def protected_entries(self) -> int:
+        return self.sinks if self._selector is None else self._selector.protected_entries()
 
     def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
         sinks = budget.clamp(max=self.sinks)
