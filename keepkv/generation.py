@@ -81,6 +81,7 @@ def generate(
     chat: bool = True,
     answer_prefix: str = "",
     progress: bool = False,
+    prefill_chunk: int | None = None,
     **method_params,
 ) -> list[GenerationResult]:
     """Greedy generation with a compressed KV cache, one result per prompt.
@@ -103,20 +104,35 @@ def generate(
         Text that starts the assistant's reply.
     progress : bool
         Show a progress bar over generated tokens.
+    prefill_chunk : int, optional
+        Feed the prompt in blocks of this many tokens (>= 1), so that prefill attention's
+        workspace is bounded by one block. The outputs are those of an unchunked prefill (the
+        method sees the statistics of the whole prompt and compresses after its last block);
+        the cache peaks at the uncompressed prompt of every layer (``CompressedCache``).
     **method_params
         Parameters of the method.
     """
     prompts = validate_prompts(prompts)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if prefill_chunk is not None and (
+        isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
+    ):
+        raise ValueError(f"prefill_chunk must be an int >= 1 (or None: one block), got {prefill_chunk!r}")
     cache = CompressedCache(model.config, method, budget, **method_params)
     cache.method.prepare(model)
     device = next(model.parameters()).device
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
     enable(model)
     prompt_length = inputs["input_ids"].shape[1]
+    if prefill_chunk is not None:
+        cache.start_prefill(inputs["attention_mask"])
     if max_new_tokens == 0:
-        model(**inputs, past_key_values=cache, use_cache=True)
+        chunk = prefill_chunk or prompt_length
+        for start in range(0, prompt_length, chunk):
+            stop = min(start + chunk, prompt_length)
+            mask = inputs["attention_mask"][:, :stop]
+            model(input_ids=inputs["input_ids"][:, start:stop], attention_mask=mask, past_key_values=cache, use_cache=True)
         new_tokens = inputs["input_ids"][:, :0]
     else:
         stopping = StoppingCriteriaList([_Progress(max_new_tokens)]) if progress else None
@@ -130,6 +146,7 @@ def generate(
             top_k=None,
             pad_token_id=tokenizer.pad_token_id,
             stopping_criteria=stopping,
+            prefill_chunk_size=prefill_chunk,
         )
         new_tokens = output[:, prompt_length:]
     summary = cache.summary()

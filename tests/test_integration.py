@@ -49,3 +49,19 @@ def test_cli_errors_are_one_line(capsys):
     assert error.startswith("keepkv: error: unknown method 'nope'") and error.count("\n") == 1
     assert main(["generate", "hi", "--model", "/does/not/exist.gguf"]) == 2
     assert "/does/not/exist.gguf" in capsys.readouterr().err
+
+
+def test_chunked_prefill_gives_the_unchunked_answer(embedded, capsys, tmp_path):
+    doc, _ = document(target_tokens=300, seed=5)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(f"{doc}\n\n{QUESTION}")
+    answers = []
+    for chunk in ([], ["--prefill-chunk", "64"]):
+        code = main(["generate", "--prompt-file", str(prompt_file), "--method", "h2o", "--budget", "0.2",
+                     "--max-new-tokens", "6", "--json", *chunk])
+        assert code == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0]["answer"] == answers[1]["answer"] and answers[0]["answer"]
+    assert answers[0]["cache_bytes"] == answers[1]["cache_bytes"]
+    assert main(["generate", "hi", "--prefill-chunk", "0"]) == 2
+    assert "prefill_chunk must be an int >= 1" in capsys.readouterr().err
