@@ -79,28 +79,36 @@ def entry_logits(query_g, keys, bias, scaling, block_mask_rows=None) -> torch.Te
     query_g [B, H_kv, g, r, D]; keys [B, H_kv, S, D]; bias [B, H_kv, S];
     block_mask_rows [B, r, q] masks the last q columns (the new block), if given.
     """
-    # Fold the group into the rows: a broadcast over g would copy the keys g times.
+    # Fold the group into the rows: a broadcast over g would copy the keys g times. The product is
+    # taken in fp32 (a bf16/fp16 q·k would round the logits before the methods' fp32 scores see them).
     batch, kv_heads, group, rows, head_dim = query_g.shape
-    flat = query_g.reshape(batch, kv_heads, group * rows, head_dim)
-    logits = torch.matmul(flat, keys.transpose(-1, -2)).view(batch, kv_heads, group, rows, -1).float() * scaling
-    logits = logits + bias[:, :, None, None, :]
+    flat = query_g.reshape(batch, kv_heads, group * rows, head_dim).float()
+    logits = torch.matmul(flat, keys.float().transpose(-1, -2)).view(batch, kv_heads, group, rows, -1)
+    logits.mul_(scaling).add_(bias[:, :, None, None, :])  # in place: one [r, S] buffer per chunk
     if block_mask_rows is not None:
         block = block_mask_rows.shape[-1]
-        logits[..., -block:] = logits[..., -block:].masked_fill(~block_mask_rows[:, None, None], NEG_INF)
+        logits[..., -block:].masked_fill_(~block_mask_rows[:, None, None], NEG_INF)
     return logits
 
 
 def softmax_probs(logits: torch.Tensor) -> torch.Tensor:
     """Softmax over entries; rows with no visible entry (padded queries) get zeros."""
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
 
 
-def attend(query, keys, values, bias, block_mask, scaling: float, needs: Needs = Needs(), is_prefill: bool = False):
+def attend(
+    query, keys, values, bias, block_mask, scaling: float, needs: Needs = Needs(), is_prefill: bool = False,
+    binary_bias: bool = False,
+):
     """Attend the new queries over the entries, whose last q are the new block.
 
     query [B, H, q, D]; keys, values [B, H_kv, S, D]; bias [B, H_kv, S];
-    block_mask [B, 1, q, q] bool. Returns the output [B, q, H, D] and the StepStats that
-    ``needs`` asked for.
+    block_mask [B, 1, q, q] bool. ``binary_bias`` promises that the bias holds only 0 and -inf
+    (no merged entry's ln p), so a bool mask carries it exactly. Returns the output [B, q, H, D]
+    and the StepStats that ``needs`` asked for.
+
+    Probabilities and column sums come from one explicit pass over row chunks, which computes the
+    output from the same probabilities; otherwise SDPA does the work.
     """
     kv_heads = keys.shape[1]
     query_g = group_queries(query, kv_heads)
@@ -117,41 +125,91 @@ def attend(query, keys, values, bias, block_mask, scaling: float, needs: Needs =
         block_rows = block_mask[:, 0, start:stop, :stop]
         return softmax_probs(entry_logits(rows, keys[:, :, :visible], bias[:, :, :visible], scaling, block_rows))
 
-    def chunks():
-        return ((start, min(block, start + rows_per_chunk)) for start in range(0, block, rows_per_chunk))
-
-    if size == block and block > 1:
-        # Nothing stored before this block, so the bias only marks padding, which the mask holds.
+    if needs.probs or needs.colsum or not (size == block or binary_bias or query.dtype == torch.float32):
+        output, stats.probs, stats.colsum = explicit_pass(row_probs, values, query_g.shape, block, rows_per_chunk, needs)
+    elif size == block:
+        # Nothing stored before this block, so the bias only marks padding, which the mask holds;
+        # without padding the mask is plain causal and SDPA needs none (a mask forces a slower kernel).
+        unpadded = bool(block_mask[:, 0, -1].all())
         output = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=block_mask, scale=scaling, enable_gqa=True
+            query, keys, values, attn_mask=None if unpadded else block_mask, is_causal=unpadded, scale=scaling,
+            enable_gqa=True,
         ).transpose(1, 2)
-        prob_chunks = [row_probs(start, stop) for start, stop in chunks()] if needs.probs else []
-    elif block == 1 and not needs.probs and query.dtype == torch.float32:
-        # A decode step nobody reads probabilities of: SDPA with the bias as its float mask, the
-        # group folded into query rows (K/V not repeated). fp32 only: a bf16 mask would round ln p.
-        output = F.scaled_dot_product_attention(
-            query_g.view(batch, kv_heads, group, head_dim), keys, values, attn_mask=bias[:, :, None, :], scale=scaling
-        ).reshape(batch, kv_heads * group, 1, -1).transpose(1, 2)
     else:
-        output_chunks, prob_chunks = [], []
-        for start, stop in chunks():
-            probs = row_probs(start, stop)
-            rows, visible = probs.shape[3:]
-            flat = probs.to(values.dtype).reshape(batch, kv_heads, group * rows, visible)
-            output_chunks.append(torch.matmul(flat, values[:, :, :visible]).view(batch, kv_heads, group, rows, -1))
-            if needs.probs:
-                prob_chunks.append(probs)
-        output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
-    if needs.probs:
-        stats.probs = torch.cat([F.pad(probs, (0, size - probs.shape[-1])) for probs in prob_chunks], dim=3)
-    if needs.colsum:
-        stats.colsum = query_g.new_zeros(batch, kv_heads, group, size, dtype=torch.float32)
-        for start, stop in chunks():
-            probs = row_probs(start, stop)
-            stats.colsum[..., : probs.shape[-1]] += probs.sum(3)
+        output = grouped_sdpa(query_g, keys, values, bias, block_mask, scaling, binary_bias)
     if needs.window:
         stats.window_probs = row_probs(max(0, block - needs.window), block)
     return output.contiguous(), stats
+
+
+def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: int, needs: Needs):
+    """Output [B, q, H, D], probabilities [B, H_kv, g, q, S] (if ``needs.probs``) and column sums
+    [B, H_kv, g, S] (if ``needs.colsum``), all from one pass of ``row_probs(start, stop)`` over
+    chunks of query rows: the workspace is one chunk's logits, never [q, S] at once."""
+    batch, kv_heads, group = query_shape[:3]
+    size = values.shape[2]
+    output_chunks, prob_chunks = [], []
+    colsum = values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) if needs.colsum else None
+    for start in range(0, block, rows_per_chunk):
+        probs = row_probs(start, min(block, start + rows_per_chunk))
+        rows, visible = probs.shape[3:]
+        flat = probs.to(values.dtype).reshape(batch, kv_heads, group * rows, visible)
+        output_chunks.append(torch.matmul(flat, values[:, :, :visible]).view(batch, kv_heads, group, rows, -1))
+        if needs.probs:
+            prob_chunks.append(F.pad(probs, (0, size - visible)))
+        if needs.colsum:
+            colsum[..., :visible] += probs.sum(3)
+    output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
+    return output, torch.cat(prob_chunks, dim=3) if needs.probs else None, colsum
+
+
+def grouped_sdpa(query_g, keys, values, bias, block_mask, scaling: float, binary_bias: bool) -> torch.Tensor:
+    """SDPA over stored entries plus the new block, the group folded into query rows (K/V never
+    repeated). The bias goes in as a bool mask when ``binary_bias``, else as a float mask, which
+    needs fp32 queries: a bf16/fp16 mask would round ln p of merged entries.
+
+    query_g [B, H_kv, g, q, D]; keys, values [B, H_kv, S, D]; bias [B, H_kv, S];
+    block_mask [B, 1, q, q] bool. Returns [B, q, H, D].
+    """
+    batch, kv_heads, group, block, head_dim = query_g.shape
+    stored = (bias > NEG_INF if binary_bias else bias)[:, :, None, None, :]  # [B, H_kv, 1, 1, S]
+    mask = stored.expand(-1, -1, 1, block, -1).clone()  # [B, H_kv, 1, q, S], the same for the g heads
+    # Within the new block: causal, and every query sees itself even when it is padding (as in a
+    # first block's SDPA), so no row is empty: an empty row's NaN would reach real rows through
+    # the next layer's keys and values.
+    causal = block_mask[:, :, None]  # [B, 1, 1, q, q]
+    itself = torch.eye(block, dtype=torch.bool, device=bias.device)
+    tail = mask[..., -block:]
+    if binary_bias:
+        mask[..., -block:] = tail & causal | itself
+    else:
+        mask[..., -block:] = tail.masked_fill(~causal, NEG_INF).masked_fill(itself & (tail == NEG_INF), 0.0)
+    output = F.scaled_dot_product_attention(
+        query_g.reshape(batch, kv_heads, group * block, head_dim), keys, values,
+        attn_mask=mask.expand(-1, -1, group, -1, -1).reshape(batch, kv_heads, group * block, -1), scale=scaling,
+    )
+    return output.reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
+
+
+def join_prefill_stats(earlier: StepStats, later: StepStats, window: int) -> StepStats:
+    """The statistics of two consecutive prefill blocks, as one block of both would have given them.
+
+    ``later`` saw ``earlier``'s entries plus its own block, so each of ``earlier``'s tensors is
+    padded with zero probability for the later columns; ``window`` is the rows window_probs keeps.
+    """
+
+    def padded(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return F.pad(tensor, (0, like.shape[-1] - tensor.shape[-1]))
+
+    joined = StepStats(query=torch.cat([earlier.query, later.query], dim=3), scaling=later.scaling, is_prefill=True)
+    if later.probs is not None:
+        joined.probs = torch.cat([padded(earlier.probs, later.probs), later.probs], dim=3)
+    if later.colsum is not None:
+        joined.colsum = padded(earlier.colsum, later.colsum) + later.colsum
+    if later.window_probs is not None:
+        rows = torch.cat([padded(earlier.window_probs, later.window_probs), later.window_probs], dim=3)
+        joined.window_probs = rows[:, :, :, -window:]
+    return joined
 
 
 def keepkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import ACTIVE_CACHE, Needs, StepStats, attend
+from .attention import ACTIVE_CACHE, Needs, StepStats, attend, join_prefill_stats
 from .diagnostics import warn_budget
 from .methods import Method, get_method
 from .models import check_architecture
@@ -53,6 +53,13 @@ class LayerStore(CacheLayerMixin):
     ``budget`` [B, H_kv]: entries each row and head may keep after compression (None: unlimited);
     ``pending``: tokens appended since the last compression;
     ``state``: the method's per-layer state that is not per entry.
+
+    ``binary_bias()`` tells, without a host sync, that the bias still holds only 0 and -inf:
+    true while only ``append`` and ``select`` wrote it. Any other write (a method assigning
+    log-weights, in place or not) changes the bias tensor or its version counter, and the
+    answer turns False for good: a merging method's bias then never reaches a bool mask. The
+    buffers are normal tensors even under ``torch.inference_mode`` (whose tensors have no
+    version counter), so that in-place writes show.
     """
 
     is_sliding = False
@@ -74,6 +81,7 @@ class LayerStore(CacheLayerMixin):
         self.prefill_stats: StepStats | None = None
         self.buffers: dict[str, torch.Tensor] = {}
         self.headroom: int | None = None  # spare slots of a compressed layer; None: grow in proportion
+        self._binary_mark: tuple | None = None
 
     # -- CacheLayerMixin -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -82,9 +90,11 @@ class LayerStore(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, device
         self.keys = key_states.new_zeros(batch, kv_heads, 0, head_dim)
         self.values = value_states.new_zeros(batch, kv_heads, 0, value_states.shape[-1])
-        self.bias = torch.zeros(batch, kv_heads, 0, device=device)
+        with torch.inference_mode(False):  # a version counter for binary_bias()
+            self.bias = torch.zeros(batch, kv_heads, 0, device=device)
         self.positions = torch.zeros(batch, kv_heads, 0, dtype=torch.long, device=device)
         self.real_seen = torch.zeros(batch, dtype=torch.long, device=device)
+        self._binary_mark = self._bias_mark()
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -109,6 +119,17 @@ class LayerStore(CacheLayerMixin):
         """Physical capacity S."""
         return 0 if self.bias is None else self.bias.shape[-1]
 
+    def _bias_mark(self) -> tuple | None:
+        """What identifies the bias's current contents: storage, layout and version counter (None
+        for an inference tensor, which has none: a method's own tensor)."""
+        if self.bias.is_inference():
+            return None
+        return self.bias.data_ptr(), self.bias.shape, self.bias.stride(), self.bias._version
+
+    def binary_bias(self) -> bool:
+        """True if the bias holds only 0 and -inf (see the class docstring); no host sync."""
+        return self._binary_mark is not None and self._binary_mark == self._bias_mark()
+
     def live(self) -> torch.Tensor:
         """[B, H_kv, S] bool: slots holding an entry."""
         return self.bias > NEG_INF
@@ -131,6 +152,7 @@ class LayerStore(CacheLayerMixin):
         keys, values: [B, H_kv, q, D]; is_real: [B, q] bool, False for left padding.
         """
         batch, kv_heads, block = keys.shape[:3]
+        binary = self.binary_bias()
         block_pos = self.real_seen[:, None] + is_real.long().cumsum(-1) - 1
         block_pos = block_pos.masked_fill(~is_real, -1)
         block_bias = torch.zeros(batch, block, device=self.device).masked_fill(~is_real, NEG_INF)
@@ -143,10 +165,12 @@ class LayerStore(CacheLayerMixin):
         self.seen += block
         self.real_seen = self.real_seen + is_real.sum(-1)
         self.pending += block
+        self._binary_mark = self._bias_mark() if binary else None
 
     def select(self, index: torch.Tensor, valid: torch.Tensor) -> None:
         """Keep only the entries at ``index`` [B, H_kv, K]; slots where ``valid`` is False become empty."""
         kept = index.shape[2]
+        binary = self.binary_bias()
         # The spare slots copy any kept entry; appends overwrite them.
         index = torch.cat([index, index[..., :1].expand(-1, -1, self.spare_slots(kept))], dim=-1)
         rows = {}  # source slots -> flat row index, shared by the tensors whose buffers match
@@ -156,6 +180,7 @@ class LayerStore(CacheLayerMixin):
         self.positions = self._gather("positions", self.positions, index, kept, rows).masked_fill_(~valid, -1)
         for name, extra in self.extras.items():
             self.extras[name] = self._gather(f"extras.{name}", extra, index, kept, rows)
+        self._binary_mark = self._bias_mark() if binary else None
 
     def spare_slots(self, slots: int) -> int:
         """Spare slots a buffer of ``slots`` in-use slots gets when it is (re)allocated."""
@@ -177,7 +202,8 @@ class LayerStore(CacheLayerMixin):
         return buffer
 
     def _new_buffer(self, name: str, like: torch.Tensor, slots: int) -> torch.Tensor:
-        buffer = like.new_empty(*like.shape[:2], slots, *like.shape[3:])
+        with torch.inference_mode(False):  # a version counter for binary_bias()
+            buffer = like.new_empty(*like.shape[:2], slots, *like.shape[3:])
         self.buffers[name] = buffer
         return buffer
 
@@ -342,6 +368,13 @@ class CompressedCache(Cache):
     Each layer is compressed as soon as its own prefill ends, so the whole uncompressed prompt
     never sits in memory at once (unless the method's ``allocates_from_all_layers``, as D2O's);
     ``prefill_peak_bytes`` is the largest ``nbytes()`` seen during the prefill.
+
+    Chunked prefill: call ``start_prefill(attention_mask)`` with the prompt's 2-D mask, then feed
+    the prompt in blocks (``keepkv.generate(prefill_chunk=N)`` does both). Each layer then
+    attends chunk by chunk, sums the method's statistics over the chunks and compresses once
+    its whole prompt is in, exactly as an unchunked prefill would: the attention workspace is
+    bounded by one chunk, but every layer holds its uncompressed prompt until the last chunk
+    reaches it, so the cache peaks at the full prompt cache of all layers.
     """
 
     def __init__(
@@ -363,6 +396,7 @@ class CompressedCache(Cache):
         self.prompt_lengths: torch.Tensor | None = None
         self.layer_budgets: torch.Tensor | None = None
         self.prefill_peak_bytes = 0
+        self.prompt_mask: torch.Tensor | None = None
         self.record = record
         self.method.check_budget(self)
 
@@ -386,6 +420,18 @@ class CompressedCache(Cache):
         self.prompt_lengths = None
         self.layer_budgets = None
         self.prefill_peak_bytes = 0
+        self.prompt_mask = None
+
+    def start_prefill(self, attention_mask: torch.Tensor) -> None:
+        """Announce a prompt that will be fed in several blocks: attention_mask [B, T] (1 = real
+        token, left padding), the whole prompt's. Its padding is read from here, since a block's
+        mask cannot tell a block of padding from one real token (each query sees itself)."""
+        self.prompt_mask = attention_mask.bool()
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens of an announced chunked prompt (padding included); 0 when none was announced."""
+        return 0 if self.prompt_mask is None else self.prompt_mask.shape[1]
 
     # -- one attention call --------------------------------------------------------------
     def forward_layer(self, layer_idx, query, keys, values, block_mask, scaling) -> torch.Tensor:
@@ -395,15 +441,28 @@ class CompressedCache(Cache):
         (causal within the block, False for padded keys). Returns [B, q, H, D].
         """
         layer = self.layers[layer_idx]
-        is_prefill = layer.seen == 0
-        if is_prefill:
+        block = keys.shape[2]
+        is_prefill = layer.seen == 0 or layer.seen < self.prefill_tokens
+        if layer.seen == 0:
             self.method.setup_layer(layer)
-        layer.append(keys, values, block_mask[:, 0, -1, :])
+            # A chunked prefill's buffers take the whole prompt at once, not a growth step per chunk.
+            layer.headroom = self.prefill_tokens - block if self.prefill_tokens > block else None
+        is_real = block_mask[:, 0, -1, :]
+        if layer.seen < self.prefill_tokens:  # a block of an announced prompt may be all padding
+            is_real = self.prompt_mask[:, layer.seen : layer.seen + block].to(is_real.device)
+        layer.append(keys, values, is_real)
         needs = self.record if is_prefill and self.record else self.method.needs(is_prefill)
-        output, stats = attend(query, *self.method.attention_entries(layer), block_mask, scaling, needs, is_prefill)
+        entries = self.method.attention_entries(layer)
+        binary_bias = entries[2] is layer.bias and layer.binary_bias()
+        output, stats = attend(query, *entries, block_mask, scaling, needs, is_prefill, binary_bias)
+        if is_prefill:
+            if layer.prefill_stats is not None:  # an earlier chunk of this prompt
+                stats = join_prefill_stats(layer.prefill_stats, stats, needs.window)
+            layer.prefill_stats = stats
+            if layer.seen < self.prefill_tokens:
+                return output
         self.method.observe(layer, stats)
         if is_prefill:
-            layer.prefill_stats = stats
             if not self.method.allocates_from_all_layers:
                 self._end_prefill([layer])
             elif layer_idx == self.num_layers - 1:
@@ -421,6 +480,7 @@ class CompressedCache(Cache):
             self.prompt_lengths = layers[0].real_seen.clone()
             self.layer_budgets = self._allocate()
         for layer in layers:
+            layer.headroom = None
             if self.layer_budgets is not None:
                 layer.budget = self.layer_budgets[layer.layer_idx]
                 layer.capacity = int(layer.budget.max())
@@ -454,8 +514,10 @@ class CompressedCache(Cache):
     def fork(self, method: str | Method, budget: int | float = 1.0, **method_params) -> "CompressedCache":
         """A new cache for ``method`` that starts from this recorded prefill, without a forward pass.
 
-        Exactly what running ``method`` from the start would give, since prefill attention
-        never depends on the method: only the statistics it asked for, which were recorded.
+        What running ``method`` from the start would give, since prefill attention never depends
+        on the method: only the statistics it asked for, which were recorded. Exactly, up to
+        rounding: a prefill that computes column sums or probabilities takes its output from the
+        same explicit pass, SDPA's output differs from it in the last bits.
         """
         if self.record is None or self.prompt_lengths is None:
             raise ValueError("fork() needs a cache built with record=Needs(...) that has seen a prefill")

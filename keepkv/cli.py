@@ -71,7 +71,8 @@ def cmd_generate(args) -> None:
     model, tokenizer = _load(args)
     result = generate(
         model, tokenizer, prompt, method=args.method, budget=args.budget, max_new_tokens=args.max_new_tokens,
-        chat=not args.raw, answer_prefix=args.answer_prefix, progress=not args.json, **dict(args.param),
+        chat=not args.raw, answer_prefix=args.answer_prefix, progress=not args.json,
+        prefill_chunk=args.prefill_chunk, **dict(args.param),
     )[0]
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -166,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
     gen.add_argument("--answer-prefix", default="", metavar="TEXT", help="start the reply with TEXT")
+    gen.add_argument(
+        "--prefill-chunk", type=int, metavar="N",
+        help="feed the prompt in blocks of N tokens: prefill attention's workspace stays one block's "
+        "(same output; the cache peaks at every layer's uncompressed prompt)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     demo = commands.add_parser(

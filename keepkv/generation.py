@@ -110,6 +110,7 @@ def generate(
     chat: bool = True,
     answer_prefix: str = "",
     progress: bool = False,
+    prefill_chunk: int | None = None,
     **method_params,
 ) -> list[GenerationResult]:
     """Greedy generation with a compressed KV cache, one result per prompt.
@@ -133,6 +134,11 @@ def generate(
     progress : bool
         Show progress bars on stderr, named after the method: the prefill (per decoder layer),
         then the generated tokens.
+    prefill_chunk : int, optional
+        Feed the prompt in blocks of this many tokens (>= 1), so that prefill attention's
+        workspace is bounded by one block. The outputs are those of an unchunked prefill (the
+        method sees the statistics of the whole prompt and compresses after its last block);
+        the cache peaks at the uncompressed prompt of every layer (``CompressedCache``).
     **method_params
         Parameters of the method.
 
@@ -144,17 +150,28 @@ def generate(
     prompts = validate_prompts(prompts)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if prefill_chunk is not None and (
+        isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
+    ):
+        raise ValueError(f"prefill_chunk must be an int >= 1 (or None: one block), got {prefill_chunk!r}")
     cache = CompressedCache(model.config, method, budget, **method_params)
     cache.method.prepare(model)
     device = next(model.parameters()).device
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
     prompt_length = inputs["input_ids"].shape[1]
     warn_context_length(model.config, prompt_length, max_new_tokens)
+    if prefill_chunk is not None:
+        cache.start_prefill(inputs["attention_mask"])
     bars = _Progress(model, cache.method.name, max_new_tokens) if progress else None
     try:
         with enabled(model):
             if max_new_tokens == 0:
-                model(**inputs, past_key_values=cache, use_cache=True)
+                chunk = prefill_chunk or prompt_length
+                for start in range(0, prompt_length, chunk):
+                    stop = min(start + chunk, prompt_length)
+                    mask = inputs["attention_mask"][:, :stop]
+                    model(input_ids=inputs["input_ids"][:, start:stop], attention_mask=mask, past_key_values=cache,
+                          use_cache=True)
                 new_tokens = inputs["input_ids"][:, :0]
             else:
                 output = model.generate(
@@ -167,6 +184,7 @@ def generate(
                     top_k=None,
                     pad_token_id=tokenizer.pad_token_id,
                     stopping_criteria=StoppingCriteriaList([bars]) if bars else None,
+                    prefill_chunk_size=prefill_chunk,
                 )
                 new_tokens = output[:, prompt_length:]
     finally:

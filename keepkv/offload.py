@@ -18,6 +18,19 @@ import time
 import torch
 
 
+def time_major_copies(keys, values, is_real) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys [T, B, H_kv, D], values [T, B, H_kv, Dv] and is_real [T, B] in new memory.
+
+    Time-major and contiguous so each destination slice is one contiguous block; always a copy
+    (``.contiguous()`` returns a view when B = H_kv = 1), since the side-stream copy reads them
+    while the caller may merge into the newest slot in place.
+    """
+    return tuple(
+        tensor.clone(memory_format=torch.contiguous_format)
+        for tensor in (keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3), is_real.transpose(0, 1))
+    )
+
+
 class FullKVCopy:
     """Bit-exact host copy of every K/V appended to one layer.
 
@@ -84,12 +97,7 @@ class FullKVCopy:
         if self.length + block > self.capacity:
             self._allocate(max(2 * self.capacity, self.length + block))
         start, stop = self.length, self.length + block
-        # Time-major, contiguous sources so each destination slice is one contiguous block.
-        sources = (
-            keys.permute(2, 0, 1, 3).contiguous(),
-            values.permute(2, 0, 1, 3).contiguous(),
-            is_real.transpose(0, 1).contiguous(),
-        )
+        sources = time_major_copies(keys, values, is_real)
         targets = (self.keys, self.values, self.is_real)
         began = time.perf_counter()
         if self.cuda:

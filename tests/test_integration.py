@@ -69,7 +69,7 @@ def test_plain_generate_unchanged_after_keepkv(embedded):
 
 
 def test_cli_budget_warning_is_one_line(embedded, capsys):
-    # A one-letter question in the chat template is ~31 tokens: keepkv's default 0.1 keeps 3, below its 4 sinks.
+    # A one-letter question in the chat template is ~31 tokens: keepkv's default 0.1 keeps 3, below its 32 protected.
     assert main(["generate", "a", "--max-new-tokens", "2", "--json"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and warnings[0].startswith("keepkv: warning: budget 0.1 keeps 3 entries")
@@ -88,3 +88,19 @@ def test_demo_json(embedded, capsys):
 def test_demo_rejects_bad_budget_before_loading(capsys):
     assert main(["demo", "--budgets", "0.5", "2.0"]) == 2
     assert capsys.readouterr().err.startswith("keepkv: error: a float budget is a fraction")
+
+
+def test_chunked_prefill_gives_the_unchunked_answer(embedded, capsys, tmp_path):
+    doc, _ = document(target_tokens=300, seed=5)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(f"{doc}\n\n{QUESTION}")
+    answers = []
+    for chunk in ([], ["--prefill-chunk", "64"]):
+        code = main(["generate", "--prompt-file", str(prompt_file), "--method", "h2o", "--budget", "0.2",
+                     "--max-new-tokens", "6", "--json", *chunk])
+        assert code == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0]["answer"] == answers[1]["answer"] and answers[0]["answer"]
+    assert answers[0]["cache_bytes"] == answers[1]["cache_bytes"]
+    assert main(["generate", "hi", "--prefill-chunk", "0"]) == 2
+    assert "prefill_chunk must be an int >= 1" in capsys.readouterr().err

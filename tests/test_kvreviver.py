@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import keepkv
+from keepkv.attention import Needs
 from keepkv.methods.kvreviver import fisher_scores, swap_counts
 from keepkv.sketch import proportional_budgets
 
@@ -75,7 +76,12 @@ def test_collision_free_sketch_is_exact_and_equals_full(estimate):
     model = tiny_model("llama-gqa")
     input_ids, attention_mask = random_batch(length=24, pad=(0, 4))
     params = dict(buckets=4096, vague_share=0.0, recent_share=0.5, candidate_share=0.5, **{**UNIFORM, "estimate": estimate})
-    full = prefill(model, input_ids, attention_mask, "full", 1.0)
+    # The reference prefill asks for column sums too, so its attention output comes from the same
+    # explicit pass as KVReviver's (SDPA's differs in the last bits from the second layer on).
+    keepkv.enable(model)
+    full = keepkv.CompressedCache(model.config, "full", record=Needs(colsum=True))
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=full)
     cache = prefill(model, input_ids, attention_mask, "kvreviver", 6, **params)
     for layer, reference in zip(cache.layers, full.layers):
         assert int(vague_count(layer).min()) > 0

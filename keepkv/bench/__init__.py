@@ -19,7 +19,9 @@ Fixed batch (always): for each batch ``b`` and method, ``repeats`` runs of one p
 :class:`keepkv.CompressedCache` (a manual loop, not ``generate``; the prefill returns only the
 last position's logits). Methods are interleaved within each repetition and every run is
 preceded by ``warmup`` short runs of the same batch. Reported: the median over repetitions
-with min and max.
+with min and max. With ``prefill_chunk`` (``--prefill-chunk N``) each prompt is fed in blocks
+of N tokens: prefill attention's workspace is one block's, and every layer holds its whole
+uncompressed prompt until the last block, so the prefill cache peak is the full prompt cache.
 
 Memory cap (``memory_cap_gb``, GB = 2**30 bytes): per method, the largest batch whose
 weights + peak cache + workspace fit, by byte accounting: :func:`max_batch` over
@@ -78,6 +80,7 @@ One field per line as ``path : type : meaning``; ``[]`` stands for every element
     model.weights_bytes : int : bytes of parameters and buffers
     settings : dict : the run's parameters
     settings.prompt_len : int : prompt tokens per row (random ids)
+    settings.prefill_chunk : int|null : prompt tokens per prefill block (null: the whole prompt in one)
     settings.gen_len : int : timed decode steps per run
     settings.batches : list[int] : batch sizes of the fixed-batch mode
     settings.budget : float|int : cache budget (fraction of the prompt, or entries)

@@ -220,6 +220,7 @@ def run_bench(
     seed: int = 0,
     progress: bool = True,
     log=None,
+    prefill_chunk: int | None = None,
 ) -> dict:
     """Benchmark methods on one model; returns the dict documented in ``keepkv.bench``.
 
@@ -255,6 +256,10 @@ def run_bench(
         Extra decode steps for the overhead proxies and for ``torch.profiler``.
     seed : int
         Seed of the random prompts and weights.
+    prefill_chunk : int
+        Feed each prompt in blocks of this many tokens (``keepkv.generate``'s ``prefill_chunk``):
+        prefill attention's workspace is one block's, and the cache peaks at every layer's
+        uncompressed prompt. None: one block.
     progress : bool
         tqdm progress bars (stderr).
     log : callable
@@ -265,6 +270,9 @@ def run_bench(
                              ("profile_steps", profile_steps, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1 (or None: one block), got {prefill_chunk!r}")
     batches = [batches] if isinstance(batches, int) else list(batches)
     if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
         raise ValueError(f"batches must be ints >= 1, got {batches!r}")
@@ -309,7 +317,7 @@ def run_bench(
         try:
             return run_once(
                 loaded, method, budget, params[method], prompt_len=L, gen_len=G, batch=batch, seed=rep_seed,
-                overhead_steps=overhead, profile_steps=prof, progress=bar and progress,
+                overhead_steps=overhead, profile_steps=prof, progress=bar and progress, prefill_chunk=prefill_chunk,
             )
         except Exception as error:  # a method under development must not sink the whole benchmark
             if method == "full":
@@ -381,6 +389,7 @@ def run_bench(
         "model": minfo,
         "settings": {
             "prompt_len": prompt_len,
+            "prefill_chunk": prefill_chunk,
             "gen_len": gen_len,
             "batches": batches,
             "budget": budget,
@@ -558,6 +567,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(run, "--repeats", type=int, default=3, help="timed repetitions; median and min/max reported (3)")
     add(run, "--warmup", type=int, default=1, help="untimed short runs before each timed one (1)")
     add(run, "--seed", type=int, default=0)
+    add(run, "--prefill-chunk", type=int, metavar="N",
+        help="feed each prompt in blocks of N tokens: bounded prefill workspace (default: one block)")
     modes = parser.add_argument_group("modes")
     add(modes, "--memory-cap", type=float, metavar="GB",
         help="find each method's largest batch under GB (2**30 bytes) and measure it")
@@ -613,6 +624,7 @@ def main(args: argparse.Namespace) -> int:
             profile_steps=args.profile,
             seed=args.seed,
             progress=not args.no_progress,
+            prefill_chunk=args.prefill_chunk,
         )
     except ValueError as error:
         print(f"keepkv bench: {error}", file=sys.stderr)

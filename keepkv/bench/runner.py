@@ -336,9 +336,11 @@ def run_once(
     profile_steps: int = 0,
     profile_top: int = 20,
     progress: bool = False,
+    prefill_chunk: int | None = None,
 ) -> dict:
-    """One prefill of ``batch`` random prompts of ``prompt_len`` tokens, then ``gen_len`` timed
-    greedy decode steps (each feeds one token per row and returns the next).
+    """One prefill of ``batch`` random prompts of ``prompt_len`` tokens (in blocks of
+    ``prefill_chunk`` tokens if given), then ``gen_len`` timed greedy decode steps (each feeds
+    one token per row and returns the next).
 
     After the timed steps, ``overhead_steps`` more steps run with the :class:`MethodTimer`
     proxies and ``profile_steps`` more under ``torch.profiler``; neither touches the timed
@@ -358,7 +360,12 @@ def run_once(
     with PeakMemory(device) as memory:
         synchronize(device)
         t0 = time.perf_counter()
-        logits = _forward(model, input_ids, mask[:, :prompt_len], cache)
+        chunk = prefill_chunk or prompt_len
+        if chunk < prompt_len:
+            cache.start_prefill(mask[:, :prompt_len])
+        for start in range(0, prompt_len, chunk):
+            stop = min(start + chunk, prompt_len)
+            logits = _forward(model, input_ids[:, start:stop], mask[:, :stop], cache)
         token = logits[:, -1:].argmax(-1)
         synchronize(device)
         out["prefill_s"] = time.perf_counter() - t0
