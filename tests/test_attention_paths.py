@@ -11,13 +11,23 @@ import torch.nn.functional as F
 
 import keepkv
 from keepkv import attention, merging
-from keepkv.attention import NEG_INF, Needs, attend, block_causal_mask, entry_logits
+from keepkv.attention import NEG_INF, Needs, attend, entry_logits
 from keepkv.methods import METHODS
 from keepkv.offload import time_major_copies
 
 from conftest import random_batch, run_generate, tiny_model
 
 ALL = sorted(METHODS)
+
+
+def block_causal_mask(batch: int, block: int, padding_2d, device) -> torch.Tensor:
+    """[B, 1, q, q] bool, the block mask attend() receives: causal within the new block, padded
+    keys off (``padding_2d``: HF's 2-D mask, 1 = real), a padded query still sees itself."""
+    mask = torch.ones(block, block, dtype=torch.bool, device=device).tril().expand(batch, 1, block, block)
+    if padding_2d is not None:
+        key_is_real = padding_2d[:, -block:].to(device=device, dtype=torch.bool)
+        mask = (mask & key_is_real[:, None, None, :]) | torch.eye(block, dtype=torch.bool, device=device)
+    return mask
 
 
 @pytest.fixture
