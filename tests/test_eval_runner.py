@@ -12,15 +12,9 @@ from transformers import PreTrainedTokenizerFast
 
 import keepkv
 from keepkv.eval import cli as eval_cli
-from keepkv.eval.runner import (
-    SuiteSpec,
-    greedy_decode,
-    make_samples,
-    prefill,
-    read_summary,
-    run_eval,
-    _Tokens,
-)
+from keepkv.eval.decoding import greedy_decode, prefill
+from keepkv.eval.runner import SuiteSpec, make_samples, run_eval, _Tokens
+from keepkv.eval.summary import read_summary
 from keepkv.generation import build_prompts, encode
 from keepkv.methods import METHODS
 

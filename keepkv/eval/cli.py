@@ -13,8 +13,9 @@ import math
 import sys
 from pathlib import Path
 
-from ..cli import budget_arg
+from ..arguments import budget_arg
 from . import runner as _runner
+from .summary import read_summary
 
 
 def _seed(text: str) -> int:
@@ -147,7 +148,7 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 
 def report(args) -> str:
     """``keepkv report``: the Markdown table of a summary.csv, to stdout (and --out FILE)."""
-    text = format_table(_runner.read_summary(args.path))
+    text = format_table(read_summary(args.path))
     print(text)
     if getattr(args, "out", None):
         Path(args.out).write_text(text + "\n")

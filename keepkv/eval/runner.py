@@ -143,7 +143,6 @@ TIMING (measured on the 2-core machine, 2 workers x 1 thread, all 12 registered 
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -155,14 +154,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from transformers.cache_utils import Cache
-
-from ..attention import ACTIVE_CACHE, Needs, enable
+from ..attention import Needs
 from ..cache import CompressedCache, validate_budget
 from ..generation import build_prompts, encode
 from ..methods import METHODS, get_method
 from . import metrics
 from .datasets import load_jsonl, load_longbench
+from .decoding import _strip, _with_eos, decode_cells, greedy_decode, prefill
+from .summary import summarize_cell, summary_rows, write_summary
 from .tasks import SUITES, Sample, make_suite
 
 # ---------------------------------------------------------------- defaults (fixed before any run)
@@ -196,17 +195,7 @@ LONGBENCH_MAX_NEW_TOKENS = {
     "2wikimqa": 32, "musique": 32, "dureader": 128, "gov_report": 512, "qmsum": 512, "multi_news": 512,
     "vcsum": 512, "trec": 64, "triviaqa": 32, "samsum": 128, "lsht": 64, "passage_count": 32,
     "passage_retrieval_en": 32, "passage_retrieval_zh": 32, "lcc": 64, "repobench-p": 64,
-}
-LOWER_IS_BETTER = frozenset({"ppl"})
-SUMMARY_COLUMNS = (
-    "suite", "length", "method", "budget", "score", "ci95", "share_of_full", "cache_bytes",
-    "full_cache_bytes", "n", "higher_is_better",
-)
-# Per-sample fields averaged into extra summary columns (when a suite has them).
-EXTRA_COLUMNS = ("kept_entries", "budget_entries", "agree_prefix", "agree_share", "kl", "rouge_l", "em", "f1", "nll")
-
-
-# ---------------------------------------------------------------- suites and cells
+}# ---------------------------------------------------------------- suites and cells
 
 
 @dataclass(frozen=True)
@@ -263,168 +252,6 @@ class Cell:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     done: bool = False
-
-
-# ---------------------------------------------------------------- decoding
-
-
-def _position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Positions of a left-padded batch as ``generate()`` gives them (padding at 1)."""
-    positions = mask.long().cumsum(-1) - 1
-    return positions.masked_fill(mask == 0, 1)
-
-
-@torch.inference_mode()
-def prefill(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Run the prompt through ``model`` into ``cache``; return the last position's logits [B, V]."""
-    enable(model)
-    output = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=_position_ids(attention_mask),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return output.logits[:, -1].float()
-
-
-@torch.inference_mode()
-def greedy_decode(
-    model,
-    cache,
-    first_logits: torch.Tensor,
-    attention_mask: torch.Tensor,
-    steps,
-    eos: int | None,
-    *,
-    force: torch.Tensor | None = None,
-    observe=None,
-    progress: bool = False,
-) -> torch.Tensor:
-    """Greedy decoding with a manual forward loop on ``cache``, from the prefill's last logits.
-
-    Parameters
-    ----------
-    first_logits : [B, V]
-        Logits of the prompt's last position (they choose the first new token).
-    attention_mask : [B, T]
-        The prompt's mask (left padding); one column of ones is appended per step.
-    steps : int or sequence of int
-        New tokens per row (the loop runs to the largest; a row stops at its own).
-    eos : int or None
-        A row that emits ``eos`` is done; later positions hold ``eos`` and are not scored.
-    force : [B, steps] int, optional
-        Teacher forcing: where ``force >= 0`` that token is fed instead of the argmax.
-    observe : callable, optional
-        ``observe(t, logits)`` with the [B, V] logits that predict new token ``t``.
-
-    Returns
-    -------
-    [B, n] token ids, n <= max(steps); the model runs n - 1 times (none after the last token).
-    """
-    batch = first_logits.shape[0]
-    device = first_logits.device
-    limits = torch.as_tensor([steps] * batch if isinstance(steps, int) else list(steps), device=device)
-    total = int(limits.max()) if batch else 0
-    fill = eos if eos is not None else 0
-    done = limits <= 0
-    mask = attention_mask
-    logits = first_logits
-    tokens = []
-    bar = tqdm(total=total, desc="decoding", unit="tok", leave=False, disable=not progress)
-    for t in range(total):
-        if observe is not None:
-            observe(t, logits)
-        token = logits.argmax(-1)
-        if force is not None and t < force.shape[1]:
-            token = torch.where(force[:, t] >= 0, force[:, t], token)
-        token = token.masked_fill(done, fill)
-        tokens.append(token)
-        if eos is not None:
-            done = done | (token == eos)
-        done = done | (limits <= t + 1)
-        bar.update(1)
-        if t == total - 1 or bool(done.all()):
-            break
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
-        logits = model(
-            input_ids=token[:, None],
-            attention_mask=mask,
-            position_ids=mask.long().sum(-1, keepdim=True) - 1,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1].float()
-    bar.close()
-    if not tokens:
-        return first_logits.new_zeros(batch, 0, dtype=torch.long)
-    return torch.stack(tokens, dim=1)
-
-
-class JointCache(Cache):
-    """Several forked CompressedCaches decoded in ONE forward pass.
-
-    Cache ``i`` owns the rows ``[offset_i, offset_i + rows_i)`` of the batch. The model's
-    linear layers run once for every cell together; each attention call is split by rows and
-    handed to each cache's ``forward_layer`` (its own entries, its own method). All caches
-    must have seen the same number of tokens (they are forks of one prefill).
-    """
-
-    def __init__(self, caches: list[CompressedCache]):
-        super().__init__(layers=caches[0].layers)
-        self.caches = caches
-        self.rows = [cache.layers[0].keys.shape[0] for cache in caches]
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        ACTIVE_CACHE.set(self)
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.caches[0].get_seq_length(layer_idx)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.caches[0].get_mask_sizes(query_length, layer_idx)
-
-    def forward_layer(self, layer_idx, query, keys, values, block_mask, scaling) -> torch.Tensor:
-        outputs, start = [], 0
-        for cache, rows in zip(self.caches, self.rows):
-            part = slice(start, start + rows)
-            outputs.append(cache.forward_layer(layer_idx, query[part], keys[part], values[part], block_mask[part], scaling))
-            start += rows
-        return torch.cat(outputs, dim=0)
-
-
-def decode_cells(model, caches, first_logits, attention_mask, steps, eos, *, force=None, observe=None,
-                 progress=False) -> list[torch.Tensor]:
-    """:func:`greedy_decode` of several forks of one prefill at once; one [B, n] tensor per cache.
-
-    ``first_logits``, ``attention_mask``, ``steps`` and ``force`` are those of one cache's rows;
-    ``observe`` sees the logits of all caches' rows, cache after cache.
-    """
-    count = len(caches)
-    cache = caches[0] if count == 1 else JointCache(caches)
-    rows = first_logits.shape[0]
-    out = greedy_decode(
-        model, cache, first_logits.repeat(count, 1), attention_mask.repeat(count, 1),
-        steps if isinstance(steps, int) else list(steps) * count, eos,
-        force=None if force is None else force.repeat(count, 1), observe=observe, progress=progress,
-    )
-    return [out[i * rows : (i + 1) * rows] for i in range(count)]
-
-
-def _strip(ids: list[int], eos: int | None) -> list[int]:
-    """New tokens up to (not including) the first eos."""
-    if eos is not None and eos in ids:
-        return ids[: ids.index(eos)]
-    return ids
-
-
-def _with_eos(ids: list[int], eos: int | None) -> list[int]:
-    """New tokens up to and including the first eos."""
-    if eos is not None and eos in ids:
-        return ids[: ids.index(eos) + 1]
-    return ids
-
 
 # ---------------------------------------------------------------- samples
 
@@ -558,7 +385,7 @@ class _Group:
             "suite": self.spec.label, "length": self.length, "method": cell.method, "budget": cell.budget,
             "params": cell.params, "seconds": round(cell.seconds, 3),
             "cpu_seconds": round(cell.cpu_seconds, 3), "key": cell.key,
-            "summary": summarize_cell(self.spec, cell.records), "records": cell.records,
+            "summary": summarize_cell(cell.records), "records": cell.records,
         }
         tmp = cell.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(payload, indent=1, default=_json_default))
@@ -818,111 +645,12 @@ class _Clock:
 
 # ---------------------------------------------------------------- summaries
 
-
-def summarize_cell(spec: SuiteSpec, records: list[dict]) -> dict:
-    """Mean score, its 95% half-width and the means of the extra fields, over the cell's samples."""
-    scores = [r["score"] for r in records]
-    mean, ci = metrics.mean_ci95(scores) if scores else (math.nan, math.nan)
-    out = {"score": mean, "ci95": ci, "n": len(scores)}
-    for name in ("cache_bytes", "full_cache_bytes", *EXTRA_COLUMNS):
-        values = [r[name] for r in records if r.get(name) is not None]
-        if values:
-            out[name] = sum(values) / len(values)
-    return out
-
-
 def _json_default(value):
     if isinstance(value, torch.Tensor):
         return value.tolist()
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-def _round(value):
-    return math.nan if value is None else round(value)
-
-
-def summary_rows(groups: list[_Group]) -> list[dict]:
-    """One row per cell, with share_of_full against the group's full cache."""
-    rows = []
-    for group in groups:
-        lower = group.spec.name in LOWER_IS_BETTER
-        full_score = None
-        for cell in group.cells:
-            stats = summarize_cell(group.spec, cell.records)
-            if full_score is None:
-                full_score = stats["score"]
-            if lower:
-                share = full_score / stats["score"] if stats["score"] else math.nan
-            else:
-                share = stats["score"] / full_score if full_score else math.nan
-            row = {
-                "suite": group.spec.label, "length": group.length, "method": cell.method, "budget": cell.budget,
-                "score": stats["score"], "ci95": stats["ci95"], "share_of_full": share,
-                "cache_bytes": _round(stats.get("cache_bytes")),
-                "full_cache_bytes": _round(stats.get("full_cache_bytes")),
-                "n": stats["n"], "higher_is_better": not lower,
-            }
-            for name in EXTRA_COLUMNS:
-                if name in stats:
-                    row[name] = stats[name]
-            row["seconds"] = round(cell.seconds, 2)
-            row["cpu_seconds"] = round(cell.cpu_seconds, 2)
-            rows.append(row)
-    return rows
-
-
-def _fmt(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.6g}"
-    return str(value)
-
-
-def write_summary(rows: list[dict], path: Path) -> None:
-    """Write the summary rows as CSV (fixed columns first, then every extra column met)."""
-    columns = list(SUMMARY_COLUMNS)
-    for row in rows:
-        columns += [key for key in row if key not in columns]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({key: _fmt(row[key]) if key in row else "" for key in columns})
-
-
-def _parse_value(text: str):
-    if text == "":
-        return None
-    if text in ("true", "false", "True", "False"):
-        return text.lower() == "true"
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def read_summary(path) -> list[dict]:
-    """Rows of a summary.csv (``path`` is the file or the run directory)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "summary.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"no summary.csv at {path}")
-    with path.open(newline="") as handle:
-        rows = [{key: _parse_value(value) for key, value in row.items()} for row in csv.DictReader(handle)]
-    for row in rows:
-        for key in ("suite", "method"):
-            row[key] = str(row[key])
-    return rows
-
 
 # ---------------------------------------------------------------- the run
 
