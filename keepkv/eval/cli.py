@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ..arguments import budget_arg
 from . import runner as _runner
-from .summary import read_summary
+from .paired import resolved
+from .summary import read_summary, with_reference
 
 
 def _seed(text: str) -> int:
@@ -90,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="worker processes that split each suite's samples (default: CPU cores, at most "
         f"{_runner.MAX_WORKERS}; 1 on a GPU)",
     )
+    parser.add_argument(
+        "--reference", metavar="METHOD",
+        help="also pair every method with METHOD at the same budget (diff_ref columns); the full cache is "
+        "always paired (diff_full)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -130,6 +136,7 @@ def run(args) -> list[dict]:
         model, tokenizer, suites=suites, methods=args.methods, budgets=args.budgets, samples=args.samples,
         lengths=_lengths(args.lengths), seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress, data=data, batch_size=args.batch_size, workers=args.workers,
+        reference=args.reference,
     )
     if getattr(args, "json", False):
         print(json.dumps(rows, indent=1))
@@ -144,11 +151,20 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``keepkv report``."""
     parser.add_argument("path", help="an eval run directory or its summary.csv")
     parser.add_argument("--out", metavar="FILE", help="also write the Markdown to FILE")
+    parser.add_argument(
+        "--reference", metavar="METHOD",
+        help="pair every method with METHOD at the same budget, from the run's cells/ (default: the "
+        "reference the run was made with, if any)",
+    )
 
 
 def report(args) -> str:
-    """``keepkv report``: the Markdown table of a summary.csv, to stdout (and --out FILE)."""
-    text = format_table(read_summary(args.path))
+    """``keepkv report``: the Markdown tables of a summary.csv, to stdout (and --out FILE)."""
+    rows = read_summary(args.path)
+    if getattr(args, "reference", None):
+        run_dir = Path(args.path)
+        rows = with_reference(rows, run_dir if run_dir.is_dir() else run_dir.parent, args.reference)
+    text = format_table(rows)
     print(text)
     if getattr(args, "out", None):
         Path(args.out).write_text(text + "\n")
@@ -263,6 +279,10 @@ def format_table(rows: list[dict]) -> str:
                     f"same {float(row.get('agree_share') or 0):.0%}"
                 )
             detail.append("| " + " | ".join(cells) + " |")
+    paired = []
+    for prefix, title in (("diff_full", "the full cache"), ("diff_ref", _reference_name(rows))):
+        if title is not None and any(isinstance(r.get(prefix), (int, float)) for r in rows):
+            paired += _paired_table(prefix, title, methods, columns, find, higher)
     n_values = sorted({int(r["n"]) for r in rows if isinstance(r.get("n"), (int, float))})
     notes = [
         "",
@@ -271,4 +291,37 @@ def format_table(rows: list[dict]) -> str:
         "needle, tracking, aggregation: RULER string match; ppl: perplexity with the cache compressed "
         "during decoding; fidelity: ROUGE-L against the full cache's answer.",
     ]
-    return "\n".join(lines + notes + memory + detail)
+    return "\n".join(lines + notes + paired + memory + detail)
+
+
+def _reference_name(rows: list[dict]) -> str | None:
+    return next((str(r["reference"]) for r in rows if r.get("reference") not in (None, "")), None)
+
+
+def _paired_table(prefix: str, title: str, methods, columns, find, higher) -> list[str]:
+    """Markdown rows of the paired differences ``method - title`` stored under ``prefix``."""
+    lines = [
+        "", f"Paired difference from {title} (method − {title}, same samples): mean ± 95% half-width "
+        "(Student t over the per-sample differences); **bold** where the interval excludes 0; p: exact "
+        "McNemar test where scores are 0/1.", "",
+        "| " + " | ".join(["method"] + [f"{g[0]} {g[1]} @{_budget_text(b)} {'↑' if higher(g) else '↓'}" for g, b in columns]) + " |",
+        "|" + "|".join(["---"] + [":---:"] * len(columns)) + "|",
+    ]
+    for method in methods:
+        cells = [method]
+        for group, budget in columns:
+            row = find(group, method, budget) if method != "full" else None
+            mean, ci = (row or {}).get(prefix), (row or {}).get(f"{prefix}_ci95")
+            if not isinstance(mean, (int, float)) or math.isnan(mean):
+                cells.append("")
+                continue
+            text = f"{mean:+.3f}" if not isinstance(ci, (int, float)) or math.isnan(ci) else f"{mean:+.3f} ± {ci:.3f}"
+            if isinstance(ci, (int, float)) and resolved(mean, ci):
+                text = f"**{text}**"
+            p = row.get(f"{prefix}_p")
+            if isinstance(p, (int, float)) and not math.isnan(p):
+                text += f" p={p:.2g}"
+            cells.append(text)
+        if any(cells[1:]):
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines

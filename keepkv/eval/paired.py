@@ -41,8 +41,13 @@ class PairedDifference:
 
     @property
     def resolved(self) -> bool:
-        """The 95% interval excludes 0 (a zero difference with zero spread is not resolved)."""
-        return self.n > 1 and not math.isnan(self.ci95) and abs(self.mean) > self.ci95
+        return resolved(self.mean, self.ci95)
+
+
+def resolved(mean: float, ci95: float) -> bool:
+    """The 95% interval ``mean ± ci95`` excludes 0 (a zero difference with zero spread does not;
+    an interval of nan, from one sample, does not)."""
+    return not math.isnan(ci95) and abs(mean) > ci95
 
 
 def mcnemar_exact(wins: int, losses: int) -> float:

@@ -720,6 +720,7 @@ def run_eval(
     batch_size: int = DEFAULT_BATCH_SIZE,
     joint_cells: int | None = None,
     workers: int | None = None,
+    reference: str | None = None,
     plot: bool = True,
 ) -> list[dict]:
     """Evaluate every method at every budget on every suite; return the summary rows.
@@ -757,6 +758,10 @@ def run_eval(
         Processes that split each group's samples (forked after the model is loaded; CPU
         only). Default: the CPU cores available to this process, at most ``MAX_WORKERS``;
         each worker gets ``torch.get_num_threads() // workers`` threads.
+    reference : str, optional
+        One of ``methods``: every cell also gets its paired difference against this method
+        at the same budget (``diff_ref*`` columns); the full cache is always a reference
+        (``diff_full*``).
 
     Returns
     -------
@@ -767,6 +772,8 @@ def run_eval(
     for method in methods:
         instance = get_method(method)  # unknown names fail before any work
         instance.prepare(model)  # model-derived state, e.g. KVReviver's Fisher layer scores
+    if reference is not None and reference not in methods:
+        raise ValueError(f"reference {reference!r} is not among the methods run: {', '.join(methods)}")
     budgets = list(budgets)
     for budget in budgets:
         validate_budget(budget)
@@ -788,7 +795,7 @@ def run_eval(
         "suites": [spec.label for spec in specs], "lengths": {spec.label: _lengths_for(spec, lengths) for spec in specs},
         "methods": ["full", *[m for m in methods if m != "full"]], "budgets": budgets, "samples": samples,
         "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "workers": runner.workers,
-        "joint_cells": joint_cells, "ppl_head": PPL_HEAD,
+        "joint_cells": joint_cells, "reference": reference, "ppl_head": PPL_HEAD,
         "fidelity_new_tokens": FIDELITY_NEW_TOKENS, "answer_slack": ANSWER_SLACK, "data": data,
         "model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
         "method_params": {m: dataclasses.asdict(get_method(m)) for m in ["full", *methods]},
@@ -805,7 +812,7 @@ def run_eval(
             group.load_finished()
             group.run(bar)
             groups.append(group)
-    rows = summary_rows(groups)
+    rows = summary_rows(groups, reference)
     write_summary(rows, out_dir / "summary.csv")
     if plot:
         from .plot import plot_scores

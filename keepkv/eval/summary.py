@@ -9,6 +9,7 @@ the paired differences against the full cache and against an optional reference 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -167,3 +168,30 @@ def read_summary(path) -> list[dict]:
         for key in ("suite", "method"):
             row[key] = str(row[key])
     return rows
+
+
+def load_cells(run_dir) -> dict:
+    """Per-sample records of a run's ``cells/*.json``: ``(suite, length) -> {(method, budget): records}``."""
+    cells_dir = Path(run_dir) / "cells"
+    if not cells_dir.is_dir():
+        raise FileNotFoundError(f"no cells directory at {cells_dir} (paired differences need the per-sample records)")
+    groups: dict = {}
+    for path in sorted(cells_dir.glob("*.json")):
+        stored = json.loads(path.read_text())
+        groups.setdefault((stored["suite"], stored["length"]), {})[(stored["method"], stored["budget"])] = stored["records"]
+    return groups
+
+
+def with_reference(rows: list[dict], run_dir, reference: str) -> list[dict]:
+    """``rows`` with their ``diff_ref*`` columns recomputed against ``reference`` from the run's cells."""
+    groups = load_cells(run_dir)
+    methods = sorted({method for cells in groups.values() for method, _ in cells})
+    if reference not in methods:
+        raise ValueError(f"reference {reference!r} is not in this run; its methods: {', '.join(methods)}")
+    columns = {key: reference_columns(cells, reference) for key, cells in groups.items()}
+    out = []
+    for row in rows:
+        row = {key: value for key, value in row.items() if key != "reference" and not key.startswith("diff_ref")}
+        found = columns.get((row["suite"], row["length"]), {}).get((row["method"], row["budget"]), {})
+        out.append({**row, **found})
+    return out
