@@ -274,6 +274,30 @@ def test_paired_differences_end_to_end(model, tokenizer, tmp_path, capsys):
         run_eval(model, tokenizer, suites=["needle"], methods=["window"], out_dir=tmp_path, reference="h2o")
 
 
+@pytest.mark.parametrize("source", ["pydoc", "stdlib"])
+def test_kl_suite_pairs_every_cell_with_the_full_cache(model, tokenizer, tmp_path, source):
+    """KL(full || full) is 0; a compressed cell's KL is >= 0, its NLL change is its NLL minus the
+    full cache's on the same sample, and cells decoded in chunks give the same numbers."""
+    kwargs = dict(
+        suites=[f"kl+source={source}"], methods=["window", "h2o"], budgets=[0.2], samples=2,
+        lengths={"kl": 100}, progress=False, plot=False, workers=1,
+    )
+    rows = run_eval(model, tokenizer, out_dir=tmp_path / "joint", **kwargs)
+    alone = run_eval(model, tokenizer, out_dir=tmp_path / "alone", joint_cells=1, **kwargs)
+    full, window, h2o = rows
+    assert full["score"] == 0.0 and full["nll_delta"] == 0.0 and full["higher_is_better"] is False
+    cells = tmp_path / "joint" / "cells"
+    full_records = json.loads((cells / f"kl+source={source}-100-full-1.0.json").read_text())["records"]
+    for row in (window, h2o):
+        assert row["score"] > 0.0 and row["diff_full"] == pytest.approx(row["score"])
+        records = json.loads((cells / f"kl+source={source}-100-{row['method']}-0.2.json").read_text())["records"]
+        for record, reference in zip(records, full_records):
+            assert record["tokens_scored"] == 128 and record["prompt_tokens"] == 100
+            assert record["nll_delta"] == pytest.approx(record["nll"] - reference["nll"], abs=1e-5)
+            assert record["kept_entries"] <= 20
+    assert [r["score"] for r in alone] == pytest.approx([r["score"] for r in rows], rel=1e-4, abs=1e-6)
+
+
 def test_report_marks_resolved_paired_differences(tmp_path, capsys):
     path = tmp_path / "summary.csv"
     path.write_text(

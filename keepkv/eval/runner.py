@@ -180,12 +180,14 @@ DEFAULT_LENGTHS = {
     "aggregation": 512,
     "ppl": 256,
     "fidelity": 512,
+    "kl": 1024,
     "longbench": 1024,
     "jsonl": 1024,
 }
 DEFAULT_BATCH_SIZE = 8
 MAX_WORKERS = 4
 PPL_HEAD = 32
+KL_CONTINUATION = 128
 FIDELITY_NEW_TOKENS = 32
 ANSWER_SLACK = 8
 JSONL_MAX_NEW_TOKENS = 64
@@ -297,6 +299,10 @@ def make_samples(spec: SuiteSpec, samples: int, length: int, seed: int, tokens: 
     if spec.name == "ppl":
         # A little longer than asked, then cut to exactly `length` tokens (no padding needed).
         return make_suite("ppl", samples, length + length // 16 + 8, seed, tokens.count)
+    if spec.name == "kl":
+        # `length` prompt tokens, the continuation, and a margin for the 1% fit tolerance.
+        needed = length + KL_CONTINUATION
+        return make_suite("kl", samples, needed + needed // 16 + 8, seed, tokens.count, **dict(spec.variant))
     return make_suite(spec.name, samples, length, seed, tokens.count, **dict(spec.variant))
 
 
@@ -362,6 +368,7 @@ class _Group:
                 "suite": spec.label, "length": length, "method": method, "budget": budget, "params": params,
                 "seed": runner.seed, "sample_ids": ids, "max_new_tokens": runner.max_new_tokens,
                 "ppl_head": PPL_HEAD if spec.name == "ppl" else None,
+                "continuation": KL_CONTINUATION if spec.name == "kl" else None,
             }
             cell = Cell(method, budget, params, cell_path(runner.out_dir, spec.label, length, method, budget), key)
             self.cells.append(cell)
@@ -401,7 +408,7 @@ class _Group:
             return
         todo = fresh
         full = self.cells[0]
-        if self.spec.name == "fidelity" and full.done:
+        if self.spec.name in ("fidelity", "kl") and full.done:
             todo = [full, *fresh]  # the reference continuation is needed in memory
         shards = _split(self.samples, self.runner.workers)
         started = time.perf_counter()
@@ -434,6 +441,8 @@ class _Group:
         model, eos = runner.model, runner.eos
         if self.spec.name == "ppl":
             return self.run_ppl_batch(batch, todo, needs)
+        if self.spec.name == "kl":
+            return self.run_kl_batch(batch, todo, needs)
         fidelity = self.spec.name == "fidelity"
         texts = [build_prompts(runner.tokenizer, [s.prompt], True, s.answer_prefix)[0] for s in batch]
         if fidelity:
@@ -539,17 +548,64 @@ class _Group:
             })
         return records
 
+    def _text_ids(self, batch, count: int) -> torch.Tensor:
+        """The first ``count`` tokens of every sample's text, [B, count] (no template, no padding)."""
+        ids = []
+        for sample in batch:
+            sample_ids = self.runner.tokens.ids(sample.context)
+            if len(sample_ids) < count:
+                raise ValueError(f"{self.spec.name} sample {sample.id} has {len(sample_ids)} tokens, fewer than {count}")
+            ids.append(sample_ids[:count])
+        return torch.tensor(ids, device=self.runner.device)
+
+    def run_kl_batch(self, batch, todo, needs) -> None:
+        """Prefill ``length`` tokens of real text, then teacher-force the next ``KL_CONTINUATION``
+        into every cell at once, the full cache first in every chunk: per step and row,
+        KL(full || method) of the next-token distribution and each cell's NLL of the true token."""
+        runner = self.runner
+        model, head = runner.model, self.length
+        input_ids = self._text_ids(batch, head + KL_CONTINUATION)
+        mask = torch.ones_like(input_ids)
+        clock = _Clock(todo)
+        record = CompressedCache(model.config, "full", record=needs)
+        first_logits = prefill(model, record, input_ids[:, :head], mask[:, :head])
+        clock.share(todo)
+        targets = input_ids[:, head:]
+        rows = len(batch)
+        full, rest = todo[0], todo[1:]
+        for number, chunk in enumerate(_chunks(rest, runner.joint_cells) if rest else [[]]):
+            cells = [full, *chunk]
+            caches = [record.fork(cell.method, cell.budget) for cell in cells]
+            kl, nll = [], []
+
+            def observe(t, logits):
+                logp = torch.log_softmax(logits, -1).view(len(cells), rows, -1)  # [cells, rows, V]
+                kl.append((logp[0].exp() * (logp[0] - logp)).sum(-1))
+                nll.append(-logp.gather(-1, targets[None, :, t : t + 1].expand(len(cells), -1, -1))[..., 0])
+
+            decode_cells(
+                model, caches, first_logits, mask[:, :head], KL_CONTINUATION, None, force=targets,
+                observe=observe, progress=self.progress,
+            )
+            kl, nll = torch.stack(kl, dim=-1).mean(-1), torch.stack(nll, dim=-1).mean(-1)  # [cells, rows]
+            for index, (cell, cache) in enumerate(zip(cells, caches)):
+                if index == 0 and number > 0:
+                    continue  # the full cache's records come from the first chunk
+                memory = self._cache_fields(cache)
+                for row, sample in enumerate(batch):
+                    cell.records.append({
+                        "id": sample.id, "score": float(kl[index, row]), "kl": float(kl[index, row]),
+                        "nll": float(nll[index, row]), "nll_delta": float(nll[index, row] - nll[0, row]),
+                        "tokens_scored": KL_CONTINUATION, "prompt_tokens": head, **memory[row], "meta": sample.meta,
+                    })
+            clock.share(cells if number == 0 else chunk)
+            del caches
+
     def run_ppl_batch(self, batch, todo, needs) -> None:
         runner = self.runner
         model, length = runner.model, self.length
         head = min(PPL_HEAD, length - 1)
-        ids = []
-        for sample in batch:
-            sample_ids = runner.tokens.ids(sample.context)
-            if len(sample_ids) < length:
-                raise ValueError(f"ppl sample {sample.id} has {len(sample_ids)} tokens, fewer than {length}")
-            ids.append(sample_ids[:length])
-        input_ids = torch.tensor(ids, device=runner.device)
+        input_ids = self._text_ids(batch, length)
         mask = torch.ones_like(input_ids)
         clock = _Clock(todo)
         record = CompressedCache(model.config, "full", record=needs)
@@ -796,6 +852,7 @@ def run_eval(
         "methods": ["full", *[m for m in methods if m != "full"]], "budgets": budgets, "samples": samples,
         "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "workers": runner.workers,
         "joint_cells": joint_cells, "reference": reference, "ppl_head": PPL_HEAD,
+        "kl_continuation": KL_CONTINUATION,
         "fidelity_new_tokens": FIDELITY_NEW_TOKENS, "answer_slack": ANSWER_SLACK, "data": data,
         "model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
         "method_params": {m: dataclasses.asdict(get_method(m)) for m in ["full", *methods]},

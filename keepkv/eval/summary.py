@@ -16,13 +16,13 @@ from pathlib import Path
 from . import metrics
 from .paired import pair_records
 
-LOWER_IS_BETTER = frozenset({"ppl"})
+LOWER_IS_BETTER = frozenset({"ppl", "kl"})
 SUMMARY_COLUMNS = (
     "suite", "length", "method", "budget", "score", "ci95", "share_of_full", "cache_bytes",
     "full_cache_bytes", "n", "higher_is_better",
 )
 # Per-sample fields averaged into extra summary columns (when a suite has them).
-EXTRA_COLUMNS = ("kept_entries", "budget_entries", "agree_prefix", "agree_share", "kl", "rouge_l", "em", "f1", "nll")
+EXTRA_COLUMNS = ("kept_entries", "budget_entries", "agree_prefix", "agree_share", "kl", "rouge_l", "em", "f1", "nll", "nll_delta")
 
 
 def summarize_cell(records: list[dict]) -> dict:
@@ -97,7 +97,7 @@ def summary_rows(groups, reference: str | None = None) -> list[dict]:
             if full_score is None:
                 full_score = stats["score"]
             if lower:
-                share = full_score / stats["score"] if stats["score"] else math.nan
+                share = full_score / stats["score"] if stats["score"] and full_score else math.nan
             else:
                 share = stats["score"] / full_score if full_score else math.nan
             row = {
