@@ -13,7 +13,10 @@ from transformers import PreTrainedTokenizerFast
 import keepkv
 from keepkv.eval import cli as eval_cli
 from keepkv.eval.decoding import greedy_decode, prefill
-from keepkv.eval.runner import SuiteSpec, make_samples, run_eval, _Tokens
+from keepkv.eval.runner import (
+    DEFAULT_LENGTHS, DEFAULT_SAMPLES, QUICK_BUDGETS, QUICK_LENGTHS, QUICK_SAMPLES, SuiteSpec, make_samples, run_eval,
+    _Tokens,
+)
 from keepkv.eval.summary import read_summary
 from keepkv.generation import build_prompts, encode
 from keepkv.methods import METHODS
@@ -326,8 +329,14 @@ def test_suite_spec_and_cli_parsing():
     assert args.seed == 1000 and args.budgets == [0.1, 128]
     lengths = eval_cli._lengths(args.lengths)
     assert lengths["needle"] == [1536] and lengths["ppl"] == [512]
-    defaults = parser.parse_args([])
-    assert defaults.budgets == [0.1, 0.2] and defaults.suite is None and defaults.out == "runs/eval"
+    defaults = eval_cli.run_sizes(parser.parse_args([]))
+    assert defaults == {"budgets": [0.1, 0.2], "samples": DEFAULT_SAMPLES, "lengths": None, "out_dir": "runs/eval"}
+    quick = eval_cli.run_sizes(parser.parse_args(["--quick"]))
+    assert quick["budgets"] == list(QUICK_BUDGETS) and quick["samples"] == QUICK_SAMPLES
+    assert quick["out_dir"] == "runs/eval-quick" and quick["lengths"]["needle"] == QUICK_LENGTHS["needle"]
+    assert quick["lengths"]["fidelity"] == DEFAULT_LENGTHS["fidelity"]
+    explicit = eval_cli.run_sizes(parser.parse_args(["--quick", "--samples", "3", "--out", "x", "--lengths", "300"]))
+    assert (explicit["samples"], explicit["out_dir"], explicit["lengths"]) == (3, "x", [300])
 
 
 def test_local_datasets(model, tokenizer, tmp_path):

@@ -62,11 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="methods, or variants such as keepkv+interval=8+zip_key=group (default: every registered one)",
     )
     parser.add_argument(
-        "--budgets", nargs="+", type=budget_arg, default=list(_runner.DEFAULT_BUDGETS), metavar="B",
-        help="fractions of the prompt or entry counts (default: 0.1 0.2; ppl: fraction of its total length)",
+        "--budgets", nargs="+", type=budget_arg, metavar="B",
+        help="fractions of the prompt or entry counts (default: "
+        f"{' '.join(map(str, _runner.DEFAULT_BUDGETS))}; ppl: fraction of its total length)",
     )
     parser.add_argument(
-        "--samples", type=_positive, default=_runner.DEFAULT_SAMPLES,
+        "--samples", type=_positive,
         help=f"samples per suite and length (default: {_runner.DEFAULT_SAMPLES})",
     )
     parser.add_argument(
@@ -77,7 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=_seed, default=_runner.TEST_SEED,
         help="sample seed: 0 for reported numbers (default), 'dev' (= 1000) or >= 1000 for tuning",
     )
-    parser.add_argument("--out", default="runs/eval", help="output directory (default: runs/eval)")
+    parser.add_argument("--out", help="output directory (default: runs/eval; with --quick: runs/eval-quick)")
+    quick_lengths = " ".join(f"{name}={value}" for name, value in _runner.QUICK_LENGTHS.items())
+    parser.add_argument(
+        "--quick", action="store_true",
+        help=f"smoke check: {_runner.QUICK_SAMPLES} samples, budget "
+        f"{' '.join(map(str, _runner.QUICK_BUDGETS))}, lengths {quick_lengths} (options given explicitly win)",
+    )
     parser.add_argument(
         "--data", action="append", default=[], metavar="PATH",
         help="local data: a LongBench directory or a jsonl file (or longbench=DIR, jsonl=FILE)",
@@ -124,6 +131,21 @@ def _lengths(entries):
     return {**{name: common or [_runner.DEFAULT_LENGTHS[name]] for name in _runner.DEFAULT_LENGTHS}, **per_suite}
 
 
+def run_sizes(args) -> dict:
+    """Budgets, samples, lengths and output directory: the options given, else the defaults
+    (``--quick``: the QUICK_* defaults of keepkv.eval.runner)."""
+    quick = getattr(args, "quick", False)
+    lengths = _lengths(args.lengths)
+    if lengths is None and quick:
+        lengths = {**_runner.DEFAULT_LENGTHS, **_runner.QUICK_LENGTHS}
+    return {
+        "budgets": args.budgets or list(_runner.QUICK_BUDGETS if quick else _runner.DEFAULT_BUDGETS),
+        "samples": args.samples or (_runner.QUICK_SAMPLES if quick else _runner.DEFAULT_SAMPLES),
+        "lengths": lengths,
+        "out_dir": args.out or ("runs/eval-quick" if quick else "runs/eval"),
+    }
+
+
 def run(args) -> list[dict]:
     """``keepkv eval``: load the model, run, print the table (or JSON rows with --json)."""
     from ..models import load_model
@@ -132,9 +154,11 @@ def run(args) -> list[dict]:
     data = _data_paths(args.data)
     # --data alone evaluates that data; --suite names the suites explicitly.
     suites = args.suite or (list(data) if data else list(_runner.DEFAULT_SUITES))
+    sizes = run_sizes(args)
+    out = sizes["out_dir"]
     rows = _runner.run_eval(
-        model, tokenizer, suites=suites, methods=args.methods, budgets=args.budgets, samples=args.samples,
-        lengths=_lengths(args.lengths), seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens,
+        model, tokenizer, suites=suites, methods=args.methods, **sizes, seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress, data=data, batch_size=args.batch_size, workers=args.workers,
         reference=args.reference,
     )
@@ -142,7 +166,7 @@ def run(args) -> list[dict]:
         print(json.dumps(rows, indent=1))
     else:
         print(format_table(rows))
-        out = Path(args.out)
+        out = Path(out)
         print(f"\nsummary: {out / 'summary.csv'}  plot: {out / 'scores.png'}  records: {out / 'cells'}", file=sys.stderr)
     return rows
 

@@ -184,6 +184,10 @@ DEFAULT_LENGTHS = {
     "longbench": 1024,
     "jsonl": 1024,
 }
+# `keepkv eval --quick`: a smoke check of every default suite, not a measurement.
+QUICK_SAMPLES = 2
+QUICK_BUDGETS = (0.1,)
+QUICK_LENGTHS = {"needle": 512, "kl": 512}
 DEFAULT_BATCH_SIZE = 8
 MAX_WORKERS = 4
 PPL_HEAD = 32
