@@ -41,6 +41,15 @@ Suites
     one teacher-forced), which doubles the prefill but halves the decode steps. Note that the
     first new token of every method equals the full cache's: the prefill's logits are computed
     before the cache is compressed.
+``kl``
+    real text that no one here wrote, ``kl+source=pydoc`` (``pydoc_data`` prose) or
+    ``kl+source=stdlib`` (the head of a standard-library ``.py`` file of the running
+    interpreter: code refers back to names defined thousands of tokens earlier). The first
+    ``length`` tokens are prefilled (the budget is a fraction of them), the next
+    ``KL_CONTINUATION`` = 128 are teacher-forced with the cache compressed *during* decoding,
+    and the full cache decodes in the same forward pass as every cell. Per sample: mean
+    KL(full || method) of the next-token distribution over the 128 positions (the score,
+    lower is better), mean NLL, and ``nll_delta`` = NLL(method) - NLL(full cache), nats per token.
 ``longbench`` / ``jsonl``
     local datasets (``data={"longbench": DIR, "jsonl": FILE}``), with LongBench's per-task
     metrics, or exact match + F1 (score) + ROUGE-L. A context longer than the group's length
@@ -60,7 +69,11 @@ Output (``out_dir``)
     samples), share_of_full (score / full score; full / score where lower is better),
     cache_bytes, full_cache_bytes (means over samples at the end of decoding), n,
     higher_is_better, then kept_entries, seconds (wall time; shared work split evenly over the
-    cells that shared it), cpu_seconds (summed over workers) and the suite's extra metrics.
+    cells that shared it), cpu_seconds (summed over workers), the suite's extra metrics, and
+    the paired differences (keepkv.eval.paired): ``diff_full`` = mean over samples of
+    (method - full cache), its 95% half-width ``diff_full_ci95`` and, for 0/1 scores, the exact
+    McNemar ``diff_full_p``; with ``reference=METHOD`` the same against that method at the
+    same budget (``reference``, ``diff_ref``, ``diff_ref_ci95``, ``diff_ref_p``).
 ``scores.png``
     score against budget, one line per method, one panel per suite and length, the full cache
     as a horizontal line.
