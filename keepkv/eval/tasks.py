@@ -652,21 +652,23 @@ def make_kl(
     """Real text that no one here wrote, to be continued: no question, no answer.
 
     ``source="pydoc"``: ``pydoc_data`` prose from a seeded paragraph start (as ``ppl``).
-    ``source="stdlib"``: the head of a seeded standard-library ``.py`` file of the running
-    interpreter (:func:`stdlib_sources`), from its first line: code refers back to names
+    ``source="stdlib"``: the head of a standard-library ``.py`` file of the running
+    interpreter (:func:`stdlib_sources`, in a seeded order without repeats), from its first line: code refers back to names
     defined thousands of tokens earlier. The runner prefills the first part of ``context``
     and scores the model on the rest (see keepkv.eval.runner).
     """
     _check_choice("source", source, KL_SOURCES)
     count = tokenizer_len or approx_token_count
+    # Files in a seeded order, one per sample: no file repeats before all have been used.
+    files = list(stdlib_sources())
+    random.Random(f"kl-stdlib:{seed}").shuffle(files)
     samples = []
     for i in range(n):
-        rng = _sample_rng(f"kl-{source}", seed, i)
         if source == "pydoc":
-            text, tokens, start = _prose_sample(rng, length_tokens, count)
+            text, tokens, start = _prose_sample(_sample_rng(f"kl-{source}", seed, i), length_tokens, count)
             origin = {"offset": start}
         else:
-            relative = rng.choice(stdlib_sources())
+            relative = files[i % len(files)]
             code = (Path(sysconfig.get_paths()["stdlib"]) / relative).read_text(encoding="utf-8", errors="replace")
             text, tokens = _fit(partial(_source_head, code), length_tokens, count, length_tokens * 3, len(code))
             origin = {"file": relative}
