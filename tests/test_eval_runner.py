@@ -299,6 +299,9 @@ def test_kl_suite_pairs_every_cell_with_the_full_cache(model, tokenizer, tmp_pat
             assert record["nll_delta"] == pytest.approx(record["nll"] - reference["nll"], abs=1e-5)
             assert record["kept_entries"] <= 20
     assert [r["score"] for r in alone] == pytest.approx([r["score"] for r in rows], rel=1e-4, abs=1e-6)
+    table = eval_cli.format_table(rows)
+    assert f"| window | KL {window['kl']:.3f}, ΔNLL {window['nll_delta']:+.3f} |" in table
+    assert "prefix" not in table  # the fidelity detail belongs to fidelity
 
 
 def test_report_marks_resolved_paired_differences(tmp_path, capsys):

@@ -68,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--samples", type=_positive,
-        help=f"samples per suite and length (default: {_runner.DEFAULT_SAMPLES})",
+        help="samples per suite and length (default: "
+        + ", ".join(f"{name} {count}" for name, count in _runner.DEFAULT_SAMPLES.items())
+        + f", others {_runner.DEFAULT_SAMPLES_OTHER})",
     )
     parser.add_argument(
         "--lengths", nargs="+", type=_length, metavar="N|SUITE=N",
@@ -285,23 +287,29 @@ def format_table(rows: list[dict]) -> str:
         memory.append("| " + " | ".join(cells) + " |")
     detail = []
     for group in groups:
-        if not any(isinstance(r.get("kl"), (int, float)) for (g, _, _), r in index.items() if g == group):
+        group_rows = [r for (g, _, _), r in index.items() if g == group]
+        if any(isinstance(r.get("agree_share"), (int, float)) for r in group_rows):
+            title = ("mean KL(full ‖ method) of the next token along the full cache's answer, tokens until the "
+                     "first divergence, share of identical tokens")
+
+            def text(row):
+                return (f"KL {row['kl']:.3f}, prefix {_number(row.get('agree_prefix'))}, "
+                        f"same {float(row.get('agree_share') or 0):.0%}")
+        elif any(isinstance(r.get("nll_delta"), (int, float)) for r in group_rows):
+            title = "mean KL(full ‖ method) and NLL(method) − NLL(full), nats per teacher-forced token"
+
+            def text(row):
+                return f"KL {row['kl']:.3f}, ΔNLL {row['nll_delta']:+.3f}"
+        else:
             continue
-        detail += ["", f"{group[0]} {group[1]}: mean KL(full ‖ method) of the next token along the full cache's "
-                   "answer, tokens until the first divergence, share of identical tokens:", ""]
+        detail += ["", f"{group[0]} {group[1]}: {title}:", ""]
         detail.append("| " + " | ".join(["method"] + [f"@{_budget_text(b)}" for b in budgets[group]]) + " |")
         detail.append("|" + "|".join(["---"] + [":---:"] * len(budgets[group])) + "|")
         for method in methods:
             cells = [method]
             for budget in budgets[group]:
                 row = find(group, method, budget)
-                if row is None or not isinstance(row.get("kl"), (int, float)):
-                    cells.append("")
-                    continue
-                cells.append(
-                    f"KL {row['kl']:.3f}, prefix {_number(row.get('agree_prefix'))}, "
-                    f"same {float(row.get('agree_share') or 0):.0%}"
-                )
+                cells.append("" if row is None or not isinstance(row.get("kl"), (int, float)) else text(row))
             detail.append("| " + " | ".join(cells) + " |")
     paired = []
     for prefix, title in (("diff_full", "the full cache"), ("diff_ref", _reference_name(rows))):
@@ -313,7 +321,8 @@ def format_table(rows: list[dict]) -> str:
         f"Score ± 95% CI half-width (Student t over samples, n = {', '.join(map(str, n_values))}) and, in "
         "parentheses, the share of the full cache's score (for ↓ metrics: full / score). "
         "needle, tracking, aggregation: RULER string match; ppl: perplexity with the cache compressed "
-        "during decoding; fidelity: ROUGE-L against the full cache's answer.",
+        "during decoding; fidelity: ROUGE-L against the full cache's answer; kl: mean KL(full ‖ method) of the "
+        "next token over 128 teacher-forced tokens of real text.",
     ]
     return "\n".join(lines + notes + paired + memory + detail)
 
