@@ -66,6 +66,16 @@ def test_antisymmetric(a, b):
     assert (forward.wins, forward.losses) == (backward.losses, backward.wins)
 
 
+def test_all_equal_binary_differences_need_enough_samples():
+    """Four samples that all flip give -1 ± 0 (t degenerates), but McNemar p = 0.125: a tie;
+    six give p = 2 / 64 < 0.05: resolved."""
+    four = paired_difference([0] * 4, [1] * 4)
+    assert (four.mean, four.ci95, four.mcnemar_p) == (-1.0, 0.0, 0.125)
+    assert not four.resolved
+    assert paired_difference([0] * 6, [1] * 6).resolved
+    assert paired_difference([0.0, 0.5, 0.0, 0.5], [1.0] * 4).mcnemar_p is None  # not 0/1: t alone
+
+
 def test_mcnemar_exact_values():
     assert mcnemar_exact(0, 0) == 1.0
     assert mcnemar_exact(5, 5) == 1.0

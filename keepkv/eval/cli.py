@@ -335,8 +335,9 @@ def _paired_table(prefix: str, title: str, methods, columns, find, higher) -> li
     """Markdown rows of the paired differences ``method - title`` stored under ``prefix``."""
     lines = [
         "", f"Paired difference from {title} (method − {title}, same samples): mean ± 95% half-width "
-        "(Student t over the per-sample differences); **bold** where the interval excludes 0; p: exact "
-        "McNemar test where scores are 0/1.", "",
+        "(Student t over the per-sample differences); p: exact McNemar test where scores are 0/1; **bold** "
+        "where the interval excludes 0 (and p < 0.05 for 0/1 scores): a resolved difference, any other is "
+        "a tie.", "",
         "| " + " | ".join(["method"] + [f"{g[0]} {g[1]} @{_budget_text(b)} {'↑' if higher(g) else '↓'}" for g, b in columns]) + " |",
         "|" + "|".join(["---"] + [":---:"] * len(columns)) + "|",
     ]
@@ -349,9 +350,9 @@ def _paired_table(prefix: str, title: str, methods, columns, find, higher) -> li
                 cells.append("")
                 continue
             text = f"{mean:+.3f}" if not isinstance(ci, (int, float)) or math.isnan(ci) else f"{mean:+.3f} ± {ci:.3f}"
-            if isinstance(ci, (int, float)) and resolved(mean, ci):
-                text = f"**{text}**"
             p = row.get(f"{prefix}_p")
+            if isinstance(ci, (int, float)) and resolved(mean, ci, p if isinstance(p, (int, float)) else None):
+                text = f"**{text}**"
             if isinstance(p, (int, float)) and not math.isnan(p):
                 text += f" p={p:.2g}"
             cells.append(text)

@@ -12,7 +12,8 @@ the paired interval much narrower than the difference of two unpaired intervals.
   method solves and ``c`` those only the reference solves (McNemar 1947; the exact binomial
   form avoids the chi-square approximation at small counts).
 
-A difference is *resolved* when its 95% interval excludes 0.
+A difference is *resolved* when its 95% interval excludes 0 and, for 0/1 scores, McNemar's
+p < 0.05 (the t interval alone is ``± 0`` when every difference is equal, at any n).
 """
 
 from __future__ import annotations
@@ -41,13 +42,19 @@ class PairedDifference:
 
     @property
     def resolved(self) -> bool:
-        return resolved(self.mean, self.ci95)
+        return resolved(self.mean, self.ci95, self.mcnemar_p)
 
 
-def resolved(mean: float, ci95: float) -> bool:
-    """The 95% interval ``mean ± ci95`` excludes 0 (a zero difference with zero spread does not;
-    an interval of nan, from one sample, does not)."""
-    return not math.isnan(ci95) and abs(mean) > ci95
+def resolved(mean: float, ci95: float, mcnemar_p: float | None = None) -> bool:
+    """The 95% interval ``mean ± ci95`` excludes 0 and, for 0/1 scores, McNemar's p < 0.05.
+
+    The t interval alone degenerates when every difference is equal (four samples that all
+    flip from 1 to 0 give ``-1 ± 0``), while McNemar gives p = 0.125 there: both must agree.
+    A zero difference with zero spread, or a nan interval (one sample), is not resolved.
+    """
+    if math.isnan(ci95) or abs(mean) <= ci95:
+        return False
+    return mcnemar_p is None or math.isnan(mcnemar_p) or mcnemar_p < 0.05
 
 
 def mcnemar_exact(wins: int, losses: int) -> float:
