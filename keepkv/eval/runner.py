@@ -132,8 +132,16 @@ batch, dev seed, every registered method at 0.1 and 0.2 (23 cells), one worker, 
 * the joint decode of all 23 cells, ~17 steps: 54.4 CPU-s (28%);
 * the recording prefill (column sums for H2O/KVReviver): 38.6 CPU-s (20%).
 
-About 49 CPU-s per needle sample with the full grid: ~24 s per sample on an idle 2-core
-machine with 2 workers. Earlier measurements (2 workers x 1 thread): a joint decode step of
+The same profile of ``kl+source=stdlib`` at 1024 tokens, 2 samples in one batch: 504.8
+CPU-s (wall 1,652 s at load average 7.6-10.8): the joint decode of 128 teacher-forced steps
+452.9 CPU-s (90%, ~3.5 CPU-s a step for 23 cells x 2 rows), prefill 20.7, ZeroMerge's fork
+17.0, KeepKV's 8.4, the rest <= 2 each.
+
+So about 49 CPU-s per needle sample and 250 per kl sample with the full grid. Estimate of
+the default run (not measured: the machine was shared): 64 x 49 + 16 x 250 = ~7,100 CPU-s,
+~59 minutes on an idle 2-core machine with 2 workers; an upper estimate, since the default
+batches put 4-8 rows per worker, not 2, and a decode step costs per-op overhead more than
+per-row work. It does not show the 45-minute target met. Earlier measurements (2 workers x 1 thread): a joint decode step of
 23 cells costs ~3 s with 2 rows per worker at ~1.1k tokens, per-op overhead rather than
 FLOPs, so larger batches (``batch_size`` = 8 rows per worker) cost less per sample.
 """
