@@ -8,17 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
-
-def budget_arg(text: str) -> int | float:
-    """'0.1' -> 0.1 (fraction), '128' -> 128 (entries)."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a float in (0, 1] or an int >= 1, got {text!r}")
+from .arguments import budget_arg
 
 
 def _param(text: str) -> tuple[str, object]:

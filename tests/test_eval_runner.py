@@ -12,15 +12,12 @@ from transformers import PreTrainedTokenizerFast
 
 import keepkv
 from keepkv.eval import cli as eval_cli
+from keepkv.eval.decoding import greedy_decode, prefill
 from keepkv.eval.runner import (
-    SuiteSpec,
-    greedy_decode,
-    make_samples,
-    prefill,
-    read_summary,
-    run_eval,
+    DEFAULT_LENGTHS, DEFAULT_SAMPLES, QUICK_BUDGETS, QUICK_LENGTHS, QUICK_SAMPLES, SuiteSpec, make_samples, run_eval,
     _Tokens,
 )
+from keepkv.eval.summary import read_summary
 from keepkv.generation import build_prompts, encode
 from keepkv.methods import METHODS
 
@@ -247,6 +244,83 @@ def test_report_from_handwritten_csv(tmp_path, capsys):
     assert "| h2o | 10% | 10% |" in table
 
 
+def test_paired_differences_end_to_end(model, tokenizer, tmp_path, capsys):
+    """A budget that fits every prompt leaves every method equal to the full cache: 0 ± 0;
+    a method paired with itself differs by 0; ``report --reference`` re-pairs from the cells."""
+    rows = run_eval(
+        model, tokenizer, suites=["needle"], methods=["window", "h2o"], budgets=[1.0, 0.2], samples=3,
+        lengths={"needle": 140}, out_dir=tmp_path, max_new_tokens=5, progress=False, plot=False, workers=1,
+        reference="h2o",
+    )
+    by_key = {(r["method"], r["budget"]): r for r in rows}
+    for method in ("window", "h2o"):
+        fitting = by_key[(method, 1.0)]
+        assert (fitting["diff_full"], fitting["diff_full_ci95"], fitting["diff_full_p"]) == (0.0, 0.0, 1.0)
+        assert by_key[("h2o", 1.0)]["diff_ref"] == 0.0 and by_key[("h2o", 0.2)]["diff_ref_ci95"] == 0.0
+    assert "diff_full" not in by_key[("full", 1.0)]
+    squeezed = by_key[("window", 0.2)]
+    assert squeezed["diff_full"] == pytest.approx(squeezed["score"] - by_key[("full", 1.0)]["score"])
+    assert squeezed["diff_ref"] == pytest.approx(squeezed["score"] - by_key[("h2o", 0.2)]["score"])
+    stored = read_summary(tmp_path)
+    assert stored[1]["reference"] == "h2o" and "diff_ref_ci95" in stored[1]
+
+    parser = argparse.ArgumentParser()
+    eval_cli.add_report_arguments(parser)
+    eval_cli.report(parser.parse_args([str(tmp_path), "--reference", "window"]))
+    table = capsys.readouterr().out
+    assert "Paired difference from the full cache" in table and "Paired difference from window" in table
+    assert "Paired difference from h2o" not in table
+    assert "| window | +0.000 ± 0.000 p=1 |" in table  # window vs window at 1.0, then at 0.2
+    with pytest.raises(ValueError, match="its methods: full, h2o, window"):
+        eval_cli.report(parser.parse_args([str(tmp_path), "--reference", "snapkv"]))
+    with pytest.raises(ValueError, match="not among the methods run"):
+        run_eval(model, tokenizer, suites=["needle"], methods=["window"], out_dir=tmp_path, reference="h2o")
+
+
+@pytest.mark.parametrize("source", ["pydoc", "stdlib"])
+def test_kl_suite_pairs_every_cell_with_the_full_cache(model, tokenizer, tmp_path, source):
+    """KL(full || full) is 0; a compressed cell's KL is >= 0, its NLL change is its NLL minus the
+    full cache's on the same sample, and cells decoded in chunks give the same numbers."""
+    kwargs = dict(
+        suites=[f"kl+source={source}"], methods=["window", "h2o"], budgets=[0.2], samples=2,
+        lengths={"kl": 100}, progress=False, plot=False, workers=1,
+    )
+    rows = run_eval(model, tokenizer, out_dir=tmp_path / "joint", **kwargs)
+    alone = run_eval(model, tokenizer, out_dir=tmp_path / "alone", joint_cells=1, **kwargs)
+    full, window, h2o = rows
+    assert full["score"] == 0.0 and full["nll_delta"] == 0.0 and full["higher_is_better"] is False
+    cells = tmp_path / "joint" / "cells"
+    full_records = json.loads((cells / f"kl+source={source}-100-full-1.0.json").read_text())["records"]
+    for row in (window, h2o):
+        assert row["score"] > 0.0 and row["diff_full"] == pytest.approx(row["score"])
+        records = json.loads((cells / f"kl+source={source}-100-{row['method']}-0.2.json").read_text())["records"]
+        for record, reference in zip(records, full_records):
+            assert record["tokens_scored"] == 128 and record["prompt_tokens"] == 100
+            assert record["nll_delta"] == pytest.approx(record["nll"] - reference["nll"], abs=1e-5)
+            assert record["kept_entries"] <= 20
+    assert [r["score"] for r in alone] == pytest.approx([r["score"] for r in rows], rel=1e-4, abs=1e-6)
+    table = eval_cli.format_table(rows)
+    assert f"| window | KL {window['kl']:.3f}, ΔNLL {window['nll_delta']:+.3f} |" in table
+    assert "prefix" not in table  # the fidelity detail belongs to fidelity
+
+
+def test_report_marks_resolved_paired_differences(tmp_path, capsys):
+    path = tmp_path / "summary.csv"
+    path.write_text(
+        "suite,length,method,budget,score,ci95,share_of_full,cache_bytes,full_cache_bytes,n,higher_is_better,"
+        "diff_full,diff_full_ci95,diff_full_p\n"
+        "needle,1024,full,1.0,1.0,0,1,1000,1000,8,true,,,\n"
+        "needle,1024,h2o,0.1,0.5,0.4,0.5,100,1000,8,true,-0.5,0.43,0.031\n"
+        "needle,1024,snapkv,0.1,0.9,0.2,0.9,100,1000,8,true,-0.1,0.2,1\n"
+    )
+    parser = argparse.ArgumentParser()
+    eval_cli.add_report_arguments(parser)
+    eval_cli.report(parser.parse_args([str(path)]))
+    table = capsys.readouterr().out.splitlines()
+    assert "| h2o | **-0.500 ± 0.430** p=0.031 |" in table
+    assert "| snapkv | -0.100 ± 0.200 p=1 |" in table
+
+
 def test_suite_spec_and_cli_parsing():
     spec = SuiteSpec.parse("needle+variant=multikey+num_needles=3")
     assert spec.label == "needle+variant=multikey+num_needles=3" and dict(spec.variant)["num_needles"] == 3
@@ -258,8 +332,14 @@ def test_suite_spec_and_cli_parsing():
     assert args.seed == 1000 and args.budgets == [0.1, 128]
     lengths = eval_cli._lengths(args.lengths)
     assert lengths["needle"] == [1536] and lengths["ppl"] == [512]
-    defaults = parser.parse_args([])
-    assert defaults.budgets == [0.1, 0.2] and defaults.suite is None and defaults.out == "runs/eval"
+    defaults = eval_cli.run_sizes(parser.parse_args([]))
+    assert defaults == {"budgets": [0.1, 0.2], "samples": DEFAULT_SAMPLES, "lengths": None, "out_dir": "runs/eval"}
+    quick = eval_cli.run_sizes(parser.parse_args(["--quick"]))
+    assert quick["budgets"] == list(QUICK_BUDGETS) and quick["samples"] == QUICK_SAMPLES
+    assert quick["out_dir"] == "runs/eval-quick" and quick["lengths"]["needle"] == QUICK_LENGTHS["needle"]
+    assert quick["lengths"]["fidelity"] == DEFAULT_LENGTHS["fidelity"]
+    explicit = eval_cli.run_sizes(parser.parse_args(["--quick", "--samples", "3", "--out", "x", "--lengths", "300"]))
+    assert (explicit["samples"], explicit["out_dir"], explicit["lengths"]) == (3, "x", [300])
 
 
 def test_local_datasets(model, tokenizer, tmp_path):

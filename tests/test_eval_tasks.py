@@ -8,6 +8,7 @@ import pytest
 from keepkv.eval.datasets import LONGBENCH_TEMPLATES, load_jsonl, load_longbench
 from keepkv.eval.metrics import LONGBENCH_METRICS
 from keepkv.eval.tasks import (
+    prose_corpus,
     FIDELITY_INSTRUCTIONS,
     SUITES,
     approx_token_count,
@@ -81,7 +82,27 @@ def test_make_suite_rejects_unknown_names_and_variants():
         make_needle(1, 100, 0, variant="bogus")
     with pytest.raises(ValueError, match="noise"):
         make_tracking(1, 100, 0, haystack="bogus")
-    assert set(SUITES) == {"needle", "tracking", "aggregation", "ppl", "fidelity"}
+    with pytest.raises(ValueError, match="pydoc"):
+        make_suite("kl", 1, 100, 0, source="bogus")
+    assert set(SUITES) == {"needle", "tracking", "aggregation", "ppl", "fidelity", "kl"}
+
+
+@pytest.mark.parametrize("source", ["pydoc", "stdlib"])
+def test_kl_text_is_real_seeded_and_fitted(source):
+    import sysconfig
+
+    samples = make_suite("kl", 3, 1200, 7, source=source)
+    assert samples == make_suite("kl", 2, 1200, 7, source=source) + samples[2:]
+    assert len({s.context for s in samples}) == 3
+    for sample in samples:
+        assert abs(sample.meta["length_tokens"] - 1200) <= 0.01 * 1200
+        assert sample.question == "" and sample.answers == []
+        if source == "stdlib":
+            code = (Path(sysconfig.get_paths()["stdlib"]) / sample.meta["file"]).read_text(encoding="utf-8")
+            assert code.startswith(sample.context) and sample.context.endswith("\n")  # the head, whole lines
+            assert "/test" not in "/" + sample.meta["file"] and "encodings" not in sample.meta["file"]
+        else:
+            assert sample.context[:200] in prose_corpus()
 
 
 def test_suite_too_long_for_its_vocabulary_is_refused():

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from ..cli import budget_arg
+from ..arguments import budget_arg
 from ..methods.base import get_method, parse_method_spec, parse_value
 from ..models import DTYPES
 from .configs import CONFIGS, build_config, param_bytes, random_model

@@ -9,10 +9,18 @@ __all__ = ["run_eval", "greedy_decode", "read_summary", "format_table", "plot_sc
 
 def __getattr__(name):
     # Lazy, so that importing keepkv.eval.tasks or .metrics does not pull the runner.
-    if name in ("run_eval", "greedy_decode", "read_summary"):
-        from . import runner
+    if name == "run_eval":
+        from .runner import run_eval
 
-        return getattr(runner, name)
+        return run_eval
+    if name == "greedy_decode":
+        from .decoding import greedy_decode
+
+        return greedy_decode
+    if name == "read_summary":
+        from .summary import read_summary
+
+        return read_summary
     if name == "format_table":
         from .cli import format_table
 

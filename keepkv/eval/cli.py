@@ -13,8 +13,10 @@ import math
 import sys
 from pathlib import Path
 
-from ..cli import budget_arg
+from ..arguments import budget_arg
 from . import runner as _runner
+from .paired import resolved
+from .summary import read_summary, with_reference
 
 
 def _seed(text: str) -> int:
@@ -60,12 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="methods, or variants such as keepkv+interval=8+zip_key=group (default: every registered one)",
     )
     parser.add_argument(
-        "--budgets", nargs="+", type=budget_arg, default=list(_runner.DEFAULT_BUDGETS), metavar="B",
-        help="fractions of the prompt or entry counts (default: 0.1 0.2; ppl: fraction of its total length)",
+        "--budgets", nargs="+", type=budget_arg, metavar="B",
+        help="fractions of the prompt or entry counts (default: "
+        f"{' '.join(map(str, _runner.DEFAULT_BUDGETS))}; ppl: fraction of its total length)",
     )
     parser.add_argument(
-        "--samples", type=_positive, default=_runner.DEFAULT_SAMPLES,
-        help=f"samples per suite and length (default: {_runner.DEFAULT_SAMPLES})",
+        "--samples", type=_positive,
+        help="samples per suite and length (default: "
+        + ", ".join(f"{name} {count}" for name, count in _runner.DEFAULT_SAMPLES.items())
+        + f", others {_runner.DEFAULT_SAMPLES_OTHER})",
     )
     parser.add_argument(
         "--lengths", nargs="+", type=_length, metavar="N|SUITE=N",
@@ -75,7 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=_seed, default=_runner.TEST_SEED,
         help="sample seed: 0 for reported numbers (default), 'dev' (= 1000) or >= 1000 for tuning",
     )
-    parser.add_argument("--out", default="runs/eval", help="output directory (default: runs/eval)")
+    parser.add_argument("--out", help="output directory (default: runs/eval; with --quick: runs/eval-quick)")
+    quick_lengths = " ".join(f"{name}={value}" for name, value in _runner.QUICK_LENGTHS.items())
+    parser.add_argument(
+        "--quick", action="store_true",
+        help=f"smoke check: {_runner.QUICK_SAMPLES} samples, budget "
+        f"{' '.join(map(str, _runner.QUICK_BUDGETS))}, lengths {quick_lengths} (options given explicitly win)",
+    )
     parser.add_argument(
         "--data", action="append", default=[], metavar="PATH",
         help="local data: a LongBench directory or a jsonl file (or longbench=DIR, jsonl=FILE)",
@@ -88,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers", type=_positive,
         help="worker processes that split each suite's samples (default: CPU cores, at most "
         f"{_runner.MAX_WORKERS}; 1 on a GPU)",
+    )
+    parser.add_argument(
+        "--reference", metavar="METHOD",
+        help="also pair every method with METHOD at the same budget (diff_ref columns); the full cache is "
+        "always paired (diff_full)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -117,6 +133,21 @@ def _lengths(entries):
     return {**{name: common or [_runner.DEFAULT_LENGTHS[name]] for name in _runner.DEFAULT_LENGTHS}, **per_suite}
 
 
+def run_sizes(args) -> dict:
+    """Budgets, samples, lengths and output directory: the options given, else the defaults
+    (``--quick``: the QUICK_* defaults of keepkv.eval.runner)."""
+    quick = getattr(args, "quick", False)
+    lengths = _lengths(args.lengths)
+    if lengths is None and quick:
+        lengths = {**_runner.DEFAULT_LENGTHS, **_runner.QUICK_LENGTHS}
+    return {
+        "budgets": args.budgets or list(_runner.QUICK_BUDGETS if quick else _runner.DEFAULT_BUDGETS),
+        "samples": args.samples or (_runner.QUICK_SAMPLES if quick else _runner.DEFAULT_SAMPLES),
+        "lengths": lengths,
+        "out_dir": args.out or ("runs/eval-quick" if quick else "runs/eval"),
+    }
+
+
 def run(args) -> list[dict]:
     """``keepkv eval``: load the model, run, print the table (or JSON rows with --json)."""
     from ..models import load_model
@@ -125,16 +156,19 @@ def run(args) -> list[dict]:
     data = _data_paths(args.data)
     # --data alone evaluates that data; --suite names the suites explicitly.
     suites = args.suite or (list(data) if data else list(_runner.DEFAULT_SUITES))
+    sizes = run_sizes(args)
+    out = sizes["out_dir"]
     rows = _runner.run_eval(
-        model, tokenizer, suites=suites, methods=args.methods, budgets=args.budgets, samples=args.samples,
-        lengths=_lengths(args.lengths), seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens,
+        model, tokenizer, suites=suites, methods=args.methods, **sizes, seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress, data=data, batch_size=args.batch_size, workers=args.workers,
+        reference=args.reference,
     )
     if getattr(args, "json", False):
         print(json.dumps(rows, indent=1))
     else:
         print(format_table(rows))
-        out = Path(args.out)
+        out = Path(out)
         print(f"\nsummary: {out / 'summary.csv'}  plot: {out / 'scores.png'}  records: {out / 'cells'}", file=sys.stderr)
     return rows
 
@@ -143,11 +177,20 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``keepkv report``."""
     parser.add_argument("path", help="an eval run directory or its summary.csv")
     parser.add_argument("--out", metavar="FILE", help="also write the Markdown to FILE")
+    parser.add_argument(
+        "--reference", metavar="METHOD",
+        help="pair every method with METHOD at the same budget, from the run's cells/ (default: the "
+        "reference the run was made with, if any)",
+    )
 
 
 def report(args) -> str:
-    """``keepkv report``: the Markdown table of a summary.csv, to stdout (and --out FILE)."""
-    text = format_table(_runner.read_summary(args.path))
+    """``keepkv report``: the Markdown tables of a summary.csv, to stdout (and --out FILE)."""
+    rows = read_summary(args.path)
+    if getattr(args, "reference", None):
+        run_dir = Path(args.path)
+        rows = with_reference(rows, run_dir if run_dir.is_dir() else run_dir.parent, args.reference)
+    text = format_table(rows)
     print(text)
     if getattr(args, "out", None):
         Path(args.out).write_text(text + "\n")
@@ -244,30 +287,75 @@ def format_table(rows: list[dict]) -> str:
         memory.append("| " + " | ".join(cells) + " |")
     detail = []
     for group in groups:
-        if not any(isinstance(r.get("kl"), (int, float)) for (g, _, _), r in index.items() if g == group):
+        group_rows = [r for (g, _, _), r in index.items() if g == group]
+        if any(isinstance(r.get("agree_share"), (int, float)) for r in group_rows):
+            title = ("mean KL(full ‖ method) of the next token along the full cache's answer, tokens until the "
+                     "first divergence, share of identical tokens")
+
+            def text(row):
+                return (f"KL {row['kl']:.3f}, prefix {_number(row.get('agree_prefix'))}, "
+                        f"same {float(row.get('agree_share') or 0):.0%}")
+        elif any(isinstance(r.get("nll_delta"), (int, float)) for r in group_rows):
+            title = "mean KL(full ‖ method) and NLL(method) − NLL(full), nats per teacher-forced token"
+
+            def text(row):
+                return f"KL {row['kl']:.3f}, ΔNLL {row['nll_delta']:+.3f}"
+        else:
             continue
-        detail += ["", f"{group[0]} {group[1]}: mean KL(full ‖ method) of the next token along the full cache's "
-                   "answer, tokens until the first divergence, share of identical tokens:", ""]
+        detail += ["", f"{group[0]} {group[1]}: {title}:", ""]
         detail.append("| " + " | ".join(["method"] + [f"@{_budget_text(b)}" for b in budgets[group]]) + " |")
         detail.append("|" + "|".join(["---"] + [":---:"] * len(budgets[group])) + "|")
         for method in methods:
             cells = [method]
             for budget in budgets[group]:
                 row = find(group, method, budget)
-                if row is None or not isinstance(row.get("kl"), (int, float)):
-                    cells.append("")
-                    continue
-                cells.append(
-                    f"KL {row['kl']:.3f}, prefix {_number(row.get('agree_prefix'))}, "
-                    f"same {float(row.get('agree_share') or 0):.0%}"
-                )
+                cells.append("" if row is None or not isinstance(row.get("kl"), (int, float)) else text(row))
             detail.append("| " + " | ".join(cells) + " |")
+    paired = []
+    for prefix, title in (("diff_full", "the full cache"), ("diff_ref", _reference_name(rows))):
+        if title is not None and any(isinstance(r.get(prefix), (int, float)) for r in rows):
+            paired += _paired_table(prefix, title, methods, columns, find, higher)
     n_values = sorted({int(r["n"]) for r in rows if isinstance(r.get("n"), (int, float))})
     notes = [
         "",
         f"Score ± 95% CI half-width (Student t over samples, n = {', '.join(map(str, n_values))}) and, in "
         "parentheses, the share of the full cache's score (for ↓ metrics: full / score). "
         "needle, tracking, aggregation: RULER string match; ppl: perplexity with the cache compressed "
-        "during decoding; fidelity: ROUGE-L against the full cache's answer.",
+        "during decoding; fidelity: ROUGE-L against the full cache's answer; kl: mean KL(full ‖ method) of the "
+        "next token over 128 teacher-forced tokens of real text.",
     ]
-    return "\n".join(lines + notes + memory + detail)
+    return "\n".join(lines + notes + paired + memory + detail)
+
+
+def _reference_name(rows: list[dict]) -> str | None:
+    return next((str(r["reference"]) for r in rows if r.get("reference") not in (None, "")), None)
+
+
+def _paired_table(prefix: str, title: str, methods, columns, find, higher) -> list[str]:
+    """Markdown rows of the paired differences ``method - title`` stored under ``prefix``."""
+    lines = [
+        "", f"Paired difference from {title} (method − {title}, same samples): mean ± 95% half-width "
+        "(Student t over the per-sample differences); p: exact McNemar test where scores are 0/1; **bold** "
+        "where the interval excludes 0 (and p < 0.05 for 0/1 scores): a resolved difference, any other is "
+        "a tie.", "",
+        "| " + " | ".join(["method"] + [f"{g[0]} {g[1]} @{_budget_text(b)} {'↑' if higher(g) else '↓'}" for g, b in columns]) + " |",
+        "|" + "|".join(["---"] + [":---:"] * len(columns)) + "|",
+    ]
+    for method in methods:
+        cells = [method]
+        for group, budget in columns:
+            row = find(group, method, budget) if method != "full" else None
+            mean, ci = (row or {}).get(prefix), (row or {}).get(f"{prefix}_ci95")
+            if not isinstance(mean, (int, float)) or math.isnan(mean):
+                cells.append("")
+                continue
+            text = f"{mean:+.3f}" if not isinstance(ci, (int, float)) or math.isnan(ci) else f"{mean:+.3f} ± {ci:.3f}"
+            p = row.get(f"{prefix}_p")
+            if isinstance(ci, (int, float)) and resolved(mean, ci, p if isinstance(p, (int, float)) else None):
+                text = f"**{text}**"
+            if isinstance(p, (int, float)) and not math.isnan(p):
+                text += f" p={p:.2g}"
+            cells.append(text)
+        if any(cells[1:]):
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines

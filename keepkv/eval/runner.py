@@ -41,6 +41,15 @@ Suites
     one teacher-forced), which doubles the prefill but halves the decode steps. Note that the
     first new token of every method equals the full cache's: the prefill's logits are computed
     before the cache is compressed.
+``kl``
+    real text that no one here wrote, ``kl+source=pydoc`` (``pydoc_data`` prose) or
+    ``kl+source=stdlib`` (the head of a standard-library ``.py`` file of the running
+    interpreter: code refers back to names defined thousands of tokens earlier). The first
+    ``length`` tokens are prefilled (the budget is a fraction of them), the next
+    ``KL_CONTINUATION`` = 128 are teacher-forced with the cache compressed *during* decoding,
+    and the full cache decodes in the same forward pass as every cell. Per sample: mean
+    KL(full || method) of the next-token distribution over the 128 positions (the score,
+    lower is better), mean NLL, and ``nll_delta`` = NLL(method) - NLL(full cache), nats per token.
 ``longbench`` / ``jsonl``
     local datasets (``data={"longbench": DIR, "jsonl": FILE}``), with LongBench's per-task
     metrics, or exact match + F1 (score) + ROUGE-L. A context longer than the group's length
@@ -60,7 +69,11 @@ Output (``out_dir``)
     samples), share_of_full (score / full score; full / score where lower is better),
     cache_bytes, full_cache_bytes (means over samples at the end of decoding), n,
     higher_is_better, then kept_entries, seconds (wall time; shared work split evenly over the
-    cells that shared it), cpu_seconds (summed over workers) and the suite's extra metrics.
+    cells that shared it), cpu_seconds (summed over workers), the suite's extra metrics, and
+    the paired differences (keepkv.eval.paired): ``diff_full`` = mean over samples of
+    (method - full cache), its 95% half-width ``diff_full_ci95`` and, for 0/1 scores, the exact
+    McNemar ``diff_full_p``; with ``reference=METHOD`` the same against that method at the
+    same budget (``reference``, ``diff_ref``, ``diff_ref_ci95``, ``diff_ref_p``).
 ``scores.png``
     score against budget, one line per method, one panel per suite and length, the full cache
     as a horizontal line.
@@ -87,63 +100,54 @@ Speed
 3. ``workers`` forked processes (CPU) split each group's samples; one thread each. Decoding
    on this model is bound by per-op overhead, not FLOPs, so two processes beat two threads.
 
-Default sizes (embedded SmolLM2-135M-Instruct: 30 layers, 9 query / 3 KV heads)
+Default suites (embedded SmolLM2-135M-Instruct: 30 layers, 9 query / 3 KV heads)
 --------------------------------------------------------------------------------
-Full-cache scores on the dev seed (seed 1000, 6 samples each, RULER string match), by
-context length in tokens:
+A task enters the default only if the full cache scores >= 0.9 on it. Full cache on the
+dev seed (seed 1000, 8 samples, 1024 tokens, RULER string match)::
 
-============================  =====  =====  =====  =====
-suite                          256    512   1024   1536
-============================  =====  =====  =====  =====
-needle (noise haystack)          -    1.00   1.00   1.00
-needle+haystack=prose            -    1.00   1.00   0.83
-tracking (noise, 4 hops)         -    0.07   0.00   0.00
-tracking+num_hops=2              -    0.00   0.00   0.00
-tracking+num_hops=1            0.00   0.00     -      -
-tracking+haystack=prose        0.33   0.00     -      -
-aggregation (cwe, 10 words)      -    0.15   0.05   0.05
-aggregation+num_common=5       0.33   0.20     -      -
-aggregation+variant=fwe        0.44   0.50   0.44   0.28
-============================  =====  =====  =====  =====
+    needle (single, noise haystack)               1.00
+    needle+haystack=prose                         0.88
+    needle+variant=multikey+num_needles=2         0.88
+    needle+variant=multikey (4 keys)              0.75
+    needle+variant=multivalue (4 values)          0.69
+    needle+variant=multikey+haystack=prose        0.62
+    needle+variant=multiquery (4 keys)            0.59
+    needle+variant=multivalue+num_needles=2       0.50
 
-The model finds a needle at every length tried (so the filler does not make it fade by
-1.5k tokens once the answer is started by a prefix), but cannot do RULER variable tracking
-at any length: the tracking suite is kept because the issue asks for it, at the variant
-and length where the full cache does best, and its numbers barely separate methods.
-Common-word extraction fails; frequent-word extraction works about half the time, so
-``aggregation`` defaults to ``fwe``. Needle keeps the generator's default (noise haystack,
-one 7-digit number) at 1024 tokens.
+and, earlier (6 samples), tracking <= 0.33 and aggregation <= 0.50 at every length and
+variant tried from 256 to 1536 tokens. So the default is ``needle`` (single) with 64
+samples, and the two ``kl`` suites (no threshold: they measure the distance from the full
+cache) with 8 samples each. ``tracking``, ``aggregation``, ``ppl`` and ``fidelity`` stay
+available with ``--suite``.
 
-TIMING (measured on the 2-core machine, 2 workers x 1 thread, all 12 registered methods:
-23 cells per group = full + 11 methods x 2 budgets, 4 samples)
+Where the time goes
+-------------------
+``where_time_goes`` profile (not in the repository: CompressedCache.fork, prefill and
+decode_cells wrapped with process-time counters), needle at 1024 tokens, 4 samples in one
+batch, dev seed, every registered method at 0.1 and 0.2 (23 cells), one worker, one thread:
+194.5 CPU-s in all (wall 1,444 s at load average 10-11 on 2 cores):
 
-* Prefill, 4 x 1.1k tokens with the recording cache (column sums for H2O/KVReviver
-  roughly double a plain prefill): ~47 CPU-s. Forks at 4 x 1k tokens, one thread:
-  ZeroMerge 26 s, KeepKV 14 s (merge-first, O(S^2)), D2O 4.3 s, KVMerger 1.4 s,
-  KVReviver 0.9 s, the rest <= 0.2 s: ~95 CPU-s for two budgets. Both halve over 2 workers.
-* A joint decode step of 23 cells (2 rows per worker): ~1.7 s with <= 384 entries per
-  cache (ppl), ~3 s when the prompt is ~1.1k tokens (the full cell attends to all of it).
-  Per cell that is 75-130 ms a step, dominated by the 30 layers' per-op overhead;
-  decoding cells one by one costs ~0.3 s per cell and step (KVReviver ~0.9 s).
-* First default run (needle/tracking/aggregation-cwe at 1024, ppl at 384, fidelity 512):
-  needle 126 s, tracking 168 s, aggregation 136 s, ppl 602 s (352 steps x 1.7 s),
-  fidelity 152 s: 19:46 in all, too close to 20 minutes. Hence ppl at 256 tokens
-  (32 prefilled + 224 steps: ~224 x 1.6 s = 360 s), tracking at 256 and aggregation at 512:
-  estimated 126 + 50 + 80 + 360 + 152 = ~770 s.
-* Second default run (these defaults), on the same machine while another engineer's
-  benchmark held about one core: 33:30 wall, but 1,820 CPU-s (user + sys) against the first
-  run's 2,331 CPU-s for 19:46 (both workers busy all along: 1.97 CPU-s per second). On an
-  idle machine that is 1820 / 1.97 = ~925 s = ~15.5 minutes, an upper bound since CPU time
-  also grows under contention; the per-suite wall times scale to ~126 + 90 + 85 + 380 + 152
-  = ~830 s (~14 minutes). ``cpu_seconds`` in summary.csv records the CPU per cell.
-* ``FIDELITY_NEW_TOKENS`` = 32 (two rows per sample, so 32 steps, not 64),
-  ``ANSWER_SLACK`` = 8 (a 7-digit needle answer is ~9 tokens), ``DEFAULT_SAMPLES`` = 4
-  (the smallest batch that splits evenly over 2 workers with n >= 3 for the interval).
+* ZeroMerge's fork 70.2 CPU-s (36%) and KeepKV's 19.7 (10%): their prefill-time
+  merges; D2O 3.7, KVMerger 3.1, KVReviver 2.2, every other method <= 0.5;
+* the joint decode of all 23 cells, ~17 steps: 54.4 CPU-s (28%);
+* the recording prefill (column sums for H2O/KVReviver): 38.6 CPU-s (20%).
+
+The same profile of ``kl+source=stdlib`` at 1024 tokens, 2 samples in one batch: 504.8
+CPU-s (wall 1,652 s at load average 7.6-10.8): the joint decode of 128 teacher-forced steps
+452.9 CPU-s (90%, ~3.5 CPU-s a step for 23 cells x 2 rows), prefill 20.7, ZeroMerge's fork
+17.0, KeepKV's 8.4, the rest <= 2 each.
+
+So about 49 CPU-s per needle sample and 250 per kl sample with the full grid. Estimate of
+the default run (not measured: the machine was shared): 64 x 49 + 16 x 250 = ~7,100 CPU-s,
+~59 minutes on an idle 2-core machine with 2 workers; an upper estimate, since the default
+batches put 4-8 rows per worker, not 2, and a decode step costs per-op overhead more than
+per-row work. It does not show the 45-minute target met. Earlier measurements (2 workers x 1 thread): a joint decode step of
+23 cells costs ~3 s with 2 rows per worker at ~1.1k tokens, per-op overhead rather than
+FLOPs, so larger batches (``batch_size`` = 8 rows per worker) cost less per sample.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -155,14 +159,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from transformers.cache_utils import Cache
-
-from ..attention import ACTIVE_CACHE, Needs, enable
+from ..attention import Needs
 from ..cache import CompressedCache, validate_budget
 from ..generation import build_prompts, encode
 from ..methods import METHODS, get_method
 from . import metrics
 from .datasets import load_jsonl, load_longbench
+from .decoding import _strip, _with_eos, decode_cells, greedy_decode, prefill
+from .summary import summarize_cell, summary_rows, write_summary
 from .tasks import SUITES, Sample, make_suite
 
 # ---------------------------------------------------------------- defaults (fixed before any run)
@@ -170,23 +174,33 @@ from .tasks import SUITES, Sample, make_suite
 TEST_SEED = 0
 DEV_SEED = 1000
 # Variants where the full cache does best on the embedded model (dev seed; see TIMING below).
-DEFAULT_SUITES = ("needle", "tracking+haystack=prose", "aggregation+variant=fwe", "ppl", "fidelity")
+# Tasks the full cache solves (>= 0.9 on the dev seed) and the KL/NLL suites on real text.
+DEFAULT_SUITES = ("needle", "kl+source=pydoc", "kl+source=stdlib")
 DATA_SUITES = ("longbench", "jsonl")
 KNOWN_SUITES = (*SUITES, *DATA_SUITES)
 DEFAULT_BUDGETS = (0.1, 0.2)
-DEFAULT_SAMPLES = 4
+# Samples per suite name (others: DEFAULT_SAMPLES_OTHER). needle: a paired 0/1 difference with
+# up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(64) = 0.14.
+DEFAULT_SAMPLES = {"needle": 64, "kl": 8}
+DEFAULT_SAMPLES_OTHER = 4
 DEFAULT_LENGTHS = {
     "needle": 1024,
     "tracking": 256,
     "aggregation": 512,
     "ppl": 256,
     "fidelity": 512,
+    "kl": 1024,
     "longbench": 1024,
     "jsonl": 1024,
 }
+# `keepkv eval --quick`: a smoke check of every default suite, not a measurement.
+QUICK_SAMPLES = 2
+QUICK_BUDGETS = (0.1,)
+QUICK_LENGTHS = {"needle": 512, "kl": 512}
 DEFAULT_BATCH_SIZE = 8
 MAX_WORKERS = 4
 PPL_HEAD = 32
+KL_CONTINUATION = 128
 FIDELITY_NEW_TOKENS = 32
 ANSWER_SLACK = 8
 JSONL_MAX_NEW_TOKENS = 64
@@ -196,17 +210,7 @@ LONGBENCH_MAX_NEW_TOKENS = {
     "2wikimqa": 32, "musique": 32, "dureader": 128, "gov_report": 512, "qmsum": 512, "multi_news": 512,
     "vcsum": 512, "trec": 64, "triviaqa": 32, "samsum": 128, "lsht": 64, "passage_count": 32,
     "passage_retrieval_en": 32, "passage_retrieval_zh": 32, "lcc": 64, "repobench-p": 64,
-}
-LOWER_IS_BETTER = frozenset({"ppl"})
-SUMMARY_COLUMNS = (
-    "suite", "length", "method", "budget", "score", "ci95", "share_of_full", "cache_bytes",
-    "full_cache_bytes", "n", "higher_is_better",
-)
-# Per-sample fields averaged into extra summary columns (when a suite has them).
-EXTRA_COLUMNS = ("kept_entries", "budget_entries", "agree_prefix", "agree_share", "kl", "rouge_l", "em", "f1", "nll")
-
-
-# ---------------------------------------------------------------- suites and cells
+}# ---------------------------------------------------------------- suites and cells
 
 
 @dataclass(frozen=True)
@@ -264,168 +268,6 @@ class Cell:
     cpu_seconds: float = 0.0
     done: bool = False
 
-
-# ---------------------------------------------------------------- decoding
-
-
-def _position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Positions of a left-padded batch as ``generate()`` gives them (padding at 1)."""
-    positions = mask.long().cumsum(-1) - 1
-    return positions.masked_fill(mask == 0, 1)
-
-
-@torch.inference_mode()
-def prefill(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Run the prompt through ``model`` into ``cache``; return the last position's logits [B, V]."""
-    enable(model)
-    output = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=_position_ids(attention_mask),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return output.logits[:, -1].float()
-
-
-@torch.inference_mode()
-def greedy_decode(
-    model,
-    cache,
-    first_logits: torch.Tensor,
-    attention_mask: torch.Tensor,
-    steps,
-    eos: int | None,
-    *,
-    force: torch.Tensor | None = None,
-    observe=None,
-    progress: bool = False,
-) -> torch.Tensor:
-    """Greedy decoding with a manual forward loop on ``cache``, from the prefill's last logits.
-
-    Parameters
-    ----------
-    first_logits : [B, V]
-        Logits of the prompt's last position (they choose the first new token).
-    attention_mask : [B, T]
-        The prompt's mask (left padding); one column of ones is appended per step.
-    steps : int or sequence of int
-        New tokens per row (the loop runs to the largest; a row stops at its own).
-    eos : int or None
-        A row that emits ``eos`` is done; later positions hold ``eos`` and are not scored.
-    force : [B, steps] int, optional
-        Teacher forcing: where ``force >= 0`` that token is fed instead of the argmax.
-    observe : callable, optional
-        ``observe(t, logits)`` with the [B, V] logits that predict new token ``t``.
-
-    Returns
-    -------
-    [B, n] token ids, n <= max(steps); the model runs n - 1 times (none after the last token).
-    """
-    batch = first_logits.shape[0]
-    device = first_logits.device
-    limits = torch.as_tensor([steps] * batch if isinstance(steps, int) else list(steps), device=device)
-    total = int(limits.max()) if batch else 0
-    fill = eos if eos is not None else 0
-    done = limits <= 0
-    mask = attention_mask
-    logits = first_logits
-    tokens = []
-    bar = tqdm(total=total, desc="decoding", unit="tok", leave=False, disable=not progress)
-    for t in range(total):
-        if observe is not None:
-            observe(t, logits)
-        token = logits.argmax(-1)
-        if force is not None and t < force.shape[1]:
-            token = torch.where(force[:, t] >= 0, force[:, t], token)
-        token = token.masked_fill(done, fill)
-        tokens.append(token)
-        if eos is not None:
-            done = done | (token == eos)
-        done = done | (limits <= t + 1)
-        bar.update(1)
-        if t == total - 1 or bool(done.all()):
-            break
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
-        logits = model(
-            input_ids=token[:, None],
-            attention_mask=mask,
-            position_ids=mask.long().sum(-1, keepdim=True) - 1,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1].float()
-    bar.close()
-    if not tokens:
-        return first_logits.new_zeros(batch, 0, dtype=torch.long)
-    return torch.stack(tokens, dim=1)
-
-
-class JointCache(Cache):
-    """Several forked CompressedCaches decoded in ONE forward pass.
-
-    Cache ``i`` owns the rows ``[offset_i, offset_i + rows_i)`` of the batch. The model's
-    linear layers run once for every cell together; each attention call is split by rows and
-    handed to each cache's ``forward_layer`` (its own entries, its own method). All caches
-    must have seen the same number of tokens (they are forks of one prefill).
-    """
-
-    def __init__(self, caches: list[CompressedCache]):
-        super().__init__(layers=caches[0].layers)
-        self.caches = caches
-        self.rows = [cache.layers[0].keys.shape[0] for cache in caches]
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        ACTIVE_CACHE.set(self)
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.caches[0].get_seq_length(layer_idx)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.caches[0].get_mask_sizes(query_length, layer_idx)
-
-    def forward_layer(self, layer_idx, query, keys, values, block_mask, scaling) -> torch.Tensor:
-        outputs, start = [], 0
-        for cache, rows in zip(self.caches, self.rows):
-            part = slice(start, start + rows)
-            outputs.append(cache.forward_layer(layer_idx, query[part], keys[part], values[part], block_mask[part], scaling))
-            start += rows
-        return torch.cat(outputs, dim=0)
-
-
-def decode_cells(model, caches, first_logits, attention_mask, steps, eos, *, force=None, observe=None,
-                 progress=False) -> list[torch.Tensor]:
-    """:func:`greedy_decode` of several forks of one prefill at once; one [B, n] tensor per cache.
-
-    ``first_logits``, ``attention_mask``, ``steps`` and ``force`` are those of one cache's rows;
-    ``observe`` sees the logits of all caches' rows, cache after cache.
-    """
-    count = len(caches)
-    cache = caches[0] if count == 1 else JointCache(caches)
-    rows = first_logits.shape[0]
-    out = greedy_decode(
-        model, cache, first_logits.repeat(count, 1), attention_mask.repeat(count, 1),
-        steps if isinstance(steps, int) else list(steps) * count, eos,
-        force=None if force is None else force.repeat(count, 1), observe=observe, progress=progress,
-    )
-    return [out[i * rows : (i + 1) * rows] for i in range(count)]
-
-
-def _strip(ids: list[int], eos: int | None) -> list[int]:
-    """New tokens up to (not including) the first eos."""
-    if eos is not None and eos in ids:
-        return ids[: ids.index(eos)]
-    return ids
-
-
-def _with_eos(ids: list[int], eos: int | None) -> list[int]:
-    """New tokens up to and including the first eos."""
-    if eos is not None and eos in ids:
-        return ids[: ids.index(eos) + 1]
-    return ids
-
-
 # ---------------------------------------------------------------- samples
 
 
@@ -470,6 +312,10 @@ def make_samples(spec: SuiteSpec, samples: int, length: int, seed: int, tokens: 
     if spec.name == "ppl":
         # A little longer than asked, then cut to exactly `length` tokens (no padding needed).
         return make_suite("ppl", samples, length + length // 16 + 8, seed, tokens.count)
+    if spec.name == "kl":
+        # `length` prompt tokens, the continuation, and a margin for the 1% fit tolerance.
+        needed = length + KL_CONTINUATION
+        return make_suite("kl", samples, needed + needed // 16 + 8, seed, tokens.count, **dict(spec.variant))
     return make_suite(spec.name, samples, length, seed, tokens.count, **dict(spec.variant))
 
 
@@ -523,7 +369,8 @@ class _Group:
 
     def __init__(self, runner: "_Runner", spec: SuiteSpec, length: int):
         self.runner, self.spec, self.length = runner, spec, length
-        self.samples = make_samples(spec, runner.samples, length, runner.seed, runner.tokens, runner.data)
+        count = _samples_for(spec, runner.samples)
+        self.samples = make_samples(spec, count, length, runner.seed, runner.tokens, runner.data)
         if not self.samples:
             raise ValueError(f"suite {spec.label} has no samples")
         ids = [s.id for s in self.samples]
@@ -535,6 +382,7 @@ class _Group:
                 "suite": spec.label, "length": length, "method": method, "budget": budget, "params": params,
                 "seed": runner.seed, "sample_ids": ids, "max_new_tokens": runner.max_new_tokens,
                 "ppl_head": PPL_HEAD if spec.name == "ppl" else None,
+                "continuation": KL_CONTINUATION if spec.name == "kl" else None,
             }
             cell = Cell(method, budget, params, cell_path(runner.out_dir, spec.label, length, method, budget), key)
             self.cells.append(cell)
@@ -558,7 +406,7 @@ class _Group:
             "suite": self.spec.label, "length": self.length, "method": cell.method, "budget": cell.budget,
             "params": cell.params, "seconds": round(cell.seconds, 3),
             "cpu_seconds": round(cell.cpu_seconds, 3), "key": cell.key,
-            "summary": summarize_cell(self.spec, cell.records), "records": cell.records,
+            "summary": summarize_cell(cell.records), "records": cell.records,
         }
         tmp = cell.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(payload, indent=1, default=_json_default))
@@ -574,7 +422,7 @@ class _Group:
             return
         todo = fresh
         full = self.cells[0]
-        if self.spec.name == "fidelity" and full.done:
+        if self.spec.name in ("fidelity", "kl") and full.done:
             todo = [full, *fresh]  # the reference continuation is needed in memory
         shards = _split(self.samples, self.runner.workers)
         started = time.perf_counter()
@@ -607,6 +455,8 @@ class _Group:
         model, eos = runner.model, runner.eos
         if self.spec.name == "ppl":
             return self.run_ppl_batch(batch, todo, needs)
+        if self.spec.name == "kl":
+            return self.run_kl_batch(batch, todo, needs)
         fidelity = self.spec.name == "fidelity"
         texts = [build_prompts(runner.tokenizer, [s.prompt], True, s.answer_prefix)[0] for s in batch]
         if fidelity:
@@ -712,17 +562,64 @@ class _Group:
             })
         return records
 
+    def _text_ids(self, batch, count: int) -> torch.Tensor:
+        """The first ``count`` tokens of every sample's text, [B, count] (no template, no padding)."""
+        ids = []
+        for sample in batch:
+            sample_ids = self.runner.tokens.ids(sample.context)
+            if len(sample_ids) < count:
+                raise ValueError(f"{self.spec.name} sample {sample.id} has {len(sample_ids)} tokens, fewer than {count}")
+            ids.append(sample_ids[:count])
+        return torch.tensor(ids, device=self.runner.device)
+
+    def run_kl_batch(self, batch, todo, needs) -> None:
+        """Prefill ``length`` tokens of real text, then teacher-force the next ``KL_CONTINUATION``
+        into every cell at once, the full cache first in every chunk: per step and row,
+        KL(full || method) of the next-token distribution and each cell's NLL of the true token."""
+        runner = self.runner
+        model, head = runner.model, self.length
+        input_ids = self._text_ids(batch, head + KL_CONTINUATION)
+        mask = torch.ones_like(input_ids)
+        clock = _Clock(todo)
+        record = CompressedCache(model.config, "full", record=needs)
+        first_logits = prefill(model, record, input_ids[:, :head], mask[:, :head])
+        clock.share(todo)
+        targets = input_ids[:, head:]
+        rows = len(batch)
+        full, rest = todo[0], todo[1:]
+        for number, chunk in enumerate(_chunks(rest, runner.joint_cells) if rest else [[]]):
+            cells = [full, *chunk]
+            caches = [record.fork(cell.method, cell.budget) for cell in cells]
+            kl, nll = [], []
+
+            def observe(t, logits):
+                logp = torch.log_softmax(logits, -1).view(len(cells), rows, -1)  # [cells, rows, V]
+                kl.append((logp[0].exp() * (logp[0] - logp)).sum(-1))
+                nll.append(-logp.gather(-1, targets[None, :, t : t + 1].expand(len(cells), -1, -1))[..., 0])
+
+            decode_cells(
+                model, caches, first_logits, mask[:, :head], KL_CONTINUATION, None, force=targets,
+                observe=observe, progress=self.progress,
+            )
+            kl, nll = torch.stack(kl, dim=-1).mean(-1), torch.stack(nll, dim=-1).mean(-1)  # [cells, rows]
+            for index, (cell, cache) in enumerate(zip(cells, caches)):
+                if index == 0 and number > 0:
+                    continue  # the full cache's records come from the first chunk
+                memory = self._cache_fields(cache)
+                for row, sample in enumerate(batch):
+                    cell.records.append({
+                        "id": sample.id, "score": float(kl[index, row]), "kl": float(kl[index, row]),
+                        "nll": float(nll[index, row]), "nll_delta": float(nll[index, row] - nll[0, row]),
+                        "tokens_scored": KL_CONTINUATION, "prompt_tokens": head, **memory[row], "meta": sample.meta,
+                    })
+            clock.share(cells if number == 0 else chunk)
+            del caches
+
     def run_ppl_batch(self, batch, todo, needs) -> None:
         runner = self.runner
         model, length = runner.model, self.length
         head = min(PPL_HEAD, length - 1)
-        ids = []
-        for sample in batch:
-            sample_ids = runner.tokens.ids(sample.context)
-            if len(sample_ids) < length:
-                raise ValueError(f"ppl sample {sample.id} has {len(sample_ids)} tokens, fewer than {length}")
-            ids.append(sample_ids[:length])
-        input_ids = torch.tensor(ids, device=runner.device)
+        input_ids = self._text_ids(batch, length)
         mask = torch.ones_like(input_ids)
         clock = _Clock(todo)
         record = CompressedCache(model.config, "full", record=needs)
@@ -818,111 +715,12 @@ class _Clock:
 
 # ---------------------------------------------------------------- summaries
 
-
-def summarize_cell(spec: SuiteSpec, records: list[dict]) -> dict:
-    """Mean score, its 95% half-width and the means of the extra fields, over the cell's samples."""
-    scores = [r["score"] for r in records]
-    mean, ci = metrics.mean_ci95(scores) if scores else (math.nan, math.nan)
-    out = {"score": mean, "ci95": ci, "n": len(scores)}
-    for name in ("cache_bytes", "full_cache_bytes", *EXTRA_COLUMNS):
-        values = [r[name] for r in records if r.get(name) is not None]
-        if values:
-            out[name] = sum(values) / len(values)
-    return out
-
-
 def _json_default(value):
     if isinstance(value, torch.Tensor):
         return value.tolist()
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-def _round(value):
-    return math.nan if value is None else round(value)
-
-
-def summary_rows(groups: list[_Group]) -> list[dict]:
-    """One row per cell, with share_of_full against the group's full cache."""
-    rows = []
-    for group in groups:
-        lower = group.spec.name in LOWER_IS_BETTER
-        full_score = None
-        for cell in group.cells:
-            stats = summarize_cell(group.spec, cell.records)
-            if full_score is None:
-                full_score = stats["score"]
-            if lower:
-                share = full_score / stats["score"] if stats["score"] else math.nan
-            else:
-                share = stats["score"] / full_score if full_score else math.nan
-            row = {
-                "suite": group.spec.label, "length": group.length, "method": cell.method, "budget": cell.budget,
-                "score": stats["score"], "ci95": stats["ci95"], "share_of_full": share,
-                "cache_bytes": _round(stats.get("cache_bytes")),
-                "full_cache_bytes": _round(stats.get("full_cache_bytes")),
-                "n": stats["n"], "higher_is_better": not lower,
-            }
-            for name in EXTRA_COLUMNS:
-                if name in stats:
-                    row[name] = stats[name]
-            row["seconds"] = round(cell.seconds, 2)
-            row["cpu_seconds"] = round(cell.cpu_seconds, 2)
-            rows.append(row)
-    return rows
-
-
-def _fmt(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.6g}"
-    return str(value)
-
-
-def write_summary(rows: list[dict], path: Path) -> None:
-    """Write the summary rows as CSV (fixed columns first, then every extra column met)."""
-    columns = list(SUMMARY_COLUMNS)
-    for row in rows:
-        columns += [key for key in row if key not in columns]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({key: _fmt(row[key]) if key in row else "" for key in columns})
-
-
-def _parse_value(text: str):
-    if text == "":
-        return None
-    if text in ("true", "false", "True", "False"):
-        return text.lower() == "true"
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def read_summary(path) -> list[dict]:
-    """Rows of a summary.csv (``path`` is the file or the run directory)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "summary.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"no summary.csv at {path}")
-    with path.open(newline="") as handle:
-        rows = [{key: _parse_value(value) for key, value in row.items()} for row in csv.DictReader(handle)]
-    for row in rows:
-        for key in ("suite", "method"):
-            row[key] = str(row[key])
-    return rows
-
 
 # ---------------------------------------------------------------- the run
 
@@ -966,6 +764,13 @@ def _default_workers() -> int:
     return max(1, min(cores, MAX_WORKERS))
 
 
+def _samples_for(spec: SuiteSpec, samples) -> int:
+    """Samples of one suite: ``samples`` itself, or its entry by label, then by suite name."""
+    if isinstance(samples, dict):
+        return samples.get(spec.label, samples.get(spec.name, DEFAULT_SAMPLES_OTHER))
+    return samples
+
+
 def _lengths_for(spec: SuiteSpec, lengths) -> list[int]:
     if lengths is None:
         return [DEFAULT_LENGTHS[spec.name]]
@@ -982,7 +787,7 @@ def run_eval(
     suites=DEFAULT_SUITES,
     methods=None,
     budgets=DEFAULT_BUDGETS,
-    samples: int = DEFAULT_SAMPLES,
+    samples: int | dict = DEFAULT_SAMPLES,
     lengths=None,
     seed: int = TEST_SEED,
     out_dir="runs/eval",
@@ -992,6 +797,7 @@ def run_eval(
     batch_size: int = DEFAULT_BATCH_SIZE,
     joint_cells: int | None = None,
     workers: int | None = None,
+    reference: str | None = None,
     plot: bool = True,
 ) -> list[dict]:
     """Evaluate every method at every budget on every suite; return the summary rows.
@@ -1001,15 +807,16 @@ def run_eval(
     model, tokenizer
         A Llama-family causal LM (switched to keepkv's attention) and its tokenizer.
     suites : list of str
-        Suite names (``needle``, ``tracking``, ``aggregation``, ``ppl``, ``fidelity``,
+        Suite names (``needle``, ``tracking``, ``aggregation``, ``ppl``, ``fidelity``, ``kl``,
         ``longbench``, ``jsonl``), optionally with generator variants
-        (``needle+variant=multikey``).
+        (``needle+variant=multikey``, ``kl+source=stdlib``).
     methods : list of str, optional
         Registered method names; default: every registered method. ``full`` always runs.
     budgets : list of float or int
         Fractions of each prompt in (0, 1] or entry counts (see ``ppl`` in the module doc).
-    samples : int
-        Samples per suite and length (every cell sees the same ones).
+    samples : int or dict suite -> int
+        Samples per suite and length (every cell sees the same ones); a dict is looked up by
+        suite label, then name, else ``DEFAULT_SAMPLES_OTHER``.
     lengths : int list, or dict suite -> int or list, optional
         Context lengths in tokens; default ``DEFAULT_LENGTHS``.
     seed : int
@@ -1029,6 +836,10 @@ def run_eval(
         Processes that split each group's samples (forked after the model is loaded; CPU
         only). Default: the CPU cores available to this process, at most ``MAX_WORKERS``;
         each worker gets ``torch.get_num_threads() // workers`` threads.
+    reference : str, optional
+        One of ``methods``: every cell also gets its paired difference against this method
+        at the same budget (``diff_ref*`` columns); the full cache is always a reference
+        (``diff_full*``).
 
     Returns
     -------
@@ -1039,11 +850,14 @@ def run_eval(
     for method in methods:
         instance = get_method(method)  # unknown names fail before any work
         instance.prepare(model)  # model-derived state, e.g. KVReviver's Fisher layer scores
+    if reference is not None and reference not in methods:
+        raise ValueError(f"reference {reference!r} is not among the methods run: {', '.join(methods)}")
     budgets = list(budgets)
     for budget in budgets:
         validate_budget(budget)
-    if not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples must be an int >= 1, got {samples!r}")
+    for count in samples.values() if isinstance(samples, dict) else [samples]:
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"samples must be an int >= 1 (or a dict suite -> int >= 1), got {samples!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
     specs = [spec if isinstance(spec, SuiteSpec) else SuiteSpec.parse(spec) for spec in suites]
@@ -1060,7 +874,8 @@ def run_eval(
         "suites": [spec.label for spec in specs], "lengths": {spec.label: _lengths_for(spec, lengths) for spec in specs},
         "methods": ["full", *[m for m in methods if m != "full"]], "budgets": budgets, "samples": samples,
         "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "workers": runner.workers,
-        "joint_cells": joint_cells, "ppl_head": PPL_HEAD,
+        "joint_cells": joint_cells, "reference": reference, "ppl_head": PPL_HEAD,
+        "kl_continuation": KL_CONTINUATION,
         "fidelity_new_tokens": FIDELITY_NEW_TOKENS, "answer_slack": ANSWER_SLACK, "data": data,
         "model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
         "method_params": {m: dataclasses.asdict(get_method(m)) for m in ["full", *methods]},
@@ -1077,7 +892,7 @@ def run_eval(
             group.load_finished()
             group.run(bar)
             groups.append(group)
-    rows = summary_rows(groups)
+    rows = summary_rows(groups, reference)
     write_summary(rows, out_dir / "summary.csv")
     if plot:
         from .plot import plot_scores

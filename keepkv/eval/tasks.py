@@ -20,14 +20,17 @@ full-cache model.
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
 import string
+import sysconfig
 import uuid
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
+from pathlib import Path
 from pydoc_data.topics import topics as _PYDOC_TOPICS
 
 TokenCounter = Callable[[str], int]
@@ -606,6 +609,78 @@ def make_fidelity(
     return samples
 
 
+# ---------------------------------------------------------------- kl: real text, continued
+
+KL_SOURCES = ("pydoc", "stdlib")
+# Tests, installed packages, codec tables and generated data are not code written to be read.
+_STDLIB_SKIP = frozenset({
+    "test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__", "encodings", "pydoc_data",
+})
+_STDLIB_MIN_BYTES = 32_000  # about 9k tokens of code: room for a 2k-token prompt and its continuation
+
+
+@lru_cache(maxsize=1)
+def stdlib_sources() -> tuple[str, ...]:
+    """The running interpreter's standard-library ``.py`` files of at least 32 KB, as paths
+    relative to the stdlib root, sorted (tests, site-packages, codecs, generated files left out)."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in _STDLIB_SKIP)
+        for name in files:
+            path = os.path.join(directory, name)
+            generated = name.startswith("_sysconfigdata")
+            if name.endswith(".py") and not generated and os.path.getsize(path) >= _STDLIB_MIN_BYTES:
+                found.append(os.path.relpath(path, root))
+    return tuple(sorted(found))
+
+
+def _source_head(text: str, num_chars: int) -> str:
+    """The first ``num_chars`` characters of a source file, cut after the last whole line."""
+    head = text[:num_chars]
+    cut = head.rfind("\n")
+    return head[: cut + 1] if cut > 0 else head
+
+
+def make_kl(
+    n: int,
+    length_tokens: int,
+    seed: int,
+    tokenizer_len: TokenCounter | None = None,
+    source: str = "pydoc",
+) -> list[Sample]:
+    """Real text that no one here wrote, to be continued: no question, no answer.
+
+    ``source="pydoc"``: ``pydoc_data`` prose from a seeded paragraph start (as ``ppl``).
+    ``source="stdlib"``: the head of a standard-library ``.py`` file of the running
+    interpreter (:func:`stdlib_sources`, in a seeded order without repeats), from its first line: code refers back to names
+    defined thousands of tokens earlier. The runner prefills the first part of ``context``
+    and scores the model on the rest (see keepkv.eval.runner).
+    """
+    _check_choice("source", source, KL_SOURCES)
+    count = tokenizer_len or approx_token_count
+    # Files in a seeded order, one per sample: no file repeats before all have been used.
+    files = list(stdlib_sources())
+    random.Random(f"kl-stdlib:{seed}").shuffle(files)
+    samples = []
+    for i in range(n):
+        if source == "pydoc":
+            text, tokens, start = _prose_sample(_sample_rng(f"kl-{source}", seed, i), length_tokens, count)
+            origin = {"offset": start}
+        else:
+            relative = files[i % len(files)]
+            code = (Path(sysconfig.get_paths()["stdlib"]) / relative).read_text(encoding="utf-8", errors="replace")
+            text, tokens = _fit(partial(_source_head, code), length_tokens, count, length_tokens * 3, len(code))
+            origin = {"file": relative}
+        samples.append(
+            Sample(
+                id=f"kl-{source}-{seed}-{i}", suite="kl", context=text, question="", answer_prefix="", answers=[],
+                meta={"source": source, **origin, "length_tokens": tokens},
+            )
+        )
+    return samples
+
+
 # ---------------------------------------------------------------- registry
 
 SUITES: dict[str, Callable[..., list[Sample]]] = {
@@ -614,6 +689,7 @@ SUITES: dict[str, Callable[..., list[Sample]]] = {
     "aggregation": make_aggregation,
     "ppl": make_ppl,
     "fidelity": make_fidelity,
+    "kl": make_kl,
 }
 
 

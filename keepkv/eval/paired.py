@@ -1,0 +1,111 @@
+"""Paired differences between two methods scored on the same samples.
+
+Every cell of an eval group sees the same samples, so two methods are compared sample by
+sample: ``d_i = score_method(i) - score_reference(i)``. The spread of ``d`` excludes the
+between-sample spread that both methods share (a hard sample is hard for both), which makes
+the paired interval much narrower than the difference of two unpaired intervals.
+
+* Interval: Student t on the per-sample differences, ``mean(d) ± t_{0.975}(n-1) s_d / sqrt(n)``
+  (keepkv.eval.metrics.mean_ci95). Two identical methods give ``0 ± 0``.
+* 0/1 scores (a needle found or not): McNemar's exact test on the discordant pairs,
+  ``p = min(1, 2 P[Binomial(b + c, 1/2) <= min(b, c)])`` with ``b`` the samples only the
+  method solves and ``c`` those only the reference solves (McNemar 1947; the exact binomial
+  form avoids the chi-square approximation at small counts).
+
+A difference is *resolved* when its 95% interval excludes 0 and, for 0/1 scores, McNemar's
+p < 0.05 (the t interval alone is ``± 0`` when every difference is equal, at any n).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .metrics import mean_ci95
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """``mean`` of ``method - reference`` over ``n`` paired samples, with its 95% half-width.
+
+    ``mcnemar_p`` is set only when both score lists are 0/1; ``wins`` / ``losses`` count the
+    samples where the method scores above / below the reference.
+    """
+
+    mean: float
+    ci95: float
+    n: int
+    wins: int
+    losses: int
+    mcnemar_p: float | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return resolved(self.mean, self.ci95, self.mcnemar_p)
+
+
+def resolved(mean: float, ci95: float, mcnemar_p: float | None = None) -> bool:
+    """The 95% interval ``mean ± ci95`` excludes 0 and, for 0/1 scores, McNemar's p < 0.05.
+
+    The t interval alone degenerates when every difference is equal (four samples that all
+    flip from 1 to 0 give ``-1 ± 0``), while McNemar gives p = 0.125 there: both must agree.
+    A zero difference with zero spread, or a nan interval (one sample), is not resolved.
+    """
+    if math.isnan(ci95) or abs(mean) <= ci95:
+        return False
+    return mcnemar_p is None or math.isnan(mcnemar_p) or mcnemar_p < 0.05
+
+
+def mcnemar_exact(wins: int, losses: int) -> float:
+    """Two-sided exact McNemar p-value from the discordant counts (1.0 when there are none).
+
+    Parameters
+    ----------
+    wins, losses : int
+        Pairs where only the method succeeds / only the reference succeeds.
+    """
+    if wins < 0 or losses < 0:
+        raise ValueError(f"discordant counts must be >= 0, got {wins} and {losses}")
+    total = wins + losses
+    if total == 0:
+        return 1.0
+    tail = math.fsum(math.comb(total, k) for k in range(min(wins, losses) + 1)) / 2**total
+    return min(1.0, 2 * tail)
+
+
+def _binary(values: Sequence[float]) -> bool:
+    return all(value in (0, 1) for value in values)
+
+
+def paired_difference(scores: Sequence[float], reference: Sequence[float]) -> PairedDifference:
+    """Paired difference ``scores - reference`` (same samples, same order).
+
+    Parameters
+    ----------
+    scores, reference : sequences of float, length n >= 1
+        Per-sample scores of the method and of the reference.
+    """
+    if len(scores) != len(reference):
+        raise ValueError(f"paired scores need equal lengths, got {len(scores)} and {len(reference)}")
+    if not scores:
+        raise ValueError("paired_difference needs at least one sample")
+    differences = [a - b for a, b in zip(scores, reference)]
+    mean, ci95 = mean_ci95(differences)
+    wins = sum(d > 0 for d in differences)
+    losses = sum(d < 0 for d in differences)
+    p = mcnemar_exact(wins, losses) if _binary(scores) and _binary(reference) else None
+    return PairedDifference(mean, ci95, len(differences), wins, losses, p)
+
+
+def pair_records(records: list[dict], reference: list[dict]) -> PairedDifference | None:
+    """Paired difference of two cells' per-sample records, matched by sample ``id``.
+
+    Returns None when the cells share no sample.
+    """
+    reference_scores = {record["id"]: record["score"] for record in reference}
+    pairs = [(r["score"], reference_scores[r["id"]]) for r in records if r["id"] in reference_scores]
+    if not pairs:
+        return None
+    scores, matched = zip(*pairs)
+    return paired_difference(list(scores), list(matched))
