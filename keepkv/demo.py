@@ -14,7 +14,7 @@ from pydoc_data.topics import topics
 
 from .attention import Needs, enabled
 from .cache import CompressedCache
-from .eval.runner import decode_cells, prefill
+from .eval.decoding import decode_cells, prefill
 from .generation import build_prompts, encode
 from .methods import get_method
 
