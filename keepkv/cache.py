@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .attention import ACTIVE_CACHE, Needs, StepStats, attend, join_prefill_stats
 from .diagnostics import warn_budget
 from .methods import Method, get_method
+from .methods.base import slots_of
 from .models import check_architecture
 
 NEG_INF = float("-inf")
@@ -36,6 +37,15 @@ NEG_INF = float("-inf")
 # A compressed layer keeps room for one interval's appends instead (LayerStore.headroom).
 GROWTH_MIN = 8
 GROWTH_SHARE = 8
+
+
+def _move(tensor: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Copy the entries at ``source`` [B, H_kv, n] onto ``target`` slots of tensor [B, H_kv, S, ...],
+    in place (all sources are read before any target is written)."""
+    shape = (*source.shape, *tensor.shape[3:])
+    source = source.view(*source.shape, *(1,) * (tensor.dim() - 3)).expand(shape)
+    target = target.view(*target.shape, *(1,) * (tensor.dim() - 3)).expand(shape)
+    return tensor.scatter_(2, target, tensor.gather(2, source))
 
 
 def split_evenly(total: int, rows: int) -> torch.Tensor:
@@ -180,6 +190,36 @@ class LayerStore(CacheLayerMixin):
         self.positions = self._gather("positions", self.positions, index, kept, rows).masked_fill_(~valid, -1)
         for name, extra in self.extras.items():
             self.extras[name] = self._gather(f"extras.{name}", extra, index, kept, rows)
+        self._binary_mark = self._bias_mark() if binary else None
+
+    def keep(self, kept: torch.Tensor, slots: int) -> None:
+        """Keep the entries where ``kept`` [B, H_kv, S] and shrink the layer to ``slots`` (>= the most
+        any row and head keeps).
+
+        A decode step sheds only the few slots past ``slots`` (one per interval step): the kept
+        entries among them move into the freed slots below, in place, and the rest stays where it
+        is, since positions are stored and attention does not depend on order. Any larger shrink
+        (the end of a prefill) copies the kept entries into a new buffer (:meth:`select`).
+        """
+        tail = self.size - slots
+        if tail > (self.headroom or 0):
+            self.select(*slots_of(kept, slots))
+            return
+        binary = self.binary_bias()
+        self.bias.masked_fill_(~kept, NEG_INF)
+        self.positions.masked_fill_(~kept, -1)
+        if tail > 0:
+            # Pair the j-th kept entry of the tail with the j-th free slot below ``slots``: a prefix
+            # that keeps at most ``slots`` entries has at least as many free slots as the tail has
+            # kept entries. Unpaired moves go from the tail to the tail, where they are dropped.
+            movers, moves = slots_of(kept[..., slots:], tail)
+            free = (~kept[..., :slots]).to(torch.uint8).topk(tail, dim=-1).indices
+            unpaired = slots + torch.arange(tail, device=kept.device).expand_as(free)
+            source, target = slots + movers, free.where(moves, unpaired)
+            for name in ("keys", "values", "bias", "positions"):
+                setattr(self, name, _move(getattr(self, name), source, target).narrow(2, 0, slots))
+            for name, extra in self.extras.items():
+                self.extras[name] = _move(extra, source, target).narrow(2, 0, slots)
         self._binary_mark = self._bias_mark() if binary else None
 
     def spare_slots(self, slots: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import ClassVar
@@ -165,25 +166,37 @@ class Method:
 class EvictionPlan:
     """Which entries stay and which leave, per row and head.
 
-    keep_idx [B, H_kv, K]: the kept slots in position order, then other slots (keep_valid False);
-    evict_idx [B, H_kv, E]: the evicted slots in position order, then others (evict_valid False);
-    kept [B, H_kv, S] bool.
+    kept [B, H_kv, S] bool; slots: the layer's size once the plan is applied (the most any row
+    and head keeps); evict_idx [B, H_kv, E]: the evicted slots in position order, then others
+    (evict_valid False). keep_idx [B, H_kv, slots]: the kept slots in position order, then others
+    (keep_valid False); computed only when asked for (a sort over every slot).
     """
 
-    keep_idx: torch.Tensor
-    keep_valid: torch.Tensor
+    kept: torch.Tensor
+    slots: int
     evict_idx: torch.Tensor
     evict_valid: torch.Tensor
-    kept: torch.Tensor
+
+    @functools.cached_property
+    def _keep_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return slots_of(self.kept, self.slots)
+
+    @property
+    def keep_idx(self) -> torch.Tensor:
+        return self._keep_slots[0]
+
+    @property
+    def keep_valid(self) -> torch.Tensor:
+        return self._keep_slots[1]
 
 
 def plan_eviction(layer, priority: torch.Tensor) -> EvictionPlan:
     """Keep the ``layer.budget`` live entries of highest ``priority`` [B, H_kv, S] per row and head.
 
     Each row and head drops its S - budget lowest slots (empty slots rank lowest): one top-k of
-    the few that leave rather than of the many that stay. Kept entries stay in their physical
-    order, so a budget that keeps everything changes nothing, bit for bit. No host sync: sizes
-    come from the layer's host-side counters.
+    the few that leave rather than of the many that stay, whose indices are the evicted slots.
+    Applied with :meth:`LayerStore.keep`, a budget that keeps everything changes nothing, bit
+    for bit. No host sync: sizes come from the layer's host-side counters.
     """
     live = layer.live()
     size = live.shape[-1]
@@ -191,9 +204,10 @@ def plan_eviction(layer, priority: torch.Tensor) -> EvictionPlan:
     lowest = priority.masked_fill(~live, NEG_INF).topk(most_dropped, dim=-1, largest=False).indices
     drops = torch.arange(most_dropped, device=live.device) < (size - layer.budget)[..., None]
     kept = live & ~torch.zeros_like(live).scatter_(-1, lowest, drops)  # top-k indices are distinct
-    keep_idx, keep_valid = slots_of(kept, min(size, layer.capacity))
-    evict_idx, evict_valid = slots_of(live & ~kept, most_dropped)
-    return EvictionPlan(keep_idx, keep_valid, evict_idx, evict_valid, kept)
+    evicted = drops & live.gather(-1, lowest)
+    order = (lowest + (~evicted).long() * size).argsort(dim=-1)  # position order, evicted first
+    evict_idx, evict_valid = lowest.gather(-1, order), evicted.gather(-1, order)
+    return EvictionPlan(kept, min(size, layer.capacity), evict_idx, evict_valid)
 
 
 def slots_of(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,4 +279,4 @@ class ScoredEviction(Method):
 
     def apply(self, layer, plan: EvictionPlan, stats: StepStats) -> None:
         """Rewrite the store from a plan. Eviction keeps; merging methods merge first."""
-        layer.select(plan.keep_idx, plan.keep_valid)
+        layer.keep(plan.kept, plan.slots)

@@ -182,7 +182,7 @@ class D2O(AccumulatedAttention):
         layer.keys, layer.values = d2o_merge(
             layer.keys, layer.values, plan.evict_idx, target, merge, similarity, self.merge_rule
         )
-        layer.select(plan.keep_idx, plan.keep_valid)
+        layer.keep(plan.kept, plan.slots)
 
     def update_threshold(self, layer, similarity: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
         """EMA threshold τ [B, H_kv] (eq. 9) after this compression's evicted entries."""

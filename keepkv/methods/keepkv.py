@@ -524,7 +524,10 @@ class KeepKV(ZipMerging, ScoredEviction):
             # On CPU skip the merge when nothing merges; on accelerators avoid the host sync.
             if self.merge == "zip" and (layer.device.type != "cpu" or bool(merge.any())):
                 self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema)
-        layer.select(plan.keep_idx, plan.keep_valid)
+        if self.kernel > 1:  # the pooled ranking needs slots in position order
+            layer.select(plan.keep_idx, plan.keep_valid)
+        else:
+            layer.keep(plan.kept, plan.slots)
 
     def _compress_prefill(self, layer, exact: bool) -> None:
         if self.prefill_order == "merge_first" and self.merge == "zip":

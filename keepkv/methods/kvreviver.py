@@ -618,7 +618,7 @@ class KVReviver(Method):
             plan = plan_eviction(view, priority)
             if sketch is not None and plan.evict_idx.shape[-1]:
                 self._to_vague(layer, plan.evict_idx, plan.evict_valid)
-            layer.select(plan.keep_idx, plan.keep_valid)
+            layer.keep(plan.kept, plan.slots)
         if sketch is not None and state["vague_pos"].shape[-1]:
             self._swap_back(layer)
 

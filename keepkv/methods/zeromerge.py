@@ -190,4 +190,4 @@ class ZeroMerge(Method):
         layer.bias = torch.where(is_slot, slot_bias(counts, self.alpha), layer.bias)
 
         kept = is_slot | is_recent | keep_context
-        layer.select(*slots_of(kept, min(size, layer.capacity)))
+        layer.keep(kept, min(size, layer.capacity))

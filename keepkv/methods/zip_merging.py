@@ -138,4 +138,4 @@ class ZipMerging:
             logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
             dst, merge = nearest_kept(layer, plan, self.threshold)
             zip_into(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key)
-        layer.select(plan.keep_idx, plan.keep_valid)
+        layer.keep(plan.kept, plan.slots)
