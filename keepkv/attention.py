@@ -37,6 +37,7 @@ class Needs:
     probs: bool = False  # attention probabilities of every query row (decode steps)
     colsum: bool = False  # column sums of the probabilities over all query rows (prefill)
     window: int = 0  # probabilities of the last `window` query rows (prefill)
+    logits: bool = False  # q·K·scaling of every query row, fp32, no bias (decode steps)
 
     @staticmethod
     def union(needs: list["Needs"]) -> "Needs":
@@ -45,6 +46,7 @@ class Needs:
             probs=any(n.probs for n in needs),
             colsum=any(n.colsum for n in needs),
             window=max((n.window for n in needs), default=0),
+            logits=any(n.logits for n in needs),
         )
 
 
@@ -56,6 +58,8 @@ class StepStats:
     probs        [B, H_kv, g, q, S]   attention probabilities (if asked)
     colsum       [B, H_kv, g, S]      Σ over query rows of the probabilities (if asked)
     window_probs [B, H_kv, g, w, S]   probabilities of the last w query rows (if asked)
+    logits       [B, H_kv, g, q, S]   fp32 q·k·scaling without the bias (if asked): the very
+                                      logits the attention's probabilities come from
     S is the layer's size after the new block was appended.
     """
 
@@ -65,6 +69,7 @@ class StepStats:
     probs: torch.Tensor | None = None
     colsum: torch.Tensor | None = None
     window_probs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -73,18 +78,27 @@ def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return query.view(batch, kv_heads, heads // kv_heads, length, head_dim)
 
 
-def entry_logits(query_g, keys, bias, scaling, block_mask_rows=None) -> torch.Tensor:
-    """Logits q·k·scaling + bias, fp32 [B, H_kv, g, r, S].
-
-    query_g [B, H_kv, g, r, D]; keys [B, H_kv, S, D]; bias [B, H_kv, S];
-    block_mask_rows [B, r, q] masks the last q columns (the new block), if given.
-    """
+def scaled_logits(query_g, keys, scaling) -> torch.Tensor:
+    """fp32 q·k·scaling [B, H_kv, g, r, S] of query_g [B, H_kv, g, r, D] against keys [B, H_kv, S, D]."""
     # Fold the group into the rows: a broadcast over g would copy the keys g times. The product is
     # taken in fp32 (a bf16/fp16 q·k would round the logits before the methods' fp32 scores see them).
     batch, kv_heads, group, rows, head_dim = query_g.shape
     flat = query_g.reshape(batch, kv_heads, group * rows, head_dim).float()
     logits = torch.matmul(flat, keys.float().transpose(-1, -2)).view(batch, kv_heads, group, rows, -1)
-    logits.mul_(scaling).add_(bias[:, :, None, None, :])  # in place: one [r, S] buffer per chunk
+    return logits.mul_(scaling)
+
+
+def entry_logits(query_g, keys, bias, scaling, block_mask_rows=None, scaled=None) -> torch.Tensor:
+    """Logits q·k·scaling + bias, fp32 [B, H_kv, g, r, S].
+
+    query_g [B, H_kv, g, r, D]; keys [B, H_kv, S, D]; bias [B, H_kv, S];
+    block_mask_rows [B, r, q] masks the last q columns (the new block), if given;
+    scaled: these rows' q·k·scaling if already computed (left unchanged).
+    """
+    if scaled is None:
+        logits = scaled_logits(query_g, keys, scaling).add_(bias[:, :, None, None, :])  # one [r, S] buffer
+    else:
+        logits = scaled + bias[:, :, None, None, :]
     if block_mask_rows is not None:
         block = block_mask_rows.shape[-1]
         logits[..., -block:].masked_fill_(~block_mask_rows[:, None, None], NEG_INF)
@@ -115,6 +129,8 @@ def attend(
     batch, _, group, block, head_dim = query_g.shape
     size = keys.shape[2]
     stats = StepStats(query=query_g, scaling=scaling, is_prefill=is_prefill)
+    if needs.logits:  # a decode step: one product serves the attention and the method
+        stats.logits = scaled_logits(query_g, keys, scaling)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, batch * kv_heads * group * size))
 
     def row_probs(start: int, stop: int) -> torch.Tensor:
@@ -123,9 +139,10 @@ def attend(
         visible = size - block + stop
         rows = query_g[:, :, :, start:stop]
         block_rows = block_mask[:, 0, start:stop, :stop]
-        return softmax_probs(entry_logits(rows, keys[:, :, :visible], bias[:, :, :visible], scaling, block_rows))
+        scaled = None if stats.logits is None else stats.logits[:, :, :, start:stop, :visible]
+        return softmax_probs(entry_logits(rows, keys[:, :, :visible], bias[:, :, :visible], scaling, block_rows, scaled))
 
-    if needs.probs or needs.colsum or not (size == block or binary_bias or query.dtype == torch.float32):
+    if needs.probs or needs.colsum or needs.logits or not (size == block or binary_bias or query.dtype == torch.float32):
         output, stats.probs, stats.colsum = explicit_pass(row_probs, values, query_g.shape, block, rows_per_chunk, needs)
     elif size == block:
         # Nothing stored before this block, so the bias only marks padding, which the mask holds;

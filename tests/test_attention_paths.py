@@ -237,3 +237,40 @@ def test_bench_run_feeds_the_prompt_in_chunks():
     chunked = run_once(model, "h2o", 0.2, prompt_len=48, gen_len=2, prefill_chunk=16)
     assert chunked["kept_entries"] == whole["kept_entries"]
     assert chunked["cache_bytes_prefill"] > whole["cache_bytes_prefill"]  # every layer's prompt at once
+
+
+def test_decode_logits_are_the_ones_the_probabilities_come_from():
+    query, keys, values, bias = random_layer(block=1, stored=40)
+    bias[0, 1, 5] = 1.5  # a merged entry's ln p
+    mask = block_causal_mask(2, 1, None, "cpu")
+    output, stats = attend(query, keys, values, bias, mask, 0.25, Needs(probs=True, logits=True))
+    query_g = attention.group_queries(query, 2)
+    exact = torch.einsum("bhgqd,bhsd->bhgqs", query_g.double(), keys.double()) * 0.25
+    torch.testing.assert_close(stats.logits.double(), exact, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats.probs, torch.softmax(stats.logits + bias[:, :, None, None], -1))
+    plain, _ = attend(query, keys, values, bias, mask, 0.25, Needs(probs=True))
+    torch.testing.assert_close(output, plain)
+
+
+@pytest.mark.parametrize("method", ["keepkv", "keepkv+selection=ema", "snapkv+merge=zip+threshold=-1.0"])
+@torch.no_grad()
+def test_merging_methods_compute_no_logits_of_their_own_while_decoding(method, monkeypatch):
+    """The decode step's q·K is computed once, by the attention, and shared with the method."""
+    from keepkv.methods import keepkv as keepkv_module, zip_merging
+
+    model = tiny_model("llama-gqa", layers=2)
+    input_ids, attention_mask = random_batch(batch=2, length=30, pad=(0, 7))
+    cache = keepkv.CompressedCache(model.config, method, 12)
+    keepkv.enable(model)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits[:, -1]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a method computed its own decode logits")
+
+    monkeypatch.setattr(keepkv_module, "scaled_logits", refuse)
+    monkeypatch.setattr(zip_merging, "scaled_logits", refuse)
+    mask = attention_mask
+    for _ in range(4):
+        token = logits.argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+        logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits[:, -1]

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import CHUNK_ELEMENTS, Needs, StepStats
+from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
 from ..merging import cosine_nearest
 from ..offload import FullKVCopy, offload_report
 from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register, slots_of
-from .zip_merging import ZipMerging, nearest_kept, pool_log_scores, query_logits, zip_into
+from .zip_merging import ZipMerging, nearest_kept, pool_log_scores, zip_into
 
 NEG_INF = float("-inf")
 SCORE_MODES = ("ema", "exact")
@@ -246,8 +246,10 @@ class KeepKV(ZipMerging, ScoredEviction):
 
     # -- hooks of Method -------------------------------------------------------------------
     def needs(self, is_prefill: bool) -> Needs:
-        # KeepKV computes the unnormalised logits it needs itself; a selector may ask for more.
-        return Needs() if self._selector is None else self._selector.needs(is_prefill)
+        # While decoding, the EMA and the merges read the logits the attention computed; at prefill
+        # KeepKV computes its window's logits itself. A selector may ask for more.
+        own = Needs(logits=not is_prefill)
+        return own if self._selector is None else Needs.union([own, self._selector.needs(is_prefill)])
 
     def setup_layer(self, layer) -> None:
         # KeepKV's own extras need the GQA group size, known at the first observe().
@@ -298,7 +300,7 @@ class KeepKV(ZipMerging, ScoredEviction):
             self._absorb(layer, query[:, :, :, -window:], query_pos)
         else:
             query_pos = layer.positions[:, 0, -rows:]
-            self._absorb(layer, query, query_pos)
+            self._absorb(layer, query, query_pos, stats.logits)
             layer.state["steps"] += rows
         if self._selector is not None:
             self._selector.observe(layer, stats)
@@ -359,16 +361,18 @@ class KeepKV(ZipMerging, ScoredEviction):
             layer.state["query_window"] = layer.keys.new_zeros(batch, kv_heads, group, 0, head_dim)
             layer.state["query_window_pos"] = layer.positions.new_zeros(batch, 0)
 
-    def _absorb(self, layer, queries: torch.Tensor, query_pos: torch.Tensor) -> None:
+    def _absorb(self, layer, queries: torch.Tensor, query_pos: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         """Fold r query rows (oldest first) into the EMA (eq. 8) and keep the newest row's logits.
 
-        queries [B, H_kv, g, r, D]; query_pos [B, r] their positions (-1: padding, skipped).
+        queries [B, H_kv, g, r, D]; query_pos [B, r] their positions (-1: padding, skipped);
+        logits: their q·k·scaling against the layer's keys, if the attention computed them.
         Row r' of r gets weight (1 - α) α^(r-1-r'); the old state decays by α^r. A row scores only
         the live entries at or before its position (causal, padding excluded).
         """
         rows = queries.shape[3]
         live = layer.live()
-        logits = query_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
+        if logits is None:
+            logits = scaled_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
         log_fresh = math.log1p(-self.alpha)
         decay = rows * math.log(self.alpha)
         old_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S]
@@ -505,7 +509,7 @@ class KeepKV(ZipMerging, ScoredEviction):
         merged = torch.zeros_like(live).scatter_(-1, src, merge)  # src slots are distinct
         layer.bias = layer.bias.masked_fill(merged, NEG_INF)
         if exact:  # the merged keys changed: the query's exact logits of the new store
-            logits = query_logits(layer.state["query"][:, :, :, None], layer.keys, layer.state["scaling"])[:, :, :, 0]
+            logits = scaled_logits(layer.state["query"][:, :, :, None], layer.keys, layer.state["scaling"])[:, :, :, 0]
             layer.state["exact_logits"] = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
 
     def _evict_and_merge(self, layer, exact: bool) -> None:

@@ -10,34 +10,10 @@ from .base import ScoredEviction, check_range, pool_group, register
 from .zip_merging import ZipMerging
 
 
-@register
 @dataclass
-class SnapKV(ZipMerging, ScoredEviction):
-    """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024).
+class ObservationWindow(ScoredEviction):
+    """SnapKV's selection (see :class:`SnapKV`), shared by the methods built on it: SnapKV, PyramidKV."""
 
-    At the end of prefill, the attention of the last ``window`` queries (the observation
-    window), summed over those queries and averaged over each GQA group, is max-pooled along
-    the prefix before the window with ``kernel`` (the window's own columns are not pooled, as
-    in the authors' code and kvpress: pooling them would hand the window's large self-attention
-    to the tokens just before it), and the top entries are kept with the window itself.
-    The paper compresses at prefill only; here decoding keeps memory bounded too: new
-    tokens' attention is added to the scores and the newest ``window`` tokens stay protected.
-
-    Parameters
-    ----------
-    window : int
-        Observation window w (paper: 32). Also the recent tokens always kept.
-    kernel : int
-        Max-pool kernel size (paper: 7; odd).
-    merge, threshold, zip_key
-        ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
-        (:class:`keepkv.methods.zip_merging.ZipMerging`); the paper evicts ("none").
-    interval : int
-        Compress every ``interval`` decode steps.
-    """
-
-    name = "snapkv"
-    paper = "Li et al. 2024, arXiv 2404.14469"
     window: int = 32
     kernel: int = 7
 
@@ -68,3 +44,33 @@ class SnapKV(ZipMerging, ScoredEviction):
 
     def protected_entries(self):
         return self.sinks + self.window
+
+
+@register
+@dataclass
+class SnapKV(ZipMerging, ObservationWindow):
+    """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024).
+
+    At the end of prefill, the attention of the last ``window`` queries (the observation
+    window), summed over those queries and averaged over each GQA group, is max-pooled along
+    the prefix before the window with ``kernel`` (the window's own columns are not pooled, as
+    in the authors' code and kvpress: pooling them would hand the window's large self-attention
+    to the tokens just before it), and the top entries are kept with the window itself.
+    The paper compresses at prefill only; here decoding keeps memory bounded too: new
+    tokens' attention is added to the scores and the newest ``window`` tokens stay protected.
+
+    Parameters
+    ----------
+    window : int
+        Observation window w (paper: 32). Also the recent tokens always kept.
+    kernel : int
+        Max-pool kernel size (paper: 7; odd).
+    merge, threshold, zip_key
+        ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
+        (:class:`keepkv.methods.zip_merging.ZipMerging`); the paper evicts ("none").
+    interval : int
+        Compress every ``interval`` decode steps.
+    """
+
+    name = "snapkv"
+    paper = "Li et al. 2024, arXiv 2404.14469"

@@ -22,20 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention import Needs, scaled_logits
 from ..merging import KEY_RULES, cosine_nearest, zip_merge
 from .base import EvictionPlan, check_range
 
 NEG_INF = float("-inf")
 MERGE_RULES = ("none", "zip")
-
-
-def query_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """fp32 scaling·q·k of queries [B, H_kv, g, r, D] against every slot of keys [B, H_kv, S, D]:
-    [B, H_kv, g, r, S]. The group is folded into the rows, so K is never copied per head."""
-    batch, kv_heads, group, rows, head_dim = queries.shape
-    flat = queries.float().reshape(batch, kv_heads, group * rows, head_dim)
-    logits = torch.matmul(flat, keys.float().transpose(-1, -2)) * scaling
-    return logits.view(batch, kv_heads, group, rows, -1)
 
 
 def pool_log_scores(head_scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -129,12 +121,20 @@ class ZipMerging:
         if self.zip_key not in KEY_RULES:
             raise ValueError(f"zip_key must be one of {', '.join(map(repr, KEY_RULES))}, got {self.zip_key!r}")
 
+    def needs(self, is_prefill: bool) -> Needs:
+        # While decoding, the merges read the logits the attention computed.
+        own = Needs(logits=self.merge == "zip" and not is_prefill)
+        return Needs.union([super().needs(is_prefill), own])
+
     def apply(self, layer, plan: EvictionPlan, stats) -> None:
         """Merge the evicted entries into their nearest kept ones with the current query's exact
         logits, then keep the plan's entries."""
         if self.merge == "zip" and plan.evict_idx.shape[-1] > 0:
             query = stats.query[:, :, :, -1]  # [B, H_kv, g, D]
-            logits = query_logits(query[:, :, :, None], layer.keys, stats.scaling)[:, :, :, 0]
+            if stats.logits is None:  # prefill: only the last query's row is needed
+                logits = scaled_logits(query[:, :, :, None], layer.keys, stats.scaling)[:, :, :, 0]
+            else:
+                logits = stats.logits[:, :, :, -1]
             logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
             dst, merge = nearest_kept(layer, plan, self.threshold)
             zip_into(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key)
