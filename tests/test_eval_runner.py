@@ -361,3 +361,25 @@ def test_local_datasets(model, tokenizer, tmp_path):
     assert "em" in rows[2] and "f1" in rows[2]
     with pytest.raises(ValueError, match="needs a directory"):
         run_eval(model, tokenizer, suites=["longbench"], methods=[], out_dir=tmp_path / "x", progress=False)
+
+
+def test_report_states_the_resolution_of_every_group():
+    def cell(scores):
+        return [{"id": f"s{i}", "score": score} for i, score in enumerate(scores)]
+
+    groups = {
+        ("needle", 1024): {
+            ("full", 1.0): cell([1, 1, 1, 1]),
+            ("a", 0.1): cell([1, 0, 1, 1]),
+            ("b", 0.1): cell([1, 0, 1, 1]),
+        },
+        ("kl+source=pydoc", 1024): {("a", 0.1): cell([0.2, 0.4, 0.3]), ("b", 0.1): cell([0.1, 0.3, 0.2])},
+        ("kl+source=stdlib", 1024): {("a", 0.1): cell([0.2, 0.4, 0.3])},  # one method: nothing to pair
+    }
+    text = eval_cli.format_resolution(groups)
+    rows = [line for line in text.splitlines() if line.startswith("| needle") or line.startswith("| kl")]
+    assert rows[0] == "| needle 1024 | 0.1 | 1 | 0.000 | 0.000 (a vs b) | 1/1 below 0.150 |"
+    # kl: every difference is 0.1, so the half-width is 0, below 10% of the pair's mean 0.25.
+    assert rows[1] == "| kl+source=pydoc 1024 | 0.1 | 1 | 0% | 0% (a vs b) | 1/1 below 10% |"
+    assert len(rows) == 2
+    assert eval_cli.format_resolution({("needle", 1024): {("a", 0.1): cell([1])}}) == ""

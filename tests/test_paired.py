@@ -111,3 +111,33 @@ def test_reference_columns_pair_at_the_same_budget():
     assert columns[("a", 0.1)]["diff_ref"] == -1.0 and columns[("a", 0.1)]["diff_ref_p"] == pytest.approx(2 / 16)
     assert columns[("a", 0.2)]["diff_ref"] == 0.0 and columns[("a", 0.2)]["diff_ref_ci95"] == 0.0
     assert columns[("b", 0.1)]["diff_ref"] == 0.0
+
+
+def _cell(scores):
+    return [{"id": f"s{i}", "score": score} for i, score in enumerate(scores)]
+
+
+def test_resolution_of_binary_cells_by_hand():
+    from keepkv.eval.paired import resolution
+
+    found = resolution({
+        "a": _cell([1, 1, 1, 0, 1, 1, 0, 1]),
+        "b": _cell([0, 1, 0, 0, 1, 0, 0, 1]),
+        "c": _cell([0, 1, 0, 0, 1, 0, 0, 1]),
+    })
+    # a-b and a-c: 0.432677 each (the hand-computed case above); b-c: identical, 0.
+    assert not found.relative and found.pairs == 3 and found.target == 0.15
+    assert found.worst == pytest.approx(0.432677, abs=1e-6) and found.worst_pair == ("a", "b")
+    assert found.median == pytest.approx(0.432677, abs=1e-6)
+    assert found.within == 1
+
+
+def test_resolution_of_continuous_cells_is_relative_to_the_pair_mean():
+    from keepkv.eval.paired import resolution
+
+    found = resolution({"a": _cell([2.0, 4.0, 6.0]), "b": _cell([1.0, 2.0, 3.0])})
+    # half-width 2.484166 (the continuous case above) over the pair's mean score (4 + 2) / 2 = 3.
+    assert found.relative and found.target == 0.10
+    assert found.worst == pytest.approx(2.484166 / 3, abs=1e-6)
+    assert found.within == 0
+    assert resolution({"a": _cell([1.0, 2.0])}) is None

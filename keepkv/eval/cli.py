@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ..arguments import budget_arg
 from . import runner as _runner
-from .paired import resolved
-from .summary import read_summary, with_reference
+from .paired import resolution, resolved
+from .summary import load_cells, read_summary, with_reference
 
 
 def _seed(text: str) -> int:
@@ -191,6 +191,9 @@ def report(args) -> str:
         run_dir = Path(args.path)
         rows = with_reference(rows, run_dir if run_dir.is_dir() else run_dir.parent, args.reference)
     text = format_table(rows)
+    run_dir = Path(args.path) if Path(args.path).is_dir() else Path(args.path).parent
+    if (run_dir / "cells").is_dir():
+        text += format_resolution(load_cells(run_dir))
     print(text)
     if getattr(args, "out", None):
         Path(args.out).write_text(text + "\n")
@@ -325,6 +328,33 @@ def format_table(rows: list[dict]) -> str:
         "next token over 128 teacher-forced tokens of real text.",
     ]
     return "\n".join(lines + notes + paired + memory + detail)
+
+
+def format_resolution(groups: dict) -> str:
+    """Markdown (empty when no group has two compressed methods): per suite and budget, the paired 95% half-widths over every pair of compressed
+    methods, against the targets (0.15 for 0/1 scores, 10% of the pair's mean otherwise)."""
+    header = [
+        "", "Resolution: paired 95% half-width over every pair of compressed methods at one budget (0/1 scores: "
+        "absolute; others: relative to the pair's mean score); a pair resolves a difference larger than its "
+        "half-width.", "",
+        "| suite | budget | pairs | median | largest (pair) | below target |",
+        "|---|:---:|:---:|:---:|:---:|:---:|",
+    ]
+    lines = []
+    for (suite, length), cells in groups.items():
+        for budget in sorted({b for m, b in cells if m != "full"}):
+            found = resolution({m: records for (m, b), records in cells.items() if b == budget and m != "full"})
+            if found is None:
+                continue
+            def show(width):
+                return f"{width:.0%}" if found.relative else f"{width:.3f}"
+
+            lines.append(
+                f"| {suite} {length} | {budget} | {found.pairs} | {show(found.median)} | "
+                f"{show(found.worst)} ({' vs '.join(found.worst_pair)}) | "
+                f"{found.within}/{found.pairs} below {show(found.target)} |"
+            )
+    return "\n".join(header + lines) if lines else ""
 
 
 def _reference_name(rows: list[dict]) -> str | None:

@@ -109,3 +109,56 @@ def pair_records(records: list[dict], reference: list[dict]) -> PairedDifference
         return None
     scores, matched = zip(*pairs)
     return paired_difference(list(scores), list(matched))
+
+
+# The evaluation's resolution targets: a paired 95% half-width below 0.15 for 0/1 scores (a 0.15
+# difference in accuracy is resolved), below 10% of the pair's mean score otherwise (KL).
+ABSOLUTE_TARGET = 0.15
+RELATIVE_TARGET = 0.10
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Paired 95% half-widths of every pair of methods in one cell group (same samples, one budget).
+
+    ``relative``: half-widths are divided by the pair's mean score (the mean of both methods'
+    means), for continuous scores; 0/1 scores are absolute. ``within`` counts the pairs below
+    ``target``.
+    """
+
+    pairs: int
+    median: float
+    worst: float
+    worst_pair: tuple[str, str]
+    within: int
+    target: float
+    relative: bool
+
+
+def resolution(cells: dict[str, list[dict]]) -> Resolution | None:
+    """The resolution of a group's cells, ``method -> per-sample records`` (one budget; the
+    full cache left out, since its KL is 0 by definition). None with fewer than two methods."""
+    names = sorted(cells)
+    scores = {name: [record["score"] for record in cells[name]] for name in names}
+    relative = not all(_binary(values) for values in scores.values())
+    widths = {}
+    for index, first in enumerate(names):
+        for second in names[index + 1:]:
+            difference = pair_records(cells[first], cells[second])
+            if difference is None or math.isnan(difference.ci95):
+                continue
+            scale = abs(_mean(scores[first]) + _mean(scores[second])) / 2 if relative else 1.0
+            widths[(first, second)] = difference.ci95 / scale if scale > 0 else math.inf
+    if not widths:
+        return None
+    target = RELATIVE_TARGET if relative else ABSOLUTE_TARGET
+    ordered = sorted(widths.values())
+    worst_pair = max(widths, key=widths.get)
+    return Resolution(
+        pairs=len(ordered), median=ordered[len(ordered) // 2], worst=widths[worst_pair], worst_pair=worst_pair,
+        within=sum(width < target for width in ordered), target=target, relative=relative,
+    )
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
