@@ -14,7 +14,8 @@ and H_kv KV heads:
 
 Each is the prefix view of a contiguous buffer with spare slots (an eighth of its length
 while the layer is uncompressed, one compression interval's worth once it is compressed),
-so a decode step appends in place.
+so a decode step appends in place, and a decode-time compression that sheds at most that
+spare room moves the kept new entries into the freed slots (``LayerStore.keep``).
 The tensors really shrink when a method compresses: nothing is masked in place.
 """
 
@@ -65,7 +66,7 @@ class LayerStore(CacheLayerMixin):
     ``state``: the method's per-layer state that is not per entry.
 
     ``binary_bias()`` tells, without a host sync, that the bias still holds only 0 and -inf:
-    true while only ``append`` and ``select`` wrote it. Any other write (a method assigning
+    true while only ``append``, ``select`` and ``keep`` wrote it. Any other write (a method assigning
     log-weights, in place or not) changes the bias tensor or its version counter, and the
     answer turns False for good: a merging method's bias then never reaches a bool mask. The
     buffers are normal tensors even under ``torch.inference_mode`` (whose tensors have no
