@@ -375,7 +375,7 @@ class KeepKV(ZipMerging, ScoredEviction):
             logits = scaled_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
         log_fresh = math.log1p(-self.alpha)
         decay = rows * math.log(self.alpha)
-        old_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S]
+        ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S], a view
         if rows == 1:  # a decode step: the newest query sees every live entry
             visible = live[:, :, None, :]  # [B, H_kv, 1, S]
         else:
@@ -398,10 +398,9 @@ class KeepKV(ZipMerging, ScoredEviction):
             weights = (log_fresh + ages * math.log(self.alpha))[:, None].masked_fill(~visible, NEG_INF)  # [B, H_kv, r, S]
             new_s = torch.logsumexp(weights[:, :, None] + scores, dim=3)  # [B, H_kv, g, S]
             new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
-        log_s = torch.logaddexp(old_s + decay, new_s).masked_fill(~live[:, :, None], NEG_INF)
-        log_n = torch.logaddexp(layer.extras["ema_log_n"] + decay, new_n).masked_fill(~live, NEG_INF)
-        layer.extras["ema_log_s"] = log_s.permute(0, 1, 3, 2).contiguous()
-        layer.extras["ema_log_n"] = log_n
+        # In place: the extras stay views of the layer's buffers, so the next append copies nothing.
+        for state, fresh, mask in ((ema_s, new_s, live[:, :, None]), (layer.extras["ema_log_n"], new_n, live)):
+            torch.logaddexp(state.add_(decay), fresh, out=state).masked_fill_(~mask, NEG_INF)
         layer.state["query"] = queries[:, :, :, -1].clone()  # [B, H_kv, g, D]; not a view that holds the block
         layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
 
@@ -515,8 +514,9 @@ class KeepKV(ZipMerging, ScoredEviction):
     def _evict_and_merge(self, layer, exact: bool) -> None:
         """Keep the budget by priority; merge each evicted entry into its most similar kept one (>= T)."""
         live = layer.live()
-        ema = self._ema(layer, live)
-        plan = plan_eviction(layer, self.priority(layer, ema[1]))
+        # A selector ranks by its own scores: the EMA is then read only if something merges.
+        ema = self._ema(layer, live) if self._selector is None else None
+        plan = plan_eviction(layer, self.priority(layer, None if ema is None else ema[1]))
         if plan.evict_idx.shape[-1] > 0:
             if self.merge == "zip":
                 dst, merge = nearest_kept(layer, plan, self.threshold)
