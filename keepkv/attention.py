@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextvars
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,9 @@ class StepStats:
     window_probs [B, H_kv, g, w, S]   probabilities of the last w query rows (if asked)
     logits       [B, H_kv, g, q, S]   fp32 q·k·scaling without the bias (if asked): the very
                                       logits the attention's probabilities come from
+    derived      {key: tensor}        what a method computed from these statistics (keyed by the
+                                      method and its parameters): every cache forked from one
+                                      recorded prefill reuses it instead of computing it again
     S is the layer's size after the new block was appended.
     """
 
@@ -70,6 +73,7 @@ class StepStats:
     colsum: torch.Tensor | None = None
     window_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    derived: dict = field(default_factory=dict)
 
 
 def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from keepkv.cache import row_budgets
 from keepkv.merging import attention_mass, momentum_merge
 from keepkv.methods.d2o import d2o_merge
 from keepkv.methods.kvmerger import KVMerger, kvmerger_merge
-from keepkv.methods.zeromerge import slot_bias
+from keepkv.methods.zeromerge import ZeroMerge, slot_bias
 
 from conftest import VOCAB, decode_loop, random_batch, run_generate, tiny_model
 
@@ -248,3 +248,23 @@ def test_convex_merges_sag_attention():
 def test_bad_parameters_name_the_valid_range(name, params):
     with pytest.raises(ValueError, match="must be"):
         keepkv.get_method(name, **params)
+
+
+@torch.no_grad()
+def test_forks_of_one_prefill_share_zeromerge_prefill_scores(monkeypatch):
+    """Its λ-weighted prefill scores do not depend on the budget: one pass per layer serves every fork."""
+
+    calls = []
+    real = ZeroMerge.prefill_scores
+    monkeypatch.setattr(ZeroMerge, "prefill_scores", lambda self, layer, stats: calls.append(1) or real(self, layer, stats))
+    model = tiny_model("llama-gqa", layers=3)
+    input_ids, attention_mask = random_batch(batch=2, length=30, pad=(0, 6))
+    keepkv.enable(model)
+    record = keepkv.CompressedCache(model.config, "full", record=Needs(probs=True))
+    model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=record)
+    forks = [record.fork("zeromerge", budget) for budget in (8, 16, 0.5)]
+    assert len(calls) == 3  # one per layer
+    alone = keepkv.CompressedCache(model.config, "zeromerge", 16)
+    model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=alone)
+    for forked, direct in zip(forks[1].layers, alone.layers):
+        torch.testing.assert_close(forked.extras["score"], direct.extras["score"])

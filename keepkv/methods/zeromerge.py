@@ -105,7 +105,10 @@ class ZeroMerge(Method):
         if "dropped" not in layer.state:
             layer.state["dropped"] = torch.zeros(layer.bias.shape[:2], dtype=torch.long, device=layer.bias.device)
         if stats.is_prefill:
-            layer.extras["score"] = layer.extras["score"] + self.prefill_scores(layer, stats)
+            key = ("zeromerge.prefill_scores", self.decay)  # the same for every budget forked from a prefill
+            if key not in stats.derived:
+                stats.derived[key] = self.prefill_scores(layer, stats)
+            layer.extras["score"] = layer.extras["score"] + stats.derived[key]
             return
         probs = stats.probs.float().sum(2)  # [B, H_kv, q, S], summed over the group
         rows = probs.shape[2]
