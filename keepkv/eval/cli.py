@@ -1,8 +1,9 @@
 """`keepkv eval` and `keepkv report`: arguments, the run, and the Markdown table.
 
 ``keepkv eval`` with no options evaluates every registered method at budgets 0.1 and 0.2 on
-needle, tracking, aggregation, ppl and fidelity (sizes and timing: keepkv/eval/runner.py).
-``keepkv report RUN_DIR`` renders a run's summary.csv as Markdown.
+needle, kl+source=pydoc and kl+source=stdlib (sizes and timing: keepkv/eval/runner.py).
+``keepkv report RUN_DIR`` renders a run's summary.csv as Markdown, with the paired
+differences and, from the run's cells, its resolution.
 """
 
 from __future__ import annotations

@@ -14,12 +14,15 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
+Y_LABELS = {"ppl": "perplexity", "kl": "KL(full ‖ method), nats per token"}
+
+
 def plot_scores(rows: list[dict], path) -> Path:
     """Draw ``rows`` (summary rows) into a PNG at ``path``; the full cache is a dashed line.
 
     Error bars are the 95% half-widths, clipped to the metric's range. Methods are nudged
     apart along the budget axis so that equal scores stay visible. Lower-is-better panels
-    (perplexity) use a log scale. Panels say whether higher or lower is better.
+    (perplexity, KL) use a log scale. Panels say whether higher or lower is better.
     """
     import matplotlib
 
@@ -72,7 +75,7 @@ def plot_scores(rows: list[dict], path) -> Path:
         if budgets_here:
             axis.set_xticks(budgets_here)
         axis.set_xlabel("budget")
-        axis.set_ylabel("perplexity" if not higher else "score")
+        axis.set_ylabel(Y_LABELS.get(suite.split("+")[0], "score"))
         axis.grid(alpha=0.3)
     for axis in list(axes.flat)[count:]:
         axis.set_visible(False)

@@ -137,13 +137,12 @@ CPU-s (wall 1,652 s at load average 7.6-10.8): the joint decode of 128 teacher-f
 452.9 CPU-s (90%, ~3.5 CPU-s a step for 23 cells x 2 rows), prefill 20.7, ZeroMerge's fork
 17.0, KeepKV's 8.4, the rest <= 2 each.
 
-So about 49 CPU-s per needle sample and 250 per kl sample with the full grid. Estimate of
-the default run (not measured: the machine was shared): 64 x 49 + 16 x 250 = ~7,100 CPU-s,
-~59 minutes on an idle 2-core machine with 2 workers; an upper estimate, since the default
-batches put 4-8 rows per worker, not 2, and a decode step costs per-op overhead more than
-per-row work. It does not show the 45-minute target met. Earlier measurements (2 workers x 1 thread): a joint decode step of
-23 cells costs ~3 s with 2 rows per worker at ~1.1k tokens, per-op overhead rather than
-FLOPs, so larger batches (``batch_size`` = 8 rows per worker) cost less per sample.
+So about 49 CPU-s per needle sample and 250 per kl sample with the full grid, measured on a
+loaded machine. Measured end to end on the idle 2-core machine (commit 8cd93a2, 2 workers x
+1 thread, the default run): 1,847 s wall, 3,347 CPU-s; needle 13.5 min, kl+source=pydoc 8.5,
+kl+source=stdlib 9.5. Since then ZeroMerge's prefill scores are shared by the forks of one
+prefill (12.7 CPU-s per 4 rows and budget before). Larger batches (``batch_size`` = 8 rows per
+worker) cost less per sample: a decode step is per-op overhead more than per-row work.
 """
 
 from __future__ import annotations
