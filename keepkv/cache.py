@@ -212,10 +212,12 @@ class LayerStore(CacheLayerMixin):
         if tail > 0:
             # Pair the j-th kept entry of the tail with the j-th free slot below ``slots``: a prefix
             # that keeps at most ``slots`` entries has at least as many free slots as the tail has
-            # kept entries. Unpaired moves go from the tail to the tail, where they are dropped.
-            movers, moves = slots_of(kept[..., slots:], tail)
-            free = (~kept[..., :slots]).to(torch.uint8).topk(tail, dim=-1).indices
-            unpaired = slots + torch.arange(tail, device=kept.device).expand_as(free)
+            # kept entries (so at most min(tail, slots) move). Unpaired moves go from the tail to the
+            # tail, where they are dropped.
+            count = min(tail, slots)
+            movers, moves = slots_of(kept[..., slots:], count)
+            free = (~kept[..., :slots]).to(torch.uint8).topk(count, dim=-1).indices
+            unpaired = slots + torch.arange(count, device=kept.device).expand_as(free)
             source, target = slots + movers, free.where(moves, unpaired)
             for name in ("keys", "values", "bias", "positions"):
                 setattr(self, name, _move(getattr(self, name), source, target).narrow(2, 0, slots))

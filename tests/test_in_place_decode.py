@@ -20,6 +20,7 @@ METHODS_AND_VARIANTS = sorted(set(METHODS) - {"full"}) + [
     "keepkv+interval=3",
     "snapkv+merge=zip+threshold=-1.0",
     "h2o+interval=4",
+    "kvreviver+interval=2",
 ]
 PADS = (0, 9, 20)
 
@@ -107,3 +108,14 @@ def test_keep_moves_kept_tail_entries_into_freed_slots():
     assert layer.values.flatten().tolist() == [0.0, 40.0, 20.0, 30.0]
     assert layer.positions.flatten().tolist() == [0, 4, 2, 3]
     assert layer.bias.flatten().tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_keep_sheds_a_tail_longer_than_the_kept_slots():
+    """Interval 3, budget 1: four slots shrink to one, and the one kept entry is in the tail."""
+    layer = LayerStore(0)
+    keys = torch.arange(4.0).view(1, 1, 4, 1)
+    layer.lazy_initialization(keys, keys)
+    layer.append(keys, keys, torch.ones(1, 4, dtype=torch.bool))
+    layer.headroom = 3
+    layer.keep(torch.tensor([[[False, False, False, True]]]), slots=1)
+    assert layer.keys.flatten().tolist() == [3.0] and layer.positions.flatten().tolist() == [3]
