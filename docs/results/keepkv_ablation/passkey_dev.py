@@ -1,10 +1,14 @@
 """Dev-seed pass-key documents (Python docs prose, which has numbers of its own, with a 5-digit key):
 does ZIP-merging corrupt the key? Run from the repository root: python docs/results/keepkv_ablation/passkey_dev.py
 """
-import sys, torch, random, warnings
-warnings.filterwarnings("ignore")
+import warnings
+
+import torch
+
 import keepkv
-from keepkv.demo import document, QUESTION, ANSWER_PREFIX
+from keepkv.demo import ANSWER_PREFIX, QUESTION, document
+
+warnings.filterwarnings("ignore")
 torch.set_num_threads(2)
 model, tok = keepkv.load_model()
 seeds = range(1000, 1016)
