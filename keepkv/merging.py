@@ -464,6 +464,12 @@ def spread_values(
     return _write_groups(values, groups, _group_sum(own, shares, groups.entry_group))
 
 
+def compacts(candidates: int, slots: int) -> bool:
+    """Whether :func:`cosine_nearest` compares with ``candidates`` gathered keys rather than all
+    ``slots``: when they are under half of them (a prefill compression)."""
+    return 2 * candidates < slots
+
+
 def cosine_nearest(
     keys: torch.Tensor,
     src: torch.Tensor,
@@ -492,7 +498,7 @@ def cosine_nearest(
         no candidate.
     """
     keys = keys.float()
-    if candidate_idx is not None and 2 * candidate_idx.shape[-1] < keys.shape[2]:
+    if candidate_idx is not None and compacts(candidate_idx.shape[-1], keys.shape[2]):
         targets, allowed = _gather_entries(keys, candidate_idx), candidates_mask.gather(-1, candidate_idx)
     else:
         targets, allowed, candidate_idx = keys, candidates_mask, None

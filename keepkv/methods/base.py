@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..attention import Needs, StepStats
+from ..merging import compacts
 
 NEG_INF = float("-inf")
 METHODS: dict[str, type["Method"]] = {}
@@ -188,6 +189,11 @@ class EvictionPlan:
     @property
     def keep_valid(self) -> torch.Tensor:
         return self._keep_slots[1]
+
+    def candidate_idx(self, size: int) -> torch.Tensor | None:
+        """``keep_idx`` where :func:`keepkv.merging.cosine_nearest` would search only the kept slots of
+        a layer of ``size`` slots (a prefill compression), else None: a decode step skips the sort."""
+        return self.keep_idx if compacts(self.slots, size) else None
 
 
 def plan_eviction(layer, priority: torch.Tensor) -> EvictionPlan:

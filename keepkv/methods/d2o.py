@@ -175,7 +175,7 @@ class D2O(AccumulatedAttention):
             return
         plan = plan_eviction(layer, self.priority(layer))
         kept = plan.kept
-        target, similarity = cosine_nearest(layer.keys, plan.evict_idx, kept, plan.keep_idx)
+        target, similarity = cosine_nearest(layer.keys, plan.evict_idx, kept, plan.candidate_idx(layer.size))
         candidate = plan.evict_valid & torch.isfinite(similarity)
         tau = self.update_threshold(layer, similarity, candidate)
         merge = candidate & (similarity >= tau.unsqueeze(-1))

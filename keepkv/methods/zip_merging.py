@@ -58,7 +58,7 @@ def pool_log_scores(head_scores: torch.Tensor, bias: torch.Tensor) -> torch.Tens
 def nearest_kept(layer, plan: EvictionPlan, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge targets of a plan: (dst, merge), both [B, H_kv, E]: each evicted entry's most
     cosine-similar kept entry, and whether it is at least ``threshold`` similar."""
-    dst, sim = cosine_nearest(layer.keys, plan.evict_idx, plan.kept, plan.keep_idx)
+    dst, sim = cosine_nearest(layer.keys, plan.evict_idx, plan.kept, plan.candidate_idx(layer.size))
     return dst, plan.evict_valid & (sim >= threshold)
 
 
