@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ACTIVE_CACHE, Needs, StepStats, attend, join_prefill_stats
 from .diagnostics import warn_budget
+from .fused import compiled
 from .methods import Method, get_method
 from .methods.base import slots_of
 from .models import check_architecture
@@ -402,6 +403,10 @@ class CompressedCache(Cache):
     budget : float or int
         A float in (0, 1]: that fraction of each row's prompt length. An int >= 1: an entry count.
         Methods may split it unevenly over layers and heads; the mean stays at the budget.
+    compile : bool
+        Run the methods' decode-time math through ``torch.compile`` (see :mod:`keepkv.fused`):
+        fewer, fused kernels per step, after a one-off compilation (tens of seconds on CPU);
+        falls back to eager, with a warning, where compiling fails.
     **method_params
         Parameters of the method when it is given by name.
 
@@ -422,10 +427,13 @@ class CompressedCache(Cache):
 
     def __init__(
         self, config, method: str | Method = "full", budget: int | float = 1.0, record: Needs | None = None,
-        **method_params,
+        compile: bool = False, **method_params,
     ):
         check_architecture(config)
         validate_budget(budget)
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        self.compile = compile
         if isinstance(method, Method):
             if method_params:
                 raise ValueError("pass method parameters either to get_method() or here, not with an instance")
@@ -504,15 +512,18 @@ class CompressedCache(Cache):
             layer.prefill_stats = stats
             if layer.seen < self.prefill_tokens:
                 return output
-        self.method.observe(layer, stats)
         if is_prefill:
+            self.method.observe(layer, stats)
             if not self.method.allocates_from_all_layers:
                 self._end_prefill([layer])
             elif layer_idx == self.num_layers - 1:
                 self._end_prefill(self.layers)
-        elif layer.budget is not None and layer.pending >= self.method.interval:
-            self.method.compress(layer, stats)
-            layer.pending = 0
+            return output
+        with compiled(self.compile):  # decode shapes are stable: compile once, not per prompt
+            self.method.observe(layer, stats)
+            if layer.budget is not None and layer.pending >= self.method.interval:
+                self.method.compress(layer, stats)
+                layer.pending = 0
         return output
 
     def _end_prefill(self, layers: list[LayerStore]) -> None:
@@ -564,7 +575,7 @@ class CompressedCache(Cache):
         """
         if self.record is None or self.prompt_lengths is None:
             raise ValueError("fork() needs a cache built with record=Needs(...) that has seen a prefill")
-        cache = CompressedCache(self.config, method, budget, **method_params)
+        cache = CompressedCache(self.config, method, budget, compile=self.compile, **method_params)
         for source, layer in zip(self.layers, cache.layers):
             layer.lazy_initialization(source.keys, source.values)
             layer.keys, layer.values = source.keys.clone(), source.values.clone()

@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .fused import fusable
+
 __all__ = [
     "GROUP_RIDGE",
     "KEY_RULES",
@@ -187,6 +189,7 @@ def _min_norm_shift(
     return mean_keys + coeff.transpose(-1, -2) @ q  # [B, H_kv, E, g] @ [B, H_kv, g, D]
 
 
+@fusable
 def zip_merge(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -470,6 +473,7 @@ def compacts(candidates: int, slots: int) -> bool:
     return 2 * candidates < slots
 
 
+@fusable
 def cosine_nearest(
     keys: torch.Tensor,
     src: torch.Tensor,

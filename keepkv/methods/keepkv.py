@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
+from ..fused import fusable
 from ..merging import cosine_nearest
 from ..offload import FullKVCopy, offload_report
 from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register, slots_of
@@ -35,6 +36,43 @@ def _group_logsumexp(own: torch.Tensor, incoming: torch.Tensor, dst: torch.Tenso
     peak = peak.where(torch.isfinite(peak), 0.0)
     total = (own - peak).exp().scatter_add(-1, dst, (incoming - peak.gather(-1, dst)).exp())
     return peak + total.log()
+
+
+@fusable
+def ema_log_scores(
+    ema_log_s: torch.Tensor, ema_log_n: torch.Tensor, bias: torch.Tensor, live: torch.Tensor,
+    log_scale: torch.Tensor | float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (+ ln Z, see ``score_norm``), per
+    query head [B, H_kv, g, S] (-inf on empty slots) and pooled over the group [B, H_kv, S].
+
+    ema_log_s [B, H_kv, g, S] (a view of the stored [B, H_kv, S, g]); ema_log_n, bias, live [B, H_kv, S].
+    """
+    log_n = ema_log_n.masked_fill(~live, 0.0)[:, :, None]
+    heads = (ema_log_s - log_n + log_scale).masked_fill(~live[:, :, None], NEG_INF)
+    return heads, pool_log_scores(heads, bias)
+
+
+@fusable
+def merged_ema(
+    ema_log_s: torch.Tensor, ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, src: torch.Tensor,
+    dst: torch.Tensor, merge: torch.Tensor, log_scale: torch.Tensor | float,
+) -> torch.Tensor:
+    """The stored EMA [B, H_kv, S, g] with each merge target's set to the per-vote group mean
+    Σ p ŝ^h / Σ p (pre-merge bias [B, H_kv, S] and EMA log-scores ``heads`` [B, H_kv, g, S]);
+    src, dst, merge [B, H_kv, E] the merge plan."""
+    src_idx, dst_idx = src.where(merge, 0), dst.where(merge, 0)
+    group = heads.shape[2]
+    log_w = bias[:, :, None] + heads  # ln(p ŝ^h)
+    head_src = src_idx[:, :, None].expand(-1, -1, group, -1)
+    head_dst = dst_idx[:, :, None].expand(-1, -1, group, -1)
+    incoming_w = log_w.gather(-1, head_src).masked_fill(~merge[:, :, None], NEG_INF)
+    incoming_p = bias.gather(-1, src_idx).masked_fill(~merge, NEG_INF)
+    votes = _group_logsumexp(bias, incoming_p, dst_idx)
+    mean_score = _group_logsumexp(log_w, incoming_w, head_dst) - votes[:, :, None]
+    is_target = torch.zeros_like(bias, dtype=torch.int32).scatter_add(-1, dst_idx, merge.int()) > 0
+    log_s = (mean_score - log_scale + ema_log_n[:, :, None]).permute(0, 1, 3, 2)
+    return torch.where(is_target[..., None], log_s, ema_log_s)
 
 
 @register
@@ -371,6 +409,7 @@ class KeepKV(ZipMerging, ScoredEviction):
         """
         rows = queries.shape[3]
         live = layer.live()
+        decoding = logits is not None  # a prefill or a refresh computes its own window's logits
         if logits is None:
             logits = scaled_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
         log_fresh = math.log1p(-self.alpha)
@@ -402,7 +441,8 @@ class KeepKV(ZipMerging, ScoredEviction):
         for state, fresh, mask in ((ema_s, new_s, live[:, :, None]), (layer.extras["ema_log_n"], new_n, live)):
             torch.logaddexp(state.add_(decay), fresh, out=state).masked_fill_(~mask, NEG_INF)
         layer.state["query"] = queries[:, :, :, -1].clone()  # [B, H_kv, g, D]; not a view that holds the block
-        layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
+        if not decoding or self.scores == "exact":  # decode merges with EMA scores need no exact logits
+            layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
 
     def _log_scale(self, layer) -> torch.Tensor | float:
         """[B, H_kv, g] ln Z of the newest query with ``score_norm="row"`` (else 0): the EMA of
@@ -411,10 +451,7 @@ class KeepKV(ZipMerging, ScoredEviction):
 
     def ema_scores(self, layer, live: torch.Tensor | None = None) -> torch.Tensor:
         """[B, H_kv, g, S] bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (-inf on empty slots)."""
-        live = layer.live() if live is None else live
-        log_n = layer.extras["ema_log_n"].masked_fill(~live, 0.0)[:, :, None]
-        log_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2) - log_n + self._log_scale(layer)
-        return log_s.masked_fill(~live[:, :, None], NEG_INF)
+        return self._ema(layer, live)[0]
 
     def priority(self, layer, pooled: torch.Tensor | None = None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for sinks and recent, else the predicted attention mass ln p + ln ŝ,
@@ -428,7 +465,7 @@ class KeepKV(ZipMerging, ScoredEviction):
         if recent is None:
             recent = self.recent_count(layer.budget)
         if pooled is None:
-            pooled = pool_log_scores(self.ema_scores(layer), layer.bias)
+            pooled = self._ema(layer)[1]
         mass = layer.bias + pooled
         if self.kernel > 1:  # slots are in position order: neighbours are neighbouring tokens
             batch, kv_heads, size = mass.shape
@@ -447,28 +484,18 @@ class KeepKV(ZipMerging, ScoredEviction):
         """
         heads_ema = (ema if ema is not None else self._ema(layer))[0]
         heads = layer.state["exact_logits"] if exact else heads_ema
-        self._merge_ema(layer, heads_ema, src, dst, merge)  # reads the votes before the merge
+        # The targets' EMA from the votes before the merge.
+        layer.extras["ema_log_s"] = merged_ema(
+            layer.extras["ema_log_s"], layer.extras["ema_log_n"], layer.bias, heads_ema, src, dst, merge,
+            self._log_scale(layer),
+        )
         zip_into(layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key)
 
     def _ema(self, layer, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        heads = self.ema_scores(layer, live)
-        return heads, pool_log_scores(heads, layer.bias)
-
-    def _merge_ema(self, layer, heads: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor) -> None:
-        """Set each merge target's EMA to the per-vote group mean Σ p ŝ^h / Σ p (pre-merge bias and
-        EMA log-scores ``heads`` [B, H_kv, g, S])."""
-        src_idx, dst_idx = src.where(merge, 0), dst.where(merge, 0)
-        group = heads.shape[2]
-        log_w = layer.bias[:, :, None] + heads  # ln(p ŝ^h)
-        head_src = src_idx[:, :, None].expand(-1, -1, group, -1)
-        head_dst = dst_idx[:, :, None].expand(-1, -1, group, -1)
-        incoming_w = log_w.gather(-1, head_src).masked_fill(~merge[:, :, None], NEG_INF)
-        incoming_p = layer.bias.gather(-1, src_idx).masked_fill(~merge, NEG_INF)
-        votes = _group_logsumexp(layer.bias, incoming_p, dst_idx)
-        mean_score = _group_logsumexp(log_w, incoming_w, head_dst) - votes[:, :, None]
-        is_target = torch.zeros_like(layer.bias, dtype=torch.int32).scatter_add(-1, dst_idx, merge.int()) > 0
-        log_s = (mean_score - self._log_scale(layer) + layer.extras["ema_log_n"][:, :, None]).permute(0, 1, 3, 2)
-        layer.extras["ema_log_s"] = torch.where(is_target[..., None], log_s, layer.extras["ema_log_s"])
+        """(per-head [B, H_kv, g, S], pooled [B, H_kv, S]) EMA log-scores, see :func:`ema_log_scores`."""
+        live = layer.live() if live is None else live
+        ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)
+        return ema_log_scores(ema_s, layer.extras["ema_log_n"], layer.bias, live, self._log_scale(layer))
 
     def _merge_first(self, layer, exact: bool) -> None:
         """Prefill phase 1: consolidate similar entries before any eviction (Appendix B, Table 3).
