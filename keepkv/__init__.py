@@ -1,7 +1,7 @@
 """keepkv: KV-cache compression for Hugging Face LLMs (KeepKV and the methods it is measured against)."""
 
 from .attention import enable, enabled
-from .cache import CompressedCache
+from .cache import CompressedCache, capacity_bound
 from .diagnostics import KeepKVWarning
 from .generation import GenerationResult, generate
 from .methods import Method, describe_methods, get_method
@@ -10,6 +10,7 @@ from .models import load_model
 __all__ = [
     "CompressedCache",
     "GenerationResult",
+    "capacity_bound",
     "KeepKVWarning",
     "Method",
     "describe_methods",

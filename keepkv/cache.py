@@ -22,6 +22,7 @@ The tensors really shrink when a method compresses: nothing is masked in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -364,6 +365,50 @@ def row_budgets(budget: int | float, prompt_lengths: torch.Tensor) -> torch.Tens
     return torch.full_like(prompt_lengths, budget)
 
 
+def layer_budgets(method: Method, cache, budget: int | float, prompt_lengths: torch.Tensor) -> torch.Tensor | None:
+    """[L, B, H_kv] entries each layer, row and head keeps: the method's allocation, fitted to the
+    prompt; None when the method never compresses. ``cache``: what ``method.allocate`` reads."""
+    per_row = row_budgets(budget, prompt_lengths)
+    budgets = method.allocate(cache, per_row)
+    if budgets is None:
+        return None
+    budgets = fit_to_prompt(budgets, per_row, prompt_lengths)
+    # A prompt that fits its mean budget is not compressed in any layer (as PyramidKV's code).
+    fits = (prompt_lengths <= per_row)[None, :, None]
+    return torch.where(fits, per_row[None, :, None], budgets)
+
+
+def capacity_bound(method: str | Method, prompt_length: int, budget: int | float, config) -> list[int] | None:
+    """The most entries each layer of one request holds per KV head while it decodes, known before
+    the model runs: what a serving scheduler must reserve (``docs/serving.md``).
+
+    A layer keeps its budget and takes ``interval`` new tokens before it compresses again:
+    budget + interval at the attention call that triggers a compression. The prefill holds the
+    layer's whole prompt once; that peak is the prefill's reservation, not this bound. Layer
+    budgets drawn from the prompt's attention (D2O) are bounded by the prompt. None: the method
+    never compresses (``full``), and the request grows with every token.
+
+    config: the model's HF config (depth, KV heads; KVReviver reads the Fisher layer scores
+    registered for it by ``method.prepare(model)``).
+    """
+    method = get_method(method) if isinstance(method, str) else method
+    validate_budget(budget)
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 1:
+        raise ValueError(f"prompt_length must be an int >= 1, got {prompt_length!r}")
+    num_layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    lengths = torch.tensor([prompt_length])
+    if method.allocates_from_all_layers:
+        per_row = row_budgets(budget, lengths)
+        budgets = torch.maximum(per_row, lengths).expand(num_layers, 1, kv_heads)
+    else:  # allocate() reads the depth, the heads, the config; KeepKV writes per-layer state
+        stub_layers = [SimpleNamespace(keys=torch.empty(1, kv_heads, 0, 1), state={}) for _ in range(num_layers)]
+        stub = SimpleNamespace(num_layers=num_layers, layers=stub_layers, prompt_lengths=lengths, config=config)
+        budgets = layer_budgets(method, stub, budget, lengths)
+        if budgets is None:
+            return None
+    return (budgets.amax(dim=(1, 2)) + method.interval).tolist()
+
+
 def fit_to_prompt(budgets: torch.Tensor, mean_budget: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
     """Layer budgets [L, B, H_kv] that never exceed their row's prompt, with the same mean.
 
@@ -547,15 +592,10 @@ class CompressedCache(Cache):
 
     def _allocate(self) -> torch.Tensor | None:
         """[L, B, H_kv] budgets from the method, or None when it never compresses."""
-        per_row = row_budgets(self.budget, self.prompt_lengths)
-        budgets = self.method.allocate(self, per_row)
-        if budgets is None:
-            return None
-        self._warn_budget(per_row)
-        budgets = fit_to_prompt(budgets, per_row, self.prompt_lengths)
-        # A prompt that fits its mean budget is not compressed in any layer (as PyramidKV's code).
-        fits = (self.prompt_lengths <= per_row)[None, :, None]
-        return torch.where(fits, per_row[None, :, None], budgets)
+        budgets = layer_budgets(self.method, self, self.budget, self.prompt_lengths)
+        if budgets is not None:
+            self._warn_budget(row_budgets(self.budget, self.prompt_lengths))
+        return budgets
 
     def _warn_budget(self, per_row: torch.Tensor) -> None:
         """Warn (once per prefill, one host sync) about the compressed row that keeps the fewest entries."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import keepkv
+from keepkv.cache import capacity_bound
 from keepkv.methods import METHODS
 
 from conftest import decode_loop, random_batch, run_generate, tiny_model
@@ -98,3 +99,39 @@ def _last_logits(model, input_ids, attention_mask, method, budget, steps=4):
         mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
         logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits
     return logits[:, -1]
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+@pytest.mark.parametrize("budget", [4, 0.5])
+@pytest.mark.parametrize("method", COMPRESSING)
+def test_capacity_bound_known_before_the_model_runs_holds(method, budget, interval):
+    """What a scheduler reserves per layer (capacity_bound, from the prompt length alone) is never
+    exceeded while decoding, and is reached, less the new token, unless the bound is loose by
+    design (D2O: the prompt; KVReviver: its sketch takes part of the budget)."""
+    model = tiny_model("llama-gqa", layers=3)
+    input_ids, attention_mask = random_batch(batch=3, length=30, pad=PADS)
+    try:
+        cache = keepkv.CompressedCache(model.config, f"{method}+interval={interval}", budget)
+    except ValueError as error:
+        assert method == "kvreviver" and "needs a budget of at least" in str(error)
+        return
+    bounds = torch.tensor(
+        [capacity_bound(cache.method, length, budget, model.config) for length in attention_mask.sum(-1).tolist()]
+    )  # [B, L]
+    most = torch.zeros_like(bounds)
+    for cache in decode_loop(model, input_ids, attention_mask, cache, steps=8):
+        held = torch.stack([layer.live_counts().amax(-1) for layer in cache.layers], dim=-1)  # [B, L]
+        assert (held < bounds).all(), (held, bounds)  # the new token makes it bound at the attention call
+        most = torch.maximum(most, held)
+    if method.split("+")[0] not in ("d2o", "kvreviver"):
+        assert (most[0] == bounds[0] - 1).all(), (most, bounds)  # the 30-token row is compressed
+
+
+def test_capacity_bound_of_full_and_bad_input():
+    config = tiny_model("llama-gqa", layers=3).config
+    assert capacity_bound("full", 100, 0.5, config) is None  # grows with every token
+    assert capacity_bound("window+interval=4", 100, 0.25, config) == [29, 29, 29]
+    with pytest.raises(ValueError, match="prompt_length must be an int >= 1"):
+        capacity_bound("h2o", 0, 0.5, config)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        capacity_bound("h2o", 100, 1.5, config)
