@@ -10,9 +10,9 @@ from .models import load_model
 __all__ = [
     "CompressedCache",
     "GenerationResult",
-    "capacity_bound",
     "KeepKVWarning",
     "Method",
+    "capacity_bound",
     "describe_methods",
     "enable",
     "enabled",
