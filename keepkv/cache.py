@@ -282,6 +282,45 @@ class LayerStore(CacheLayerMixin):
         torch.index_select(source.view(-1, *source.shape[3:]), 0, rows[slots], out=buffer.view(-1, *source.shape[3:]))
         return buffer.narrow(2, 0, kept)
 
+    @classmethod
+    def stack(cls, layers: list["LayerStore"]) -> "LayerStore":
+        """One layer whose rows are the rows of ``layers`` in order, each padded with empty slots to
+        the largest; see :meth:`CompressedCache.stack`. Raises ValueError where they cannot join."""
+        out = cls(layers[0].layer_idx)
+        if not all(layer.is_initialized for layer in layers):
+            raise ValueError("stack: every cache must have seen its prompt")
+        for name in ("seen", "pending", "headroom"):
+            if len({getattr(layer, name) for layer in layers}) > 1:
+                raise ValueError(f"stack: the caches' layers differ in {name!r}: {[getattr(l, name) for l in layers]}")
+        if len({(layer.budget is None, tuple(layer.extras)) for layer in layers}) > 1:
+            raise ValueError("stack: the caches do not compress alike (budgets or per-entry extras differ)")
+        slots = max(layer.size for layer in layers)
+
+        def stacked(tensors: list[torch.Tensor], fill: float) -> torch.Tensor:
+            padded = [tensor.new_full((*tensor.shape[:2], slots, *tensor.shape[3:]), fill) for tensor in tensors]
+            for tensor, grown in zip(tensors, padded):
+                grown.narrow(2, 0, tensor.shape[2]).copy_(tensor)
+            return torch.cat(padded)
+
+        first = layers[0]
+        out.dtype, out.device = first.dtype, first.device
+        out.keys = stacked([layer.keys for layer in layers], 0.0)
+        out.values = stacked([layer.values for layer in layers], 0.0)
+        with torch.inference_mode(False):  # a version counter for binary_bias()
+            out.bias = stacked([layer.bias for layer in layers], NEG_INF)
+        out.positions = stacked([layer.positions for layer in layers], -1)
+        out.extra_fill = dict(first.extra_fill)
+        out.extras = {name: stacked([layer.extras[name] for layer in layers], fill) for name, fill in out.extra_fill.items()}
+        out.state = _stack_state([layer.state for layer in layers], [layer.keys.shape[0] for layer in layers])
+        out.seen, out.pending, out.headroom = first.seen, first.pending, first.headroom
+        out.real_seen = torch.cat([layer.real_seen for layer in layers])
+        if first.budget is not None:
+            out.budget = torch.cat([layer.budget for layer in layers])
+            out.capacity, out.min_budget = int(out.budget.max()), int(out.budget.min())
+        out.is_initialized = True
+        out._binary_mark = out._bias_mark() if all(layer.binary_bias() for layer in layers) else None
+        return out
+
     def entry_nbytes(self) -> int:
         """Bytes one entry of one row takes over the KV heads: keys, values, bias, positions, extras."""
         tensors = [self.keys, self.values, self.bias, self.positions, *self.extras.values()]
@@ -346,6 +385,27 @@ class CacheSummary:
     spare_bytes: list[int]  # its slots past each layer's size, kept for the next appends
     state_bytes: list[int]  # its share of per-layer method state (e.g. KVReviver's sketch)
     full_cache_bytes: list[int]  # keys + values an uncompressed cache of the row's tokens would hold
+
+
+def _stack_state(states: list[dict], rows: list[int]) -> dict:
+    """A method's per-layer states of several caches as one: per-row tensors (first dimension the
+    cache's rows) are concatenated, anything else must be equal in all of them."""
+    if len({tuple(sorted(state)) for state in states}) > 1:
+        raise ValueError("stack: the caches' method states hold different entries")
+    out = {}
+    for name, value in states[0].items():
+        values = [state[name] for state in states]
+        if all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n for v, n in zip(values, rows)):
+            if len({tuple(v.shape[1:]) for v in values}) > 1:
+                raise ValueError(f"stack: the caches' method state {name!r} differs in shape")
+            out[name] = torch.cat(values)
+        elif all(isinstance(v, torch.Tensor) for v in values) and all(torch.equal(values[0], v) for v in values):
+            out[name] = values[0]
+        elif not any(isinstance(v, torch.Tensor) for v in values) and all(values[0] == v for v in values):
+            out[name] = values[0]
+        else:
+            raise ValueError(f"stack: the caches' method state {name!r} cannot be joined")
+    return out
 
 
 def validate_budget(budget) -> None:
@@ -604,6 +664,36 @@ class CompressedCache(Cache):
         if compressed:
             entries, length = min(compressed)
             warn_budget(self.method, self.budget, length, entries)
+
+    @classmethod
+    def stack(cls, caches: list["CompressedCache"]) -> "CompressedCache":
+        """One cache whose rows are the rows of ``caches``, in order: a decode batch of requests
+        prefilled apart, as a serving engine admits them.
+
+        Each request's layers were compressed as its own prefill ended, so at most one prompt is
+        held uncompressed at a time, and a memory cap then buys a batch of compressed rows. The
+        caches must run the same method and budget, have ended their prefills and have seen as
+        many tokens (pad prompts of unequal length on the left); their layers are padded with
+        empty slots to the largest. Decoding the stacked cache gives each row what decoding its
+        own cache would. Raises ValueError naming what differs.
+        """
+        if not caches:
+            raise ValueError("stack needs at least one cache")
+        first = caches[0]
+        for cache in caches:
+            if cache.record is not None or cache.prompt_lengths is None:
+                raise ValueError("stack: every cache must have ended its prefill (and record nothing)")
+            if (cache.method, cache.budget, cache.num_layers, cache.compile) != (
+                first.method, first.budget, first.num_layers, first.compile
+            ):
+                raise ValueError("stack: the caches differ in method, budget, depth or compile")
+        out = cls(first.config, first.method, first.budget, compile=first.compile)
+        out.layers = [LayerStore.stack([cache.layers[i] for cache in caches]) for i in range(first.num_layers)]
+        out.prompt_lengths = torch.cat([cache.prompt_lengths for cache in caches])
+        if first.layer_budgets is not None:
+            out.layer_budgets = torch.cat([cache.layer_budgets for cache in caches], dim=1)
+        out.prefill_peak_bytes = max(cache.prefill_peak_bytes for cache in caches)
+        return out
 
     def fork(self, method: str | Method, budget: int | float = 1.0, **method_params) -> "CompressedCache":
         """A new cache for ``method`` that starts from this recorded prefill, without a forward pass.
