@@ -282,11 +282,9 @@ class LayerStore(CacheLayerMixin):
         torch.index_select(source.view(-1, *source.shape[3:]), 0, rows[slots], out=buffer.view(-1, *source.shape[3:]))
         return buffer.narrow(2, 0, kept)
 
-    @classmethod
-    def stack(cls, layers: list["LayerStore"]) -> "LayerStore":
-        """One layer whose rows are the rows of ``layers`` in order, each padded with empty slots to
-        the largest; see :meth:`CompressedCache.stack`. Raises ValueError where they cannot join."""
-        out = cls(layers[0].layer_idx)
+    @staticmethod
+    def check_stackable(layers: list["LayerStore"]) -> dict[str, str]:
+        """Raise ValueError unless ``layers`` can be stacked; returns how each method state joins."""
         if not all(layer.is_initialized for layer in layers):
             raise ValueError("stack: every cache must have seen its prompt")
         for name in ("seen", "pending", "headroom"):
@@ -294,6 +292,14 @@ class LayerStore(CacheLayerMixin):
                 raise ValueError(f"stack: the caches' layers differ in {name!r}: {[getattr(l, name) for l in layers]}")
         if len({(layer.budget is None, tuple(layer.extras)) for layer in layers}) > 1:
             raise ValueError("stack: the caches do not compress alike (budgets or per-entry extras differ)")
+        return _state_joins([layer.state for layer in layers], [layer.keys.shape[0] for layer in layers])
+
+    @classmethod
+    def stack(cls, layers: list["LayerStore"]) -> "LayerStore":
+        """One layer whose rows are the rows of ``layers`` in order, each padded with empty slots to
+        the largest; see :meth:`CompressedCache.stack`. Raises ValueError where they cannot join."""
+        joins = cls.check_stackable(layers)
+        out = cls(layers[0].layer_idx)
         slots = max(layer.size for layer in layers)
 
         def stacked(tensors: list[torch.Tensor], fill: float) -> torch.Tensor:
@@ -311,7 +317,10 @@ class LayerStore(CacheLayerMixin):
         out.positions = stacked([layer.positions for layer in layers], -1)
         out.extra_fill = dict(first.extra_fill)
         out.extras = {name: stacked([layer.extras[name] for layer in layers], fill) for name, fill in out.extra_fill.items()}
-        out.state = _stack_state([layer.state for layer in layers], [layer.keys.shape[0] for layer in layers])
+        out.state = {
+            name: torch.cat([layer.state[name] for layer in layers]) if how == "cat" else first.state[name]
+            for name, how in joins.items()
+        }
         out.seen, out.pending, out.headroom = first.seen, first.pending, first.headroom
         out.real_seen = torch.cat([layer.real_seen for layer in layers])
         if first.budget is not None:
@@ -387,25 +396,26 @@ class CacheSummary:
     full_cache_bytes: list[int]  # keys + values an uncompressed cache of the row's tokens would hold
 
 
-def _stack_state(states: list[dict], rows: list[int]) -> dict:
-    """A method's per-layer states of several caches as one: per-row tensors (first dimension the
-    cache's rows) are concatenated, anything else must be equal in all of them."""
+def _state_joins(states: list[dict], rows: list[int]) -> dict[str, str]:
+    """How a method's per-layer states of several caches join: "cat" for per-row tensors (first
+    dimension the cache's rows, the rest alike), "same" for anything equal in all of them."""
     if len({tuple(sorted(state)) for state in states}) > 1:
         raise ValueError("stack: the caches' method states hold different entries")
-    out = {}
-    for name, value in states[0].items():
+    joins = {}
+    for name in states[0]:
         values = [state[name] for state in states]
-        if all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n for v, n in zip(values, rows)):
+        tensors = all(isinstance(v, torch.Tensor) for v in values)
+        if tensors and all(v.dim() > 0 and v.shape[0] == n for v, n in zip(values, rows)):
             if len({tuple(v.shape[1:]) for v in values}) > 1:
                 raise ValueError(f"stack: the caches' method state {name!r} differs in shape")
-            out[name] = torch.cat(values)
-        elif all(isinstance(v, torch.Tensor) for v in values) and all(torch.equal(values[0], v) for v in values):
-            out[name] = values[0]
+            joins[name] = "cat"
+        elif tensors and all(torch.equal(values[0], v) for v in values):
+            joins[name] = "same"
         elif not any(isinstance(v, torch.Tensor) for v in values) and all(values[0] == v for v in values):
-            out[name] = values[0]
+            joins[name] = "same"
         else:
             raise ValueError(f"stack: the caches' method state {name!r} cannot be joined")
-    return out
+    return joins
 
 
 def validate_budget(budget) -> None:
@@ -675,7 +685,8 @@ class CompressedCache(Cache):
         caches must run the same method and budget, have ended their prefills and have seen as
         many tokens (pad prompts of unequal length on the left); their layers are padded with
         empty slots to the largest. Decoding the stacked cache gives each row what decoding its
-        own cache would. Raises ValueError naming what differs.
+        own cache would. The rows move: each given cache is left empty, one layer at a time, so
+        the stack never holds more than one layer twice. Raises ValueError naming what differs.
         """
         if not caches:
             raise ValueError("stack needs at least one cache")
@@ -687,8 +698,13 @@ class CompressedCache(Cache):
                 first.method, first.budget, first.num_layers, first.compile
             ):
                 raise ValueError("stack: the caches differ in method, budget, depth or compile")
+        for i in range(first.num_layers):  # everything checked before the first layer moves
+            LayerStore.check_stackable([cache.layers[i] for cache in caches])
         out = cls(first.config, first.method, first.budget, compile=first.compile)
-        out.layers = [LayerStore.stack([cache.layers[i] for cache in caches]) for i in range(first.num_layers)]
+        for i in range(first.num_layers):
+            out.layers[i] = LayerStore.stack([cache.layers[i] for cache in caches])
+            for cache in caches:
+                cache.layers[i] = LayerStore(i)
         out.prompt_lengths = torch.cat([cache.prompt_lengths for cache in caches])
         if first.layer_budgets is not None:
             out.layer_budgets = torch.cat([cache.layer_budgets for cache in caches], dim=1)

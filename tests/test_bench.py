@@ -299,3 +299,18 @@ def test_cpu_peak_memory_does_not_start_from_heap_an_earlier_run_freed():
     assert probe.returncode == 0, probe.stderr
     released = int(probe.stdout.split()[-1])
     assert released > 150 << 20  # most of the 250 MiB freed went back to the OS before the probe started
+
+
+def test_prefill_rows_admits_groups_and_bounds_the_prefill_cache():
+    """Rows prefilled one at a time, then stacked (test_stack.py: each decodes as alone): the
+    cache's prefill peak is one uncompressed prompt beside the compressed rows, not the batch's."""
+    model = tiny_model("llama-gqa", layers=2)
+    runs = {
+        rows: run_once(model, "h2o", 0.25, prompt_len=48, gen_len=4, batch=3, prefill_chunk=16, prefill_rows=rows)
+        for rows in (None, 1)
+    }
+    one_prompt = runs[None]["cache_bytes_prefill"] / 3
+    assert runs[1]["cache_bytes_prefill"] < 2 * one_prompt < runs[None]["cache_bytes_prefill"]
+    assert runs[1]["kept_entries"] == runs[None]["kept_entries"]
+    with pytest.raises(ValueError, match="prefill_rows must be an int >= 1"):
+        bench.run_bench(config=tiny_config(), prefill_rows=0, progress=False)

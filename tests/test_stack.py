@@ -46,6 +46,7 @@ def test_stacked_rows_decode_as_they_would_alone(method, budget):
         alone.append(decode(model, own_cache, own_logits, ids.shape[1]))
     stacked = keepkv.CompressedCache.stack(caches)
     assert stacked.layers[0].keys.shape[0] == 3
+    assert all(not layer.is_initialized for cache in caches for layer in cache.layers)  # the rows moved
     together = decode(model, stacked, torch.cat(first_logits), ids.shape[1])
     torch.testing.assert_close(together, torch.cat(alone), rtol=1e-4, atol=1e-4)
 
@@ -73,3 +74,4 @@ def test_stack_names_the_state_it_cannot_join(method, state):
     caches = [prefill(model, ids[row : row + 1], method, 12)[0] for row in range(2)]
     with pytest.raises(ValueError, match=f"method state '{state}' cannot be joined"):
         keepkv.CompressedCache.stack(caches)
+    assert all(layer.is_initialized for cache in caches for layer in cache.layers)  # nothing lost

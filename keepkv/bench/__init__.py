@@ -22,6 +22,10 @@ preceded by ``warmup`` short runs of the same batch. Reported: the median over r
 with min and max. With ``prefill_chunk`` (``--prefill-chunk N``) each prompt is fed in blocks
 of N tokens: prefill attention's workspace is one block's, and every layer holds its whole
 uncompressed prompt until the last block, so the prefill cache peak is the full prompt cache.
+With ``prefill_rows`` (``--prefill-rows R``) the batch is prefilled R prompts at a time, each
+group compressed before the next starts, and the groups are stacked into one decode batch
+(:meth:`keepkv.CompressedCache.stack`), as a serving engine admits requests: the cache then
+holds one group's uncompressed prompt at most, and the memory cap buys compressed rows.
 
 Memory cap (``memory_cap_gb``, GB = 2**30 bytes): per method, the largest batch whose
 weights + peak cache + workspace fit, by byte accounting: :func:`max_batch` over
@@ -81,6 +85,7 @@ One field per line as ``path : type : meaning``; ``[]`` stands for every element
     settings : dict : the run's parameters
     settings.prompt_len : int : prompt tokens per row (random ids)
     settings.prefill_chunk : int|null : prompt tokens per prefill block (null: the whole prompt in one)
+    settings.prefill_rows : int|null : prompts prefilled at a time, then stacked (null: the whole batch at once)
     settings.gen_len : int : timed decode steps per run
     settings.batches : list[int] : batch sizes of the fixed-batch mode
     settings.budget : float|int : cache budget (fraction of the prompt, or entries)
@@ -145,7 +150,7 @@ One field per line as ``path : type : meaning``; ``[]`` stands for every element
     memory_cap.note : str : how the batch was found and measured
     memory_cap.methods : list : one record per method
     memory_cap.methods[].method : str : method name
-    memory_cap.methods[].cache_bytes_per_row : int : predicted peak cache bytes per row
+    memory_cap.methods[].cache_bytes_per_row : int : predicted peak cache bytes per row (with prefill_rows: one more row of a large batch)
     memory_cap.methods[].cache_prefill_bytes_per_row : int : predicted cache bytes per row at the end of prefill
     memory_cap.methods[].cache_decode_bytes_per_row : int : predicted cache bytes per row at the end of decoding
     memory_cap.methods[].workspace_bytes_per_row : int : peak workspace per row (batch-2 minus batch-1 probe)

@@ -221,6 +221,7 @@ def run_bench(
     progress: bool = True,
     log=None,
     prefill_chunk: int | None = None,
+    prefill_rows: int | None = None,
 ) -> dict:
     """Benchmark methods on one model; returns the dict documented in ``keepkv.bench``.
 
@@ -260,6 +261,11 @@ def run_bench(
         Feed each prompt in blocks of this many tokens (``keepkv.generate``'s ``prefill_chunk``):
         prefill attention's workspace is one block's, and the cache peaks at every layer's
         uncompressed prompt. None: one block.
+    prefill_rows : int
+        Prefill the batch this many prompts at a time, each group compressed before the next, and
+        stack the groups into one decode batch (``CompressedCache.stack``, as a serving engine
+        admits requests): the cache never holds more than one group's uncompressed prompt.
+        None: the whole batch at once.
     progress : bool
         tqdm progress bars (stderr).
     log : callable
@@ -273,6 +279,9 @@ def run_bench(
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1 (or None: one block), got {prefill_chunk!r}")
+    if prefill_rows is not None and (isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int)
+                                     or prefill_rows < 1):
+        raise ValueError(f"prefill_rows must be an int >= 1 (or None: the whole batch at once), got {prefill_rows!r}")
     batches = [batches] if isinstance(batches, int) else list(batches)
     if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
         raise ValueError(f"batches must be ints >= 1, got {batches!r}")
@@ -318,6 +327,7 @@ def run_bench(
             return run_once(
                 loaded, method, budget, params[method], prompt_len=L, gen_len=G, batch=batch, seed=rep_seed,
                 overhead_steps=overhead, profile_steps=prof, progress=bar and progress, prefill_chunk=prefill_chunk,
+                prefill_rows=prefill_rows,
             )
         except Exception as error:  # a method under development must not sink the whole benchmark
             if method == "full":
@@ -361,7 +371,7 @@ def run_bench(
     if memory_cap_gb is not None:
         memory_cap = memory_cap_mode(
             loaded, names, one, warm, memory_cap_gb, max_measure_batch, minfo["weights_bytes"], device,
-            prompt_len, gen_len, repeats, seed, log, notes, errors,
+            prompt_len, gen_len, repeats, seed, log, notes, errors, prefill_rows,
         )
 
     import keepkv
@@ -390,6 +400,7 @@ def run_bench(
         "settings": {
             "prompt_len": prompt_len,
             "prefill_chunk": prefill_chunk,
+            "prefill_rows": prefill_rows,
             "gen_len": gen_len,
             "batches": batches,
             "budget": budget,
@@ -413,8 +424,13 @@ def run_bench(
 
 
 def memory_cap_mode(model, names, one, warm, cap_gb, max_measure, weights, device, prompt_len, gen_len, repeats,
-                    seed, log, notes, errors) -> dict:
-    """The papers' method: the largest batch per method under the cap, and its throughput."""
+                    seed, log, notes, errors, prefill_rows=None) -> dict:
+    """The papers' method: the largest batch per method under the cap, and its throughput.
+
+    With ``prefill_rows`` R the prompts are prefilled R at a time, each group compressed before
+    the next: the cache of a batch b > R peaks at max((b - R)·decode + R·prefill, b·decode·(L+1)/L)
+    (the last group's prompt beside the compressed rows; the stack moves one layer at a time).
+    """
     capacity = int(cap_gb * GB)
     if max_measure is None and not is_cuda(device):
         max_measure = 8
@@ -430,17 +446,25 @@ def memory_cap_mode(model, names, one, warm, cap_gb, max_measure, weights, devic
         space = [max(0, p["peak_memory_delta_bytes"] - p["cache_bytes_peak"]) for p in probes]
         per_row_space = max(0, space[1] - space[0])
         fixed_space = max(0, space[0] - per_row_space)
-        per_row = acct["peak_bytes"] + per_row_space
+        layers = len(probes[0]["layer_entries_prefill"])
+        stacked_row = acct["decode_bytes"] * (layers + 1) / layers  # a row, and one layer of it moving
 
-        def bytes_for_batch(b, per_row=per_row, fixed_space=fixed_space):
-            return weights + fixed_space + b * per_row
+        def cache_for_batch(b, acct=acct, stacked_row=stacked_row):
+            if not prefill_rows or b <= prefill_rows:
+                return b * acct["peak_bytes"]
+            return max((b - prefill_rows) * acct["decode_bytes"] + prefill_rows * acct["prefill_bytes"], b * stacked_row)
+
+        per_row = (stacked_row if prefill_rows else acct["peak_bytes"]) + per_row_space  # one more row, large batches
+
+        def bytes_for_batch(b, per_row_space=per_row_space, fixed_space=fixed_space, cache_for_batch=cache_for_batch):
+            return weights + fixed_space + cache_for_batch(b) + b * per_row_space
 
         best = max_batch(capacity, bytes_for_batch)
         measured = min(best, max_measure) if max_measure else best
         rows.append(
             {
                 "method": method,
-                "cache_bytes_per_row": acct["peak_bytes"],
+                "cache_bytes_per_row": math.ceil(stacked_row) if prefill_rows else acct["peak_bytes"],
                 "cache_prefill_bytes_per_row": acct["prefill_bytes"],
                 "cache_decode_bytes_per_row": acct["decode_bytes"],
                 "workspace_bytes_per_row": per_row_space,
@@ -479,8 +503,10 @@ def memory_cap_mode(model, names, one, warm, cap_gb, max_measure, weights, devic
     for row in rows:
         row["tokens_per_s_vs_full"] = _ratio(row["tokens_per_s"], full["tokens_per_s"])
         row["batch_vs_full"] = _ratio(row["max_batch"], full["max_batch"])
+    cache_rule = ("max((b - R) * decode + R * prefill, b * decode * (L + 1) / L) for b > R = prefill_rows, else b * peak"
+                  if prefill_rows else "b * predicted peak cache per row")
     note = (
-        f"bytes(b) = weights + workspace_fixed + b * (predicted peak cache per row + workspace per row), "
+        f"bytes(b) = weights + workspace_fixed + cache(b) + b * workspace per row, cache(b) = {cache_rule}; "
         f"workspace measured at batch 1 and 2; max_batch by binary search under {cap_gb:g} GB"
     )
     if any(row["capped"] for row in rows):
@@ -569,6 +595,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(run, "--seed", type=int, default=0)
     add(run, "--prefill-chunk", type=int, metavar="N",
         help="feed each prompt in blocks of N tokens: bounded prefill workspace (default: one block)")
+    add(run, "--prefill-rows", type=int, metavar="R",
+        help="prefill R prompts at a time, each group compressed before the next, then decode them as one "
+             "batch, as a serving engine admits requests (default: the whole batch at once)")
     modes = parser.add_argument_group("modes")
     add(modes, "--memory-cap", type=float, metavar="GB",
         help="find each method's largest batch under GB (2**30 bytes) and measure it")
@@ -625,6 +654,7 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=not args.no_progress,
             prefill_chunk=args.prefill_chunk,
+            prefill_rows=args.prefill_rows,
         )
     except ValueError as error:
         print(f"keepkv bench: {error}", file=sys.stderr)

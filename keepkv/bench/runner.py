@@ -337,9 +337,12 @@ def run_once(
     profile_top: int = 20,
     progress: bool = False,
     prefill_chunk: int | None = None,
+    prefill_rows: int | None = None,
 ) -> dict:
     """One prefill of ``batch`` random prompts of ``prompt_len`` tokens (in blocks of
-    ``prefill_chunk`` tokens if given), then ``gen_len`` timed greedy decode steps (each feeds
+    ``prefill_chunk`` tokens if given; ``prefill_rows`` rows at a time if given, each group's
+    cache compressed before the next group starts, then stacked into one decode batch, as a
+    serving engine admits requests), then ``gen_len`` timed greedy decode steps (each feeds
     one token per row and returns the next).
 
     After the timed steps, ``overhead_steps`` more steps run with the :class:`MethodTimer`
@@ -353,24 +356,36 @@ def run_once(
     input_ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).to(device)
     total = prompt_len + gen_len + overhead_steps + profile_steps
     mask = torch.ones(batch, total, dtype=torch.long, device=device)
-    cache = CompressedCache(model.config, method, budget, **(method_params or {}))
-    cache.method.prepare(model)
     out: dict = {"method": method, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len}
 
     with PeakMemory(device) as memory:
         synchronize(device)
         t0 = time.perf_counter()
         chunk = prefill_chunk or prompt_len
-        if chunk < prompt_len:
-            cache.start_prefill(mask[:, :prompt_len])
-        for start in range(0, prompt_len, chunk):
-            stop = min(start + chunk, prompt_len)
-            logits = _forward(model, input_ids[:, start:stop], mask[:, :stop], cache)
-        token = logits[:, -1:].argmax(-1)
+        rows = prefill_rows or batch
+        groups, tokens, held, cache_peak = [], [], 0, 0
+        for first in range(0, batch, rows):
+            last = min(first + rows, batch)
+            group = CompressedCache(model.config, method, budget, **(method_params or {}))
+            group.method.prepare(model)
+            if chunk < prompt_len:
+                group.start_prefill(mask[first:last, :prompt_len])
+            for start in range(0, prompt_len, chunk):
+                stop = min(start + chunk, prompt_len)
+                logits = _forward(model, input_ids[first:last, start:stop], mask[first:last, :stop], group)
+            tokens.append(logits[:, -1:].argmax(-1))
+            cache_peak = max(cache_peak, held + group.prefill_peak_bytes)  # the earlier groups, compressed
+            held += group.nbytes()
+            groups.append(group)
+        cache = groups[0] if len(groups) == 1 else CompressedCache.stack(groups)
+        if len(groups) > 1:  # the stack moves one layer at a time: the groups, and one layer twice
+            cache_peak = max(cache_peak, held + math.ceil(cache.nbytes() / cache.num_layers))
+        del groups, group
+        token = torch.cat(tokens)
         synchronize(device)
         out["prefill_s"] = time.perf_counter() - t0
-        out["cache_bytes_prefill"] = cache.prefill_peak_bytes
-        cache_peak = max(cache.prefill_peak_bytes, cache.nbytes())
+        out["cache_bytes_prefill"] = cache_peak
+        cache_peak = max(cache_peak, cache.nbytes())
 
         clock = StepClock(device)
         bar = tqdm(total=gen_len, desc=f"{method} b={batch}", unit="step", leave=False, disable=not progress)
