@@ -107,3 +107,21 @@ def decode_loop(model, input_ids, attention_mask, cache, steps):
         mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
         logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits
         yield cache
+
+
+@torch.no_grad()
+def greedy_decode(model, method, budget, steps=12, **cache_options):
+    """Greedy decode of a left-padded batch of rows with 30, 21 and 10 real tokens;
+    (logits [steps, B, V], tokens [steps, B], cache)."""
+    input_ids, attention_mask = random_batch(batch=3, length=30, pad=(0, 9, 20))
+    cache = keepkv.CompressedCache(model.config, method, budget, **cache_options)
+    keepkv.enable(model)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits[:, -1]
+    mask, all_logits, tokens = attention_mask, [], []
+    for _ in range(steps):
+        token = logits.argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+        logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits[:, -1]
+        all_logits.append(logits)
+        tokens.append(token[:, 0])
+    return torch.stack(all_logits), torch.stack(tokens), cache

@@ -9,33 +9,16 @@ import keepkv
 import keepkv.fused as fused
 from keepkv.merging import cosine_nearest
 
-from conftest import random_batch, tiny_model
-
-
-@torch.no_grad()
-def decode(model, method, compile, steps=6):
-    """Greedy decode of a left-padded batch; (logits [steps, B, V], tokens [steps, B])."""
-    input_ids, attention_mask = random_batch(batch=3, length=30, pad=(0, 9, 20))
-    cache = keepkv.CompressedCache(model.config, method, 12, compile=compile)
-    keepkv.enable(model)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits[:, -1]
-    mask, all_logits, tokens = attention_mask, [], []
-    for _ in range(steps):
-        token = logits.argmax(-1, keepdim=True)
-        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-        logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits[:, -1]
-        all_logits.append(logits)
-        tokens.append(token[:, 0])
-    return torch.stack(all_logits), torch.stack(tokens)
+from conftest import greedy_decode, tiny_model
 
 
 def test_compiled_decode_matches_eager(monkeypatch):
     """KeepKV's EMA scores, merged EMA, similarity search and ZIP merge: compiled, the same outputs."""
     model = tiny_model("llama-gqa", layers=2)
-    eager_logits, eager_tokens = decode(model, "keepkv+threshold=-1.0", compile=False)  # every eviction merges
+    eager_logits, eager_tokens, _ = greedy_decode(model, "keepkv+threshold=-1.0", 12, steps=6)  # every eviction merges
     compile, compiled = torch.compile, []
     monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: compiled.append(fn.__name__) or compile(fn, **kw))
-    compiled_logits, compiled_tokens = decode(model, "keepkv+threshold=-1.0", compile=True)
+    compiled_logits, compiled_tokens, _ = greedy_decode(model, "keepkv+threshold=-1.0", 12, steps=6, compile=True)
     assert set(compiled) == {"ema_log_scores", "merged_ema", "cosine_nearest", "zip_merge"}
     assert torch.equal(eager_tokens, compiled_tokens)
     torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-4, atol=1e-4)

@@ -13,7 +13,7 @@ from keepkv.cache import LayerStore
 from keepkv.methods import METHODS
 from keepkv.methods.base import slots_of
 
-from conftest import random_batch, tiny_model
+from conftest import greedy_decode as decode, random_batch, tiny_model
 
 METHODS_AND_VARIANTS = sorted(set(METHODS) - {"full"}) + [
     "keepkv+selection=ema",
@@ -22,28 +22,10 @@ METHODS_AND_VARIANTS = sorted(set(METHODS) - {"full"}) + [
     "h2o+interval=4",
     "kvreviver+interval=2",
 ]
-PADS = (0, 9, 20)
 
 
 def always_gather(self, kept, slots):
     self.select(*slots_of(kept, slots))
-
-
-@torch.no_grad()
-def decode(model, method, budget, steps=12):
-    """Greedy decode from a left-padded batch; (logits [steps, B, V], tokens [steps, B], cache)."""
-    input_ids, attention_mask = random_batch(batch=3, length=30, pad=PADS)
-    cache = keepkv.CompressedCache(model.config, method, budget)
-    keepkv.enable(model)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits[:, -1]
-    mask, all_logits, tokens = attention_mask, [], []
-    for _ in range(steps):
-        token = logits.argmax(-1, keepdim=True)
-        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-        logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits[:, -1]
-        all_logits.append(logits)
-        tokens.append(token[:, 0])
-    return torch.stack(all_logits), torch.stack(tokens), cache
 
 
 def entries(cache):
