@@ -34,7 +34,10 @@ bytes come from a batch-1 probe run at the full prompt length: per-entry bytes a
 prefill (when the core still holds every layer's whole prompt), and the cache's size after
 compression plus ``interval`` entries (or ``prompt_len + gen_len`` entries for a cache that
 never compresses). Workspace is the probes' measured peak memory above their start minus
-their cache peak, at batch 1 and 2, fitted as a fixed part plus a part per row. Throughput
+their cache peak, at batch 1 and 2 (1 and 1 + 4R with ``prefill_rows`` R: staggered
+prefills leave only decode activations per row, and RSS noise is divided among more rows),
+fitted as a fixed part plus a part per row; with ``prefill_rows`` the cache term is
+``max((b - R) * decode + R * prefill, b * decode * (L + 1) / L)`` instead. Throughput
 is then measured at that batch, capped at ``max_measure_batch`` (default 8 on CPU, none on
 GPU; a capped row says so), and divided by ``full``'s from the same run.
 

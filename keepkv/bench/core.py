@@ -434,17 +434,20 @@ def memory_cap_mode(model, names, one, warm, cap_gb, max_measure, weights, devic
     capacity = int(cap_gb * GB)
     if max_measure is None and not is_cuda(device):
         max_measure = 8
+    # Staggered prefills leave only decode activations per row: probe further apart, so that
+    # the RSS noise (tens of MB on CPU) is divided among more rows.
+    probe_batches = (1, 1 + 4 * prefill_rows) if prefill_rows else (1, 2)
     rows = []
     for method in names:
-        log(f"bench: memory cap: probing {method} at batch 1 and 2")
-        probes = [one(method, batch, prompt_len, min(gen_len, 2), seed) for batch in (1, 2)]
+        log(f"bench: memory cap: probing {method} at batch {probe_batches[0]} and {probe_batches[1]}")
+        probes = [one(method, batch, prompt_len, min(gen_len, 2), seed) for batch in probe_batches]
         if any(probe is None for probe in probes):
             continue
         acct = cache_bytes_per_row(probes[0], prompt_len, gen_len)
         # Workspace = measured peak above the start, minus the cache; fitted as fixed + per row
         # (the attention chunks are bounded in bytes whatever the batch).
         space = [max(0, p["peak_memory_delta_bytes"] - p["cache_bytes_peak"]) for p in probes]
-        per_row_space = max(0, space[1] - space[0])
+        per_row_space = max(0, space[1] - space[0]) // (probe_batches[1] - probe_batches[0])
         fixed_space = max(0, space[0] - per_row_space)
         layers = len(probes[0]["layer_entries_prefill"])
         stacked_row = acct["decode_bytes"] * (layers + 1) / layers  # a row, and one layer of it moving
@@ -507,7 +510,7 @@ def memory_cap_mode(model, names, one, warm, cap_gb, max_measure, weights, devic
                   if prefill_rows else "b * predicted peak cache per row")
     note = (
         f"bytes(b) = weights + workspace_fixed + cache(b) + b * workspace per row, cache(b) = {cache_rule}; "
-        f"workspace measured at batch 1 and 2; max_batch by binary search under {cap_gb:g} GB"
+        f"workspace measured at batch {probe_batches[0]} and {probe_batches[1]}; max_batch by binary search under {cap_gb:g} GB"
     )
     if any(row["capped"] for row in rows):
         note += f"; throughput measured at min(max_batch, {max_measure}) (max_measure_batch), not at max_batch"
