@@ -519,7 +519,8 @@ def memory_cap_mode(model, names, one, warm, cap_gb, max_measure, weights, devic
             "the capped tokens_per_s_vs_full is not the papers' memory-cap ratio"
         )
     if not is_cuda(device):
-        notes.append("memory cap on CPU: workspace from the RSS deltas of batch-1 and batch-2 probes (allocator caching makes it approximate)")
+        notes.append(f"memory cap on CPU: workspace from the RSS deltas of the batch-{probe_batches[0]} and "
+                     f"batch-{probe_batches[1]} probes (allocator caching makes it approximate)")
     return {
         "capacity_bytes": capacity,
         "capacity_gb": cap_gb,
