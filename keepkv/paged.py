@@ -1,0 +1,270 @@
+"""The paged adapter: methods run on requests whose entries live in a serving engine's blocks.
+
+A serving engine (vLLM) stores each request's KV entries in blocks of ``block_size`` slots
+listed in a block table, and frees whole blocks. Here a request keeps its entries compact in
+its leading slots, so its scheduler can free every block past ``capacity_bound``. One attention
+call over a batch of requests runs through the very code of :class:`~keepkv.cache.CompressedCache`:
+the requests' slots are gathered into a :class:`~keepkv.cache.LayerStore` (one row per request),
+``CompressedCache.forward_layer`` appends, attends, scores and compresses, and what changed is
+written back. This module knows nothing of vLLM (``keepkv.vllm`` wires it in).
+
+Paged layout, per layer::
+
+    kv_cache : [blocks, H_kv, block_size, C]   model dtype; C holds the key (D), the value (D),
+                                               then the entry's metadata as fp32 words:
+                                               position, bias, the method's per-entry extras
+    block_table : [R, max_blocks] int          the blocks of each request, in order
+
+Slot j of a request is (block_table[j // block_size], j % block_size). A request that holds S
+entries uses its slots 0..S-1; S is known from token counts alone (:meth:`PagedCompression.stored`),
+so neither side ever reads a size back from the other.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .cache import CompressedCache, LayerStore, capacity_bound, row_budgets, validate_budget
+from .methods import get_method
+from .methods.base import ScoredEviction, slots_of
+
+NEG_INF = float("-inf")
+# Methods the paged adapter serves: eviction with one budget for every layer, no per-layer state.
+SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o")
+
+
+@dataclass
+class PagedBatch:
+    """One engine step's requests, host-side (built once per step, read by every layer).
+
+    query_start [R+1]: where each request's new tokens start in the flat token axis;
+    computed [R]: tokens each request had before this step; prompt [R]: its prompt length (the
+    tokens of its first step); block_table [R, max_blocks] int tensor.
+    """
+
+    query_start: list[int]
+    computed: list[int]
+    prompt: list[int]
+    block_table: torch.Tensor
+
+    @property
+    def query_lengths(self) -> list[int]:
+        return [end - start for start, end in zip(self.query_start, self.query_start[1:])]
+
+
+class PagedCompression:
+    """One method and budget over paged requests: sizes, capacity, and one layer's step.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config (depth and KV heads).
+    method : str
+        A method of :data:`SERVED_METHODS`, or a variant (``"snapkv+window=16"``).
+    budget : float or int
+        As :class:`~keepkv.cache.CompressedCache`'s: a fraction of each request's prompt, or an
+        entry count.
+    """
+
+    def __init__(self, config, method: str, budget: int | float):
+        validate_budget(budget)
+        self.method = get_method(method)
+        if self.method.name not in SERVED_METHODS or getattr(self.method, "merge", "none") != "none":
+            raise ValueError(
+                f"keepkv.vllm serves {', '.join(SERVED_METHODS)} (evicting, merge='none'); got {method!r}"
+            )
+        assert isinstance(self.method, ScoredEviction)
+        self.config = config
+        self.budget = budget
+        self.spec = method
+        probe = LayerStore(0)
+        probe.lazy_initialization(torch.zeros(1, 1, 0, 1), torch.zeros(1, 1, 0, 1))
+        self.method.setup_layer(probe)
+        self.extras = list(probe.extras)  # per-entry fp32 scalars (ScoredEviction: "score")
+        self.extra_fill = dict(probe.extra_fill)
+        self._prompts: dict[int, int] = {}  # first block id -> prompt length of the request in it
+        self._lock = threading.Lock()
+
+    # -- sizes, from token counts only -------------------------------------------------------
+    @property
+    def meta_words(self) -> int:
+        """fp32 words of metadata per entry and head: position, bias, extras."""
+        return 2 + len(self.extras)
+
+    def content_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes per slot and head of the paged layout (key, value, metadata)."""
+        return 2 * head_dim * dtype.itemsize + 4 * self.meta_words
+
+    def kept(self, prompt_length: int) -> int:
+        """Entries per layer and head a request keeps once compressed."""
+        return int(row_budgets(self.budget, torch.tensor([prompt_length]))[0])
+
+    def stored(self, prompt_length: int, computed: int) -> int:
+        """Entries a request holds per layer and head after ``computed`` tokens (prompt included).
+
+        A layer keeps min(prompt, budget) after the prefill, takes one entry per decode step and
+        shrinks back to its budget every ``interval`` steps: min(P + t, budget + t mod interval)
+        after t decode steps.
+        """
+        decoded = computed - prompt_length
+        return min(computed, self.kept(prompt_length) + decoded % self.method.interval)
+
+    def capacity(self, prompt_length: int) -> int:
+        """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
+        return max(capacity_bound(self.method, prompt_length, self.budget, self.config))
+
+    # -- one step -----------------------------------------------------------------------------
+    def batch(self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor) -> PagedBatch:
+        """The step's :class:`PagedBatch`; a request whose first step this is (nothing computed)
+        registers its prompt length under its first block, which it holds until it ends."""
+        lengths = [end - start for start, end in zip(query_start, query_start[1:])]
+        computed = [seq - length for seq, length in zip(seq_lens, lengths)]
+        first_blocks = block_table[: len(lengths), 0].tolist()
+        with self._lock:
+            for block, done, length in zip(first_blocks, computed, lengths):
+                if done == 0:
+                    self._prompts[block] = length
+                elif length != 1:
+                    raise ValueError(
+                        "keepkv.vllm needs whole-prompt prefills and one token per decode step "
+                        f"(got {length} new tokens after {done}): disable chunked prefill and speculative decoding"
+                    )
+            prompts = [self._prompts[block] for block in first_blocks]
+        return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)])
+
+    def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float):
+        """One attention call of every request in ``batch``, for one layer.
+
+        kv_cache [blocks, H_kv, block_size, C]; query [T, H, D]; key, value [T, H_kv, D] (T: the
+        step's new tokens, request after request). Writes the kept entries back into kv_cache and
+        returns the attention output [T, H, D].
+        """
+        output = query.new_empty(query.shape)
+        lengths = batch.query_lengths
+        prefills = [r for r, done in enumerate(batch.computed) if done == 0]
+        decodes = [r for r, done in enumerate(batch.computed) if done > 0]
+        interval = self.method.interval
+        compressing = [r for r in decodes if (batch.computed[r] - batch.prompt[r]) % interval == interval - 1]
+        groups = [prefills, compressing, [r for r in decodes if r not in compressing]]
+        for rows in groups:
+            if rows:
+                self._forward_rows(kv_cache, query, key, value, batch, rows, lengths, scaling, output)
+        return output
+
+    def _forward_rows(self, kv_cache, query, key, value, batch, rows, lengths, scaling, output):
+        """Gather ``rows`` into one LayerStore, run CompressedCache.forward_layer, write back.
+
+        The served methods give every layer the same budget, so each call runs as the cache's layer 0.
+        """
+        is_prefill = batch.computed[rows[0]] == 0
+        block = max(lengths[r] for r in rows)
+        table = batch.block_table[rows].long()
+        # The new tokens, left-padded to one block: [R, q] flat token indices, -1 for padding.
+        starts = torch.tensor([batch.query_start[r] for r in rows])
+        counts = torch.tensor([lengths[r] for r in rows])
+        offsets = torch.arange(block) - (block - counts)[:, None]
+        real = offsets >= 0
+        tokens = (starts[:, None] + offsets).where(real, 0)
+        new_query = query[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H, q, D]
+        new_keys = key[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H_kv, q, D]
+        new_values = value[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)
+        block_mask = torch.ones(block, block, dtype=torch.bool).tril() & real[:, None, :]
+        block_mask = block_mask[:, None]  # [R, 1, q, q]
+
+        cache = CompressedCache(self.config, self.method, self.budget)
+        if is_prefill:
+            cache.layers[0].lazy_initialization(new_keys, new_values)
+            before = None
+        else:
+            prompts = [batch.prompt[r] for r in rows]
+            sizes = [self.stored(batch.prompt[r], batch.computed[r]) for r in rows]
+            before = self._gather(kv_cache, table, sizes)
+            cache.layers[0] = self._store(before, [batch.computed[r] for r in rows], prompts, new_keys)
+        out = cache.forward_layer(0, new_query, new_keys, new_values, block_mask, scaling)  # [R, q, H, D]
+        output[tokens[real]] = out[real].to(output.dtype)
+        after_sizes = [self.stored(batch.prompt[r], batch.computed[r] + lengths[r]) for r in rows]
+        self._write(kv_cache, table, cache.layers[0], after_sizes, before)
+
+    # -- gather / write ------------------------------------------------------------------------
+    def _split(self, kv_cache: torch.Tensor):
+        """(keys, values, meta) views of kv_cache: [blocks, H_kv, bs, D] twice, [.., meta_words] fp32."""
+        head_dim = (kv_cache.shape[-1] * kv_cache.element_size() - 4 * self.meta_words) // (2 * kv_cache.element_size())
+        meta = kv_cache[..., 2 * head_dim :].view(torch.float32)
+        return kv_cache[..., :head_dim], kv_cache[..., head_dim : 2 * head_dim], meta
+
+    @staticmethod
+    def _slots(table: torch.Tensor, sizes: list[int], block_size: int):
+        """(block [R, S], offset [S], valid [R, S]) of each request's first ``sizes`` slots."""
+        width = max(sizes)
+        slot = torch.arange(width)
+        valid = slot < torch.tensor(sizes)[:, None]
+        blocks = table[:, slot // block_size].where(valid, 0)
+        return blocks, slot % block_size, valid
+
+    def _gather(self, kv_cache, table, sizes) -> dict:
+        """Each request's stored slots as [R, H_kv, S, ...] tensors; slots past its size are empty."""
+        keys, values, meta = self._split(kv_cache)
+        blocks, offset, valid = self._slots(table, sizes, kv_cache.shape[2])
+        entry = (blocks, slice(None), offset[None].expand_as(blocks))
+        gathered = {"keys": keys[entry].transpose(1, 2), "values": values[entry].transpose(1, 2)}
+        meta = meta[entry].transpose(1, 2)  # [R, H_kv, S, words]
+        empty = ~valid[:, None, :]
+        gathered["positions"] = meta[..., 0].long().masked_fill(empty, -1)
+        gathered["bias"] = meta[..., 1].masked_fill(empty, NEG_INF)
+        for i, name in enumerate(self.extras):
+            gathered[name] = meta[..., 2 + i].masked_fill(empty, self.extra_fill[name])
+        gathered["valid"] = valid
+        return gathered
+
+    def _store(self, gathered: dict, computed: list[int], prompts: list[int], like) -> LayerStore:
+        """A decode-ready LayerStore of the gathered rows (their budgets fixed by their prompts);
+        ``like``: a tensor of the model's dtype, [R, H_kv, q, D]."""
+        store = LayerStore(0)
+        store.lazy_initialization(like[:, :, :0], like[:, :, :0])
+        store.keys, store.values = gathered["keys"].contiguous(), gathered["values"].contiguous()
+        with torch.inference_mode(False):  # a version counter for binary_bias()
+            store.bias = gathered["bias"].clone()
+        store.positions = gathered["positions"]
+        for name in self.extras:
+            store.extras[name] = gathered[name].contiguous()
+            store.extra_fill[name] = self.extra_fill[name]
+        store.real_seen = torch.tensor(computed)
+        store.seen = max(computed)
+        kv_heads = store.keys.shape[1]
+        store.budget = torch.tensor([self.kept(p) for p in prompts])[:, None].expand(-1, kv_heads).contiguous()
+        store.capacity, store.min_budget = int(store.budget.max()), int(store.budget.min())
+        store.headroom = self.method.interval
+        store.pending = 0 if self.method.interval == 1 else (computed[0] - prompts[0]) % self.method.interval
+        store._binary_mark = store._bias_mark() if bool(((store.bias == 0) | (store.bias == NEG_INF)).all()) else None
+        return store
+
+    def _write(self, kv_cache, table, layer: LayerStore, sizes: list[int], before: dict | None) -> None:
+        """Write each request's live entries, compacted, into its first ``sizes`` slots.
+
+        Metadata is rewritten for every slot (scores change at every step); keys and values only
+        where the slot now holds another token than ``before`` (a decode step moves one entry).
+        """
+        live = layer.live()
+        index, _ = slots_of(live, max(sizes))  # [R, H_kv, S] live slots first, in position order
+        picked = {
+            name: tensor.gather(2, index.view(*index.shape, *(1,) * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:]))
+            for name, tensor in (("keys", layer.keys), ("values", layer.values), ("positions", layer.positions),
+                                 ("bias", layer.bias), *layer.extras.items())
+        }
+        keys, values, meta = self._split(kv_cache)
+        blocks, offset, valid = self._slots(table, sizes, kv_cache.shape[2])
+        entry = (blocks[valid], slice(None), offset[None].expand_as(blocks)[valid])
+        words = [picked["positions"].float(), picked["bias"], *(picked[name] for name in self.extras)]
+        meta[entry] = torch.stack(words, dim=-1).transpose(1, 2)[valid]
+        changed = valid[:, None, :].expand_as(picked["positions"])
+        if before is not None:
+            old = before["positions"]
+            old = torch.nn.functional.pad(old, (0, picked["positions"].shape[-1] - old.shape[-1]), value=-1)
+            changed = changed & (picked["positions"] != old[..., : picked["positions"].shape[-1]])
+        row, head, slot = changed.nonzero(as_tuple=True)
+        target = (blocks[row, slot], head, offset[slot])
+        keys[target] = picked["keys"][row, head, slot].to(keys.dtype)
+        values[target] = picked["values"][row, head, slot].to(values.dtype)

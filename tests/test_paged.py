@@ -1,0 +1,125 @@
+"""The paged adapter (keepkv.paged): requests in a serving engine's blocks decode as alone in a
+CompressedCache, hold what PagedCompression.stored says, and never write past capacity_bound."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from keepkv import CompressedCache
+from keepkv.paged import SERVED_METHODS, PagedCompression
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
+CONFIG = LlamaConfig(
+    hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_hidden_layers=3,
+    intermediate_size=16, vocab_size=32,
+)
+SCALING = HEAD_DIM**-0.5
+pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")  # tiny budgets on purpose
+
+
+class Engine:
+    """A minimal engine: a block pool, each request's block table capped at its capacity, the
+    paged cache filled with garbage so that a read of a stale slot shows."""
+
+    def __init__(self, paged: PagedCompression, blocks: int = 64, seed: int = 0):
+        self.paged = paged
+        generator = torch.Generator().manual_seed(seed)
+        words = (2 * HEAD_DIM * 4 + 4 * paged.meta_words) // 4
+        self.kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, words, generator=generator)
+        self.free = torch.randperm(blocks - 1, generator=generator).add(1).tolist()  # block 0: the null block
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    def step(self, new: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """Feed request -> (query [q, H, D], key, value [q, H_kv, D]); returns request -> output [q, H, D]."""
+        requests = list(new)
+        for request in requests:
+            length = new[request][0].shape[0]
+            if request not in self.tables:
+                self.tables[request], self.computed[request] = [], 0
+                self.prompt = getattr(self, "prompt", {}) | {request: length}
+            tokens = self.computed[request] + length
+            needed = math.ceil(min(tokens, self.paged.capacity(self.prompt[request])) / BLOCK)
+            while len(self.tables[request]) < needed:
+                self.tables[request].append(self.free.pop())
+        width = max(len(self.tables[r]) for r in requests)
+        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests], dtype=torch.int32)
+        starts = [0]
+        for request in requests:
+            starts.append(starts[-1] + new[request][0].shape[0])
+        seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
+        batch = self.paged.batch(starts, seq_lens, table)
+        query, key, value = (torch.cat([new[r][i] for r in requests]) for i in range(3))
+        output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING)
+        for request, length in zip(requests, batch.query_lengths):
+            self.computed[request] += length
+        return {r: output[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}
+
+
+def tokens(generator, length):
+    return (
+        torch.randn(length, HEADS, HEAD_DIM, generator=generator),
+        torch.randn(length, KV_HEADS, HEAD_DIM, generator=generator),
+        torch.randn(length, KV_HEADS, HEAD_DIM, generator=generator),
+    )
+
+
+def alone(cache: CompressedCache, query, key, value) -> torch.Tensor:
+    """One attention call of one request in its own CompressedCache: output [q, H, D]."""
+    q = query.shape[0]
+    layer = cache.layers[0]
+    if not layer.is_initialized:
+        layer.lazy_initialization(key.transpose(0, 1)[None], value.transpose(0, 1)[None])
+    mask = torch.ones(1, 1, q, q, dtype=torch.bool).tril()
+    out = cache.forward_layer(0, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], mask, SCALING)
+    return out[0]
+
+
+@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2"])
+@pytest.mark.parametrize("budget", [0.5, 3, 1, 1.0, 10_000])
+def test_paged_requests_decode_as_alone(method, budget):
+    """Requests of unequal prompts, one joining mid-way (a step mixing a prefill with decodes), give
+    the outputs of their own CompressedCache, step by step."""
+    generator = torch.Generator().manual_seed(1)
+    paged = PagedCompression(CONFIG, method, budget)
+    engine = Engine(paged)
+    prompts = {0: 7, 1: 13, 2: 3}
+    references = {r: CompressedCache(CONFIG, method, budget) for r in (0, 1, 2, 3)}
+    null_block = engine.kv_cache[0].clone()
+    for step in range(8):
+        new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
+        if step == 3:
+            new[3] = tokens(generator, 9)
+        outputs = engine.step(new)
+        for request, (query, key, value) in new.items():
+            expected = alone(references[request], query, key, value)
+            torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
+            layer = references[request].layers[0]
+            assert int(layer.live_counts().max()) == paged.stored(engine.prompt[request], engine.computed[request])
+    assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
+
+
+@pytest.mark.parametrize("method", SERVED_METHODS)
+@pytest.mark.parametrize("prompt", [1, 5, 40])
+@pytest.mark.parametrize("budget", [0.1, 0.5, 2, 64])
+def test_stored_entries_never_exceed_capacity(method, prompt, budget):
+    """What a request holds after each of its first steps fits the capacity its blocks are sized by."""
+    paged = PagedCompression(CONFIG, method, budget)
+    capacity = paged.capacity(prompt)
+    sizes = [paged.stored(prompt, prompt + t) for t in range(50)]
+    assert max(sizes) <= capacity
+    assert sizes[0] == min(prompt, paged.kept(prompt))
+
+
+def test_rejects_what_it_cannot_serve():
+    with pytest.raises(ValueError, match="serves window, streamingllm, snapkv, h2o"):
+        PagedCompression(CONFIG, "keepkv", 0.5)
+    with pytest.raises(ValueError, match="merge='none'"):
+        PagedCompression(CONFIG, "snapkv+merge=zip", 0.5)
+    with pytest.raises(ValueError, match="budget"):
+        PagedCompression(CONFIG, "snapkv", 0.0)
+    paged = PagedCompression(CONFIG, "snapkv", 0.5)
+    with pytest.raises(ValueError, match="whole-prompt prefills"):
+        paged.batch([0, 5], [9], torch.zeros(1, 2, dtype=torch.int32))
