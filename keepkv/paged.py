@@ -181,7 +181,7 @@ class PagedCompression:
         else:
             prompts = [batch.prompt[r] for r in rows]
             sizes = [self.stored(batch.prompt[r], batch.computed[r]) for r in rows]
-            before = self._gather(kv_cache, table, sizes)
+            before = self._gather(kv_cache, table, sizes, key.shape[-1])
             cache.layers[0] = self._store(before, [batch.computed[r] for r in rows], prompts, new_keys)
         out = cache.forward_layer(0, new_query, new_keys, new_values, block_mask, scaling)  # [R, q, H, D]
         output[tokens[real]] = out[real].to(output.dtype)
@@ -189,10 +189,11 @@ class PagedCompression:
         self._write(kv_cache, table, cache.layers[0], after_sizes, before)
 
     # -- gather / write ------------------------------------------------------------------------
-    def _split(self, kv_cache: torch.Tensor):
-        """(keys, values, meta) views of kv_cache: [blocks, H_kv, bs, D] twice, [.., meta_words] fp32."""
-        head_dim = (kv_cache.shape[-1] * kv_cache.element_size() - 4 * self.meta_words) // (2 * kv_cache.element_size())
-        meta = kv_cache[..., 2 * head_dim :].view(torch.float32)
+    def _split(self, kv_cache: torch.Tensor, head_dim: int):
+        """(keys, values, meta) views of kv_cache: [blocks, H_kv, bs, D] twice, [.., meta_words] fp32.
+        Slots may be padded past the metadata (an engine aligns its pages)."""
+        words = 4 * self.meta_words // kv_cache.element_size()
+        meta = kv_cache[..., 2 * head_dim : 2 * head_dim + words].view(torch.float32)
         return kv_cache[..., :head_dim], kv_cache[..., head_dim : 2 * head_dim], meta
 
     @staticmethod
@@ -204,9 +205,9 @@ class PagedCompression:
         blocks = table[:, slot // block_size].where(valid, 0)
         return blocks, slot % block_size, valid
 
-    def _gather(self, kv_cache, table, sizes) -> dict:
+    def _gather(self, kv_cache, table, sizes, head_dim: int) -> dict:
         """Each request's stored slots as [R, H_kv, S, ...] tensors; slots past its size are empty."""
-        keys, values, meta = self._split(kv_cache)
+        keys, values, meta = self._split(kv_cache, head_dim)
         blocks, offset, valid = self._slots(table, sizes, kv_cache.shape[2])
         entry = (blocks, slice(None), offset[None].expand_as(blocks))
         gathered = {"keys": keys[entry].transpose(1, 2), "values": values[entry].transpose(1, 2)}
@@ -254,7 +255,7 @@ class PagedCompression:
             for name, tensor in (("keys", layer.keys), ("values", layer.values), ("positions", layer.positions),
                                  ("bias", layer.bias), *layer.extras.items())
         }
-        keys, values, meta = self._split(kv_cache)
+        keys, values, meta = self._split(kv_cache, layer.keys.shape[-1])
         blocks, offset, valid = self._slots(table, sizes, kv_cache.shape[2])
         entry = (blocks[valid], slice(None), offset[None].expand_as(blocks)[valid])
         words = [picked["positions"].float(), picked["bias"], *(picked[name] for name in self.extras)]

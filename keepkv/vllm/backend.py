@@ -1,0 +1,141 @@
+"""The worker side: vLLM's CPU attention backend, with keepkv's paged methods when configured.
+
+While the engine's ``additional_config`` has no ``"keepkv"`` entry every call goes to vLLM's
+own CPU attention, so installing the plugin changes nothing. With one, the layer's spec becomes
+a :class:`~keepkv.vllm.spec.KeepKVSpec` (each slot also holds the entry's position, bias and
+scores), the metadata builder turns each step into a :class:`~keepkv.paged.PagedBatch`, and the
+attention call runs :meth:`keepkv.paged.PagedCompression.forward`, which writes the new entries
+itself (vLLM's slot mapping addresses positions, not compacted slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from ..paged import PagedBatch, PagedCompression
+from .spec import KeepKVSpec
+
+_COMPRESSIONS: dict[tuple, PagedCompression] = {}  # one per engine configuration, per process
+# The worker's engine, set when its attention layers are built: customize_spec() runs later,
+# outside vLLM's config context.
+_WORKER: dict = {}
+
+
+def settings(vllm_config: VllmConfig | None) -> dict | None:
+    """The engine's ``additional_config["keepkv"]`` ({"method", "budget"}), checked; None if absent.
+
+    Raises ValueError, in one line, for what phase 1 does not support.
+    """
+    if vllm_config is None or not (vllm_config.additional_config or {}).get("keepkv"):
+        return None
+    given = dict(vllm_config.additional_config["keepkv"])
+    unknown = sorted(set(given) - {"method", "budget"})
+    if unknown or "method" not in given:
+        raise ValueError(f'additional_config["keepkv"] takes "method" and "budget", got {sorted(given)}')
+    problems = []
+    if vllm_config.cache_config.enable_prefix_caching:
+        problems.append("prefix caching (--no-enable-prefix-caching): a shared block cannot be compacted per request")
+    if vllm_config.scheduler_config.enable_chunked_prefill:
+        problems.append("chunked prefill (--no-enable-chunked-prefill): a prompt is compressed once it is whole")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        problems.append("tensor or pipeline parallelism > 1 (untested)")
+    if getattr(vllm_config.model_config.hf_text_config, "sliding_window", None):
+        problems.append("sliding-window models")
+    if problems:
+        raise ValueError("keepkv.vllm does not support " + "; ".join(problems))
+    return {"method": str(given["method"]), "budget": given.get("budget", 1.0)}
+
+
+def compression(vllm_config: VllmConfig) -> PagedCompression | None:
+    """This process's PagedCompression for the engine, or None when keepkv is not configured."""
+    chosen = settings(vllm_config)
+    if chosen is None:
+        return None
+    key = (chosen["method"], chosen["budget"])
+    if key not in _COMPRESSIONS:
+        _COMPRESSIONS[key] = PagedCompression(vllm_config.model_config.hf_text_config, **chosen)
+    _WORKER.update(paged=_COMPRESSIONS[key], num_layers=vllm_config.model_config.hf_text_config.num_hidden_layers)
+    return _COMPRESSIONS[key]
+
+
+@dataclass
+class KeepKVMetadata:
+    """What one step's attention calls read: the paged batch, and the tokens it covers."""
+
+    num_actual_tokens: int
+    batch: PagedBatch
+
+
+class KeepKVBackend(CPUAttentionBackend):
+    """vLLM's CPU attention, or keepkv's paged methods when the engine configures them."""
+
+    @staticmethod
+    def get_impl_cls():
+        return KeepKVImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KeepKVMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec):
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is not None:
+            compression(vllm_config)
+        paged = _WORKER.get("paged")
+        if paged is None:
+            return super().customize_spec(spec)
+        values = {field.name: getattr(spec, field.name) for field in fields(spec) if field.init}
+        values["state_content_bytes"] = paged.content_bytes(spec.head_size, spec.dtype)
+        return KeepKVSpec(**values, method=paged.spec, budget=paged.budget, num_layers=_WORKER["num_layers"])
+
+
+class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.paged = compression(vllm_config)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
+        if self.paged is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        common = common_attn_metadata
+        rows = common.num_reqs
+        batch = self.paged.batch(
+            common.query_start_loc_cpu[: rows + 1].tolist(),
+            common.seq_lens[:rows].cpu().tolist(),
+            common.block_table_tensor[:rows].cpu(),
+        )
+        return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch)
+
+
+class KeepKVImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.paged = compression(get_current_vllm_config())
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        if self.paged is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if attn_metadata is None:  # warm-up
+            return output
+        tokens = attn_metadata.num_actual_tokens
+        output[:tokens] = self.paged.forward(
+            kv_cache, query[:tokens], key[:tokens], value[:tokens], attn_metadata.batch, self.scale
+        ).view_as(output[:tokens])
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.paged is None:  # keepkv writes its entries in forward(), at compacted slots
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
