@@ -1,0 +1,151 @@
+"""keepkv.vllm on vLLM's CPU build with the embedded model (skipped where vLLM is not installed).
+
+Run in the serving venv (README "Serving (vLLM)"): ``bash .ci/vllm``. Each engine starts in
+30-40 s, so engines are shared per configuration. The engine runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the tests read the scheduler's block tables.
+"""
+
+import gc
+import json
+import math
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when an engine starts
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import keepkv  # noqa: E402
+from keepkv.paged import PagedCompression  # noqa: E402
+
+NEW_TOKENS = 24
+SERVED = ["window", "streamingllm", "snapkv", "h2o"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The embedded model as a Hugging Face directory vLLM can load."""
+    path = tmp_path_factory.mktemp("smollm2")
+    model, tokenizer = keepkv.load_model()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    """Three prompts of unequal length (token ids): a short one, and two from the stdlib's sources."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [
+        "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is",
+        open(os.__file__).read()[:2500],
+        open(json.__file__).read()[:1200],
+    ]
+    return [tokenizer(text).input_ids for text in texts]
+
+
+class Engine:
+    """A vLLM engine stepped by hand: outputs per request, and the block-cap check at every step."""
+
+    def __init__(self, model_dir, config=None, **overrides):
+        args = dict(
+            model=model_dir, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=False,
+            enable_chunked_prefill=False, max_num_batched_tokens=2048, seed=0,
+        )
+        if config is not None:
+            args["additional_config"] = {"keepkv": config}
+        self.llm = vllm.LLM(**(args | overrides))
+        self.config = config
+
+    def manager(self):
+        core = self.llm.llm_engine.engine_core.engine_core
+        return core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+
+    def run(self, prompts, new_tokens=NEW_TOKENS):
+        """Greedy outputs (token ids) of ``prompts``, all in flight at once; asserts after every step
+        that no request holds more blocks than its capacity bound."""
+        engine = self.llm.llm_engine
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        names = [f"r{i}" for i in range(len(prompts))]
+        internal = [engine.add_request(name, {"prompt_token_ids": p}, params) for name, p in zip(names, prompts)]
+        outputs, peak_blocks = {}, {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    outputs[output.request_id] = list(output.outputs[0].token_ids)
+            for request_id, blocks in self.manager().req_to_blocks.items():
+                held = sum(not block.is_null for block in blocks)
+                peak_blocks[request_id] = max(peak_blocks.get(request_id, 0), held)
+        return [outputs[name] for name in names], [peak_blocks[request_id] for request_id in internal]
+
+    def close(self):
+        del self.llm
+        gc.collect()
+
+
+def hf_greedy(model, prompt, method, budget, new_tokens=NEW_TOKENS):
+    """keepkv's Hugging Face path: greedy tokens of one prompt alone in a CompressedCache."""
+    cache = keepkv.CompressedCache(model.config, method, budget)
+    tokens, step = [], torch.tensor([prompt])
+    with torch.no_grad(), keepkv.enabled(model):
+        for _ in range(new_tokens):
+            logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+            step = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def stock(model_dir, prompts):
+    """Stock vLLM's greedy tokens and blocks (the plugin installed, keepkv not configured)."""
+    engine = Engine(model_dir)
+    outputs = engine.run(prompts)
+    engine.close()
+    return outputs
+
+
+def test_budget_covering_everything_is_stock_vllm(model_dir, prompts, stock):
+    engine = Engine(model_dir, {"method": "snapkv", "budget": 100_000})
+    tokens, blocks = engine.run(prompts)
+    engine.close()
+    assert tokens == stock[0]
+    assert blocks == stock[1]
+
+
+@pytest.mark.parametrize("method", SERVED)
+def test_matches_hf_path_and_caps_blocks(model_dir, prompts, stock, hf_model, method):
+    """Three unequal prompts in one batch: each request's greedy tokens are keepkv's Hugging Face
+    path's for that prompt alone, and it never holds more blocks than its capacity bound (fewer than
+    stock vLLM's for the long prompts)."""
+    budget = 0.3
+    engine = Engine(model_dir, {"method": method, "budget": budget})
+    tokens, blocks = engine.run(prompts)
+    block_size = engine.manager().block_size
+    engine.close()
+    assert tokens != stock[0]  # the compression is real: stock vLLM answers otherwise
+    paged = PagedCompression(hf_model.config, method, budget)
+    for prompt, got, held, stock_held in zip(prompts, tokens, blocks, stock[1]):
+        assert got == hf_greedy(hf_model, prompt, method, budget)
+        assert held <= math.ceil(paged.capacity(len(prompt)) / block_size)
+        if len(prompt) > 2 * block_size:
+            assert held < stock_held
+
+
+def test_rejects_unsupported_engine_settings(model_dir):
+    with pytest.raises(Exception, match="keepkv.vllm does not support prefix caching"):
+        Engine(model_dir, {"method": "snapkv", "budget": 0.3}, enable_prefix_caching=True)
+    with pytest.raises(Exception, match="serves window, streamingllm, snapkv, h2o"):
+        Engine(model_dir, {"method": "keepkv", "budget": 0.3})
