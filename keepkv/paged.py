@@ -191,7 +191,7 @@ class PagedCompression:
     # -- gather / write ------------------------------------------------------------------------
     def _split(self, kv_cache: torch.Tensor, head_dim: int):
         """(keys, values, meta) views of kv_cache: [blocks, H_kv, bs, D] twice, [.., meta_words] fp32.
-        Slots may be padded past the metadata (an engine aligns its pages)."""
+        Slots may be longer than key, value and metadata: what follows is left alone."""
         words = 4 * self.meta_words // kv_cache.element_size()
         meta = kv_cache[..., 2 * head_dim : 2 * head_dim + words].view(torch.float32)
         return kv_cache[..., :head_dim], kv_cache[..., head_dim : 2 * head_dim], meta
