@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import CompressedCache, LayerStore, capacity_bound, row_budgets, validate_budget
+from .cache import CompressedCache, LayerStore, capacity_bound, validate_budget
 from .methods import get_method
 from .methods.base import ScoredEviction, slots_of
 
@@ -100,7 +100,9 @@ class PagedCompression:
 
     def kept(self, prompt_length: int) -> int:
         """Entries per layer and head a request keeps once compressed."""
-        return int(row_budgets(self.budget, torch.tensor([prompt_length]))[0])
+        if isinstance(self.budget, float):  # as row_budgets(): round half to even, at least 1
+            return max(1, round(prompt_length * self.budget))
+        return self.budget
 
     def stored(self, prompt_length: int, computed: int) -> int:
         """Entries a request holds per layer and head after ``computed`` tokens (prompt included).
@@ -181,8 +183,7 @@ class PagedCompression:
         else:
             prompts = [batch.prompt[r] for r in rows]
             sizes = [self.stored(batch.prompt[r], batch.computed[r]) for r in rows]
-            before = self._gather(kv_cache, table, sizes, key.shape[-1])
-            cache.layers[0] = self._store(before, [batch.computed[r] for r in rows], prompts, new_keys)
+            cache.layers[0], before = self._gather(kv_cache, table, sizes, [batch.computed[r] for r in rows], prompts, new_keys)
         out = cache.forward_layer(0, new_query, new_keys, new_values, block_mask, scaling)  # [R, q, H, D]
         output[tokens[real]] = out[real].to(output.dtype)
         after_sizes = [self.stored(batch.prompt[r], batch.computed[r] + lengths[r]) for r in rows]
@@ -205,67 +206,67 @@ class PagedCompression:
         blocks = table[:, slot // block_size].where(valid, 0)
         return blocks, slot % block_size, valid
 
-    def _gather(self, kv_cache, table, sizes, head_dim: int) -> dict:
-        """Each request's stored slots as [R, H_kv, S, ...] tensors; slots past its size are empty."""
-        keys, values, meta = self._split(kv_cache, head_dim)
-        blocks, offset, valid = self._slots(table, sizes, kv_cache.shape[2])
-        entry = (blocks, slice(None), offset[None].expand_as(blocks))
-        gathered = {"keys": keys[entry].transpose(1, 2), "values": values[entry].transpose(1, 2)}
-        meta = meta[entry].transpose(1, 2)  # [R, H_kv, S, words]
-        empty = ~valid[:, None, :]
-        gathered["positions"] = meta[..., 0].long().masked_fill(empty, -1)
-        gathered["bias"] = meta[..., 1].masked_fill(empty, NEG_INF)
-        for i, name in enumerate(self.extras):
-            gathered[name] = meta[..., 2 + i].masked_fill(empty, self.extra_fill[name])
-        gathered["valid"] = valid
-        return gathered
+    def _gather(self, kv_cache, table, sizes, computed: list[int], prompts: list[int], like):
+        """A decode-ready LayerStore of each request's first ``sizes`` slots (slots past a request's
+        size are empty), its budgets fixed by its prompt; and the gathered positions [R, H_kv, S].
 
-    def _store(self, gathered: dict, computed: list[int], prompts: list[int], like) -> LayerStore:
-        """A decode-ready LayerStore of the gathered rows (their budgets fixed by their prompts);
-        ``like``: a tensor of the model's dtype, [R, H_kv, q, D]."""
+        One index_select reads whole slots; each tensor is then the prefix of a buffer with room for
+        the step's append (``LayerStore._extend`` appends in place). ``like``: [R, H_kv, q, D] of
+        the model's dtype.
+        """
+        blocks_count, kv_heads, block_size, words = kv_cache.shape
+        head_dim = like.shape[-1]
+        blocks, offset, valid = self._slots(table, sizes, block_size)
+        rows = (blocks[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]) * block_size + offset
+        slots = kv_cache.reshape(-1, words).index_select(0, rows.view(-1)).view(*rows.shape, words)
+        keys, values, meta = self._split(slots, head_dim)
+        empty = ~valid[:, None, :]
+        positions = meta[..., 0].long().masked_fill_(empty, -1)
+
         store = LayerStore(0)
         store.lazy_initialization(like[:, :, :0], like[:, :, :0])
-        store.keys, store.values = gathered["keys"].contiguous(), gathered["values"].contiguous()
-        with torch.inference_mode(False):  # a version counter for binary_bias()
-            store.bias = gathered["bias"].clone()
-        store.positions = gathered["positions"]
-        for name in self.extras:
-            store.extras[name] = gathered[name].contiguous()
+        store.headroom = self.method.interval
+        size = rows.shape[-1]
+
+        def buffered(name: str, source: torch.Tensor) -> torch.Tensor:
+            view = store._new_buffer(name, source, size + store.spare_slots(size)).narrow(2, 0, size)
+            return view.copy_(source)
+
+        store.keys, store.values = buffered("keys", keys), buffered("values", values)
+        store.bias = buffered("bias", meta[..., 1].masked_fill(empty, NEG_INF))
+        store.positions = buffered("positions", positions)
+        for i, name in enumerate(self.extras):
+            store.extras[name] = buffered(f"extras.{name}", meta[..., 2 + i].masked_fill(empty, self.extra_fill[name]))
             store.extra_fill[name] = self.extra_fill[name]
         store.real_seen = torch.tensor(computed)
         store.seen = max(computed)
-        kv_heads = store.keys.shape[1]
         store.budget = torch.tensor([self.kept(p) for p in prompts])[:, None].expand(-1, kv_heads).contiguous()
         store.capacity, store.min_budget = int(store.budget.max()), int(store.budget.min())
-        store.headroom = self.method.interval
         store.pending = 0 if self.method.interval == 1 else (computed[0] - prompts[0]) % self.method.interval
-        store._binary_mark = store._bias_mark() if bool(((store.bias == 0) | (store.bias == NEG_INF)).all()) else None
-        return store
+        binary = bool(((store.bias == 0) | (store.bias == NEG_INF)).all())
+        store._binary_mark = store._bias_mark() if binary else None
+        return store, positions
 
-    def _write(self, kv_cache, table, layer: LayerStore, sizes: list[int], before: dict | None) -> None:
+    def _write(self, kv_cache, table, layer: LayerStore, sizes: list[int], before: torch.Tensor | None) -> None:
         """Write each request's live entries, compacted, into its first ``sizes`` slots.
 
         Metadata is rewritten for every slot (scores change at every step); keys and values only
-        where the slot now holds another token than ``before`` (a decode step moves one entry).
+        where the slot now holds another token than it did (``before``: the gathered positions; a
+        decode step moves one entry).
         """
-        live = layer.live()
-        index, _ = slots_of(live, max(sizes))  # [R, H_kv, S] live slots first, in position order
-        picked = {
-            name: tensor.gather(2, index.view(*index.shape, *(1,) * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:]))
-            for name, tensor in (("keys", layer.keys), ("values", layer.values), ("positions", layer.positions),
-                                 ("bias", layer.bias), *layer.extras.items())
-        }
+        index, _ = slots_of(layer.live(), max(sizes))  # [R, H_kv, S] live slots first, in slot order
+        positions = layer.positions.gather(2, index)
+        words = [positions.float(), layer.bias.gather(2, index), *(layer.extras[name].gather(2, index) for name in self.extras)]
         keys, values, meta = self._split(kv_cache, layer.keys.shape[-1])
         blocks, offset, valid = self._slots(table, sizes, kv_cache.shape[2])
         entry = (blocks[valid], slice(None), offset[None].expand_as(blocks)[valid])
-        words = [picked["positions"].float(), picked["bias"], *(picked[name] for name in self.extras)]
         meta[entry] = torch.stack(words, dim=-1).transpose(1, 2)[valid]
-        changed = valid[:, None, :].expand_as(picked["positions"])
+        changed = valid[:, None, :].expand_as(positions)
         if before is not None:
-            old = before["positions"]
-            old = torch.nn.functional.pad(old, (0, picked["positions"].shape[-1] - old.shape[-1]), value=-1)
-            changed = changed & (picked["positions"] != old[..., : picked["positions"].shape[-1]])
+            width = positions.shape[-1]
+            old = torch.nn.functional.pad(before, (0, max(0, width - before.shape[-1])), value=-1)[..., :width]
+            changed = changed & (positions != old)
         row, head, slot = changed.nonzero(as_tuple=True)
-        target = (blocks[row, slot], head, offset[slot])
-        keys[target] = picked["keys"][row, head, slot].to(keys.dtype)
-        values[target] = picked["values"][row, head, slot].to(values.dtype)
+        target, source = (blocks[row, slot], head, offset[slot]), (row, head, index[row, head, slot])
+        keys[target] = layer.keys[source].to(keys.dtype)
+        values[target] = layer.values[source].to(values.dtype)

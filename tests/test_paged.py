@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from keepkv import CompressedCache
+from keepkv.cache import row_budgets
 from keepkv.paged import SERVED_METHODS, PagedCompression
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
@@ -111,6 +112,13 @@ def test_stored_entries_never_exceed_capacity(method, prompt, budget):
     sizes = [paged.stored(prompt, prompt + t) for t in range(50)]
     assert max(sizes) <= capacity
     assert sizes[0] == min(prompt, paged.kept(prompt))
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.25, 0.5, 1.0, 7])
+def test_kept_is_the_caches_row_budget(budget):
+    paged = PagedCompression(CONFIG, "snapkv", budget)
+    lengths = torch.arange(1, 400)
+    assert [paged.kept(int(n)) for n in lengths] == row_budgets(budget, lengths).tolist()
 
 
 def test_rejects_what_it_cannot_serve():
