@@ -149,3 +149,13 @@ def test_rejects_unsupported_engine_settings(model_dir):
         Engine(model_dir, {"method": "snapkv", "budget": 0.3}, enable_prefix_caching=True)
     with pytest.raises(Exception, match="serves window, streamingllm, snapkv, h2o"):
         Engine(model_dir, {"method": "keepkv", "budget": 0.3})
+
+
+def test_readme_serving_block_runs(tmp_path, monkeypatch, capsys):
+    """README "Serving (vLLM)"'s Python block runs as written (test_readme.py skips it)."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    block = next(part.split("```")[0] for part in readme.split("```python\n") if "from vllm" in part.split("```")[0])
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})
+    assert capsys.readouterr().out.strip()
+
