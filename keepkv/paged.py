@@ -163,17 +163,18 @@ class PagedCompression:
         """
         is_prefill = batch.computed[rows[0]] == 0
         block = max(lengths[r] for r in rows)
-        table = batch.block_table[rows].long()
-        # The new tokens, left-padded to one block: [R, q] flat token indices, -1 for padding.
-        starts = torch.tensor([batch.query_start[r] for r in rows])
-        counts = torch.tensor([lengths[r] for r in rows])
-        offsets = torch.arange(block) - (block - counts)[:, None]
+        table = batch.block_table[rows].long().to(query.device)
+        # The new tokens, left-padded to one block: [R, q] flat token indices (padding: 0, masked).
+        device = query.device
+        starts = torch.tensor([batch.query_start[r] for r in rows], device=device)
+        counts = torch.tensor([lengths[r] for r in rows], device=device)
+        offsets = torch.arange(block, device=device) - (block - counts)[:, None]
         real = offsets >= 0
         tokens = (starts[:, None] + offsets).where(real, 0)
         new_query = query[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H, q, D]
         new_keys = key[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H_kv, q, D]
         new_values = value[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)
-        block_mask = torch.ones(block, block, dtype=torch.bool).tril() & real[:, None, :]
+        block_mask = torch.ones(block, block, dtype=torch.bool, device=device).tril() & real[:, None, :]
         block_mask = block_mask[:, None]  # [R, 1, q, q]
 
         cache = CompressedCache(self.config, self.method, self.budget)
@@ -201,8 +202,8 @@ class PagedCompression:
     def _slots(table: torch.Tensor, sizes: list[int], block_size: int):
         """(block [R, S], offset [S], valid [R, S]) of each request's first ``sizes`` slots."""
         width = max(sizes)
-        slot = torch.arange(width)
-        valid = slot < torch.tensor(sizes)[:, None]
+        slot = torch.arange(width, device=table.device)
+        valid = slot < torch.tensor(sizes, device=table.device)[:, None]
         blocks = table[:, slot // block_size].where(valid, 0)
         return blocks, slot % block_size, valid
 
@@ -217,7 +218,8 @@ class PagedCompression:
         blocks_count, kv_heads, block_size, words = kv_cache.shape
         head_dim = like.shape[-1]
         blocks, offset, valid = self._slots(table, sizes, block_size)
-        rows = (blocks[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]) * block_size + offset
+        heads = torch.arange(kv_heads, device=table.device)
+        rows = (blocks[:, None, :] * kv_heads + heads[None, :, None]) * block_size + offset
         slots = kv_cache.reshape(-1, words).index_select(0, rows.view(-1)).view(*rows.shape, words)
         keys, values, meta = self._split(slots, head_dim)
         empty = ~valid[:, None, :]
@@ -238,9 +240,9 @@ class PagedCompression:
         for i, name in enumerate(self.extras):
             store.extras[name] = buffered(f"extras.{name}", meta[..., 2 + i].masked_fill(empty, self.extra_fill[name]))
             store.extra_fill[name] = self.extra_fill[name]
-        store.real_seen = torch.tensor(computed)
+        store.real_seen = torch.tensor(computed, device=like.device)
         store.seen = max(computed)
-        store.budget = torch.tensor([self.kept(p) for p in prompts])[:, None].expand(-1, kv_heads).contiguous()
+        store.budget = torch.tensor([self.kept(p) for p in prompts], device=like.device)[:, None].expand(-1, kv_heads).contiguous()
         store.capacity, store.min_budget = int(store.budget.max()), int(store.budget.min())
         store.pending = 0 if self.method.interval == 1 else (computed[0] - prompts[0]) % self.method.interval
         binary = bool(((store.bias == 0) | (store.bias == NEG_INF)).all())
