@@ -144,6 +144,26 @@ def test_matches_hf_path_and_caps_blocks(model_dir, prompts, stock, hf_model, me
             assert held < stock_held
 
 
+def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monkeypatch):
+    """KV memory for two grown requests and six in flight: the scheduler preempts (a resumed
+    request is recomputed as a new prompt, on both sides), every request still finishes, and none
+    ever holds more than its capacity's blocks."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preemptions = []
+    preempt = Scheduler._preempt_request
+    monkeypatch.setattr(Scheduler, "_preempt_request", lambda self, *a, **k: preemptions.append(1) or preempt(self, *a, **k))
+    short = [prompt[:100] for prompt in prompts[1:]] * 3  # 6 requests of 100 tokens
+    engine = Engine(model_dir, {"method": "h2o", "budget": 300}, num_gpu_blocks_override=8, max_model_len=600,
+                    max_num_batched_tokens=600)
+    tokens, blocks = engine.run(short, new_tokens=160)
+    block_size = engine.manager().block_size
+    engine.close()
+    assert preemptions
+    assert [len(answer) for answer in tokens] == [160] * 6
+    assert max(blocks) <= math.ceil((300 + 1) / block_size)
+
+
 def test_rejects_unsupported_engine_settings(model_dir):
     with pytest.raises(Exception, match="keepkv.vllm does not support prefix caching"):
         Engine(model_dir, {"method": "snapkv", "budget": 0.3}, enable_prefix_caching=True)
