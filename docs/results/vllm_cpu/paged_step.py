@@ -1,0 +1,51 @@
+"""Time keepkv.paged's decode step alone: 8 requests of 512 prompt tokens, SmolLM2-135M's
+attention shapes (9 heads, 3 KV heads, D = 64), budget 0.1, blocks of 128, two threads.
+
+    python docs/results/vllm_cpu/paged_step.py [method ...]    # default: snapkv window
+
+Prints the mean milliseconds of PagedCompression.forward per layer and decode step (over 30
+steps after 3 warm-up steps), three runs per method.
+"""
+
+import math
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig
+
+from keepkv.paged import PagedCompression
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, REQUESTS, PROMPT = 9, 3, 64, 128, 8, 512
+CONFIG = LlamaConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                     num_hidden_layers=30, intermediate_size=16, vocab_size=32)
+
+
+def run(method: str) -> float:
+    generator = torch.Generator().manual_seed(0)
+    paged = PagedCompression(CONFIG, method, 0.1)
+    blocks = math.ceil(paged.capacity(PROMPT) / BLOCK)
+    words = 2 * HEAD_DIM + paged.meta_words
+    kv_cache = torch.randn(1 + REQUESTS * blocks, KV_HEADS, BLOCK, words, generator=generator)
+    table = torch.arange(1, 1 + REQUESTS * blocks, dtype=torch.int32).view(REQUESTS, blocks)
+
+    def step(length: int, computed: int) -> None:
+        tokens = REQUESTS * length
+        query = torch.randn(tokens, HEADS, HEAD_DIM, generator=generator)
+        key, value = (torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
+        batch = paged.batch(list(range(0, tokens + 1, length)), [computed + length] * REQUESTS, table)
+        paged.forward(kv_cache, query, key, value, batch, HEAD_DIM**-0.5)
+
+    step(PROMPT, 0)
+    for t in range(3):
+        step(1, PROMPT + t)
+    start = time.perf_counter()
+    for t in range(3, 33):
+        step(1, PROMPT + t)
+    return (time.perf_counter() - start) / 30 * 1000
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    for method in sys.argv[1:] or ["snapkv", "window"]:
+        print(method, " ".join(f"{run(method):.2f}" for _ in range(3)), "ms per layer-step")
