@@ -245,8 +245,7 @@ class PagedCompression:
         store.budget = torch.tensor([self.kept(p) for p in prompts], device=like.device)[:, None].expand(-1, kv_heads).contiguous()
         store.capacity, store.min_budget = int(store.budget.max()), int(store.budget.min())
         store.pending = 0 if self.method.interval == 1 else (computed[0] - prompts[0]) % self.method.interval
-        binary = bool(((store.bias == 0) | (store.bias == NEG_INF)).all())
-        store._binary_mark = store._bias_mark() if binary else None
+        store._binary_mark = store._bias_mark()  # served methods evict only: the bias is 0 or -inf
         return store, positions
 
     def _write(self, kv_cache, table, layer: LayerStore, sizes: list[int], before: torch.Tensor | None) -> None:
