@@ -108,10 +108,13 @@ def test_rebuild_matches_sketch_query_with_collisions():
     layer = cache.layers[1]
     state = layer.state
     assert int(state["buckets"].max()) == 1  # 30+ tokens in one bucket per row: all collide
-    keys, values, _ = cache.method.attention_entries(layer)
+    keys, values, bias = cache.method.attention_entries(layer)
     expected_k, expected_v = state["sketch"].query(state["vague_pos"])
     count = state["vague_pos"].shape[-1]
-    assert torch.equal(keys[:, :, :count], expected_k) and torch.equal(values[:, :, :count], expected_v)
+    filled = state["vague_pos"] >= 0  # empty slots (the padded row's) are masked, their content unused
+    assert not filled.all() and bool((bias[:, :, :count][~filled] == float("-inf")).all())
+    assert torch.equal(keys[:, :, :count][filled], expected_k[filled])
+    assert torch.equal(values[:, :, :count][filled], expected_v[filled])
     assert torch.equal(keys[:, :, count:], layer.keys)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from keepkv.sketch import (
     CountSketch,
-    _median_rows,
+    median_rows,
     allocate_layer_budgets,
     buckets_for_budget,
     fisher_layer_budgets,
@@ -70,11 +70,11 @@ def test_value_estimate_unbiased_and_median_reduces_variance():
 
 def test_median_rows_matches_torch_median():
     x = torch.randn(4, 5, 3, 7)
-    torch.testing.assert_close(_median_rows(x), torch.median(x, dim=-2).values, rtol=0, atol=0)
+    torch.testing.assert_close(median_rows(x), torch.median(x, dim=-2).values, rtol=0, atol=0)
     x4 = torch.tensor([[4.0], [1.0], [3.0], [2.0]])
-    assert _median_rows(x4).item() == 2.0  # even r: the lower median
+    assert median_rows(x4).item() == 2.0  # even r: the lower median
     x1 = torch.randn(2, 1, 3)
-    assert torch.equal(_median_rows(x1), x1[:, 0])
+    assert torch.equal(median_rows(x1), x1[:, 0])
 
 
 # ------------------------------------------------------------------ exactness

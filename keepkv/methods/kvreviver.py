@@ -135,7 +135,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Needs
-from ..sketch import CountSketch, _hash_positions, fisher_layer_scores, proportional_budgets
+from ..sketch import CountSketch, fisher_layer_scores, median_rows, proportional_budgets
 from .base import Method, check_range, plan_eviction, pool_group, register
 
 NEG_INF = float("-inf")
@@ -160,25 +160,13 @@ class RaggedSketch(CountSketch):
 
     active: torch.Tensor | None = None
 
-    def _hashes(self, token_ids):
+    def _hashes(self, token_ids, limit=None):
         if self.active is None:
-            return super()._hashes(token_ids)
-        h = _hash_positions(token_ids.to(self.keys.device), self._salts)  # [B, H, N, 2, r]
+            return super()._hashes(token_ids, limit)
+        h = self._raw_hashes(token_ids, limit)  # [B, H, N, 2, r]
         buckets = h[..., 0, :] % self.active[:, :, None, None]
         signs = (1 - 2 * ((h[..., 1, :] >> 31) & 1)).to(self.keys.dtype)
         return buckets, signs
-
-
-def median_rows(x: torch.Tensor) -> torch.Tensor:
-    """Coordinate-wise median over the sketch-row axis of [..., r, D] (lower median for even
-    r, as ``CountSketch.query``); r = 3 by a min/max network."""
-    rows = x.shape[-2]
-    if rows == 1:
-        return x[..., 0, :]
-    if rows == 3:
-        a, b, c = x[..., 0, :], x[..., 1, :], x[..., 2, :]
-        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
-    return x.median(dim=-2).values
 
 
 # ----------------------------------------------------------------------- memory tracking
@@ -477,73 +465,77 @@ class KVReviver(Method):
         vague_bias = torch.zeros_like(state["vague_score"]).masked_fill(vague_pos < 0, NEG_INF)
         bias = torch.cat([vague_bias, layer.bias], dim=-1)
         rebuilt = self.tracker.track((keys, values, bias))
-        workspace = self.rebuild_vague(state, vague_pos, keys, values)
+        workspace = self.rebuild_vague(state, vague_pos, keys, values, layer.seen)
         state["rebuilt_bytes"] = rebuilt
         state["peak_rebuilt_bytes"] = max(state.get("peak_rebuilt_bytes", 0), rebuilt + workspace)
         return keys, values, bias
 
-    def rebuild_vague(self, state, token_ids, keys_out, values_out) -> int:
+    def rebuild_vague(self, state, token_ids, keys_out, values_out, limit: int) -> int:
         """Query ``token_ids`` [B, H_kv, n] from the layer's sketch into ``keys_out[:, :, :n]``
-        and ``values_out[:, :, :n]`` (Algorithm 2: gather the r slots, values times their
-        sign, coordinate-wise median; see ``estimate``), in chunks so that the per-row
-        estimates [B, H_kv, c, r, D] stay within REBUILD_WORKSPACE_FRACTION of the rebuilt
-        layer (at least QUERY_CHUNK_MIN tokens a chunk). Hashes are computed once for all n
-        tokens. With ``estimate="sum"`` the result is ``sketch.query``'s. Returns the
-        largest chunk's buffer bytes.
+        and ``values_out[:, :, :n]`` (Algorithm 2: the r slots, values times their sign, the
+        coordinate-wise median; see ``estimate``), in chunks so that the per-row estimates
+        [B, H_kv, c, r, D_k + D_v] stay within REBUILD_WORKSPACE_FRACTION of the rebuilt layer
+        (at least QUERY_CHUNK_MIN tokens a chunk). ``token_ids`` lie in [0, limit) or are -1
+        (empty slots, masked by the caller). Returns the largest workspace in bytes.
         """
         sketch = state["sketch"]
-        rows = sketch.rows
-        count = token_ids.shape[-1]
+        rows, key_dim = sketch.rows, sketch.head_dim
+        batch, kv_heads, count = token_ids.shape
         per_chunk = int(keys_out.shape[2] * REBUILD_WORKSPACE_FRACTION / rows)
         chunk = min(count, max(QUERY_CHUNK_MIN, per_chunk))
-        flat, sign = self._slots(sketch, token_ids)
-        workspace = 0
+        table = self._slot_estimates(state)
+        # Sketch row first: each row's estimates come out contiguous for the median.
+        index = self._slots(sketch, token_ids, limit, signed=True).movedim(-1, 0)  # [r, B, H_kv, n]
+        table_bytes, workspace = self.tracker.track((table,)), 0
         for start in range(0, count, chunk):
             stop = min(count, start + chunk)
-            k, v = self._row_estimates(state, flat[:, :, start:stop], sign[:, :, start:stop])
-            workspace = max(workspace, self.tracker.track((k, v)))
-            keys_out[:, :, start:stop] = median_rows(k)
-            values_out[:, :, start:stop] = median_rows(v)
-            del k, v
+            estimates = table.index_select(0, index[..., start:stop].reshape(-1))
+            workspace = max(workspace, table_bytes + self.tracker.track((estimates,)))
+            median = median_rows(estimates.view(rows, batch, kv_heads, stop - start, -1), dim=0, inplace=True)
+            keys_out[:, :, start:stop] = median[..., :key_dim]
+            values_out[:, :, start:stop] = median[..., key_dim:]
+            del estimates, median
         return workspace
 
     @staticmethod
-    def _slots(sketch, token_ids):
-        """Flat slot index into ``keys.view(-1, D)`` and sign, each [B, H_kv, n, r]."""
+    def _slots(sketch, token_ids, limit=None, signed=False):
+        """Flat slot index [B, H_kv, n, r]: into the sketch's slots [B, H_kv, r, b], or with
+        ``signed`` into :meth:`_slot_estimates`'s [B, H_kv, r, 2, b] (1: the negated slot)."""
         batch, kv_heads, rows, buckets, _ = sketch.keys.shape
-        bucket, sign = sketch._hashes(token_ids)
+        bucket, sign = sketch._hashes(token_ids, limit)
         base = torch.arange(batch * kv_heads * rows, device=bucket.device).view(batch, kv_heads, 1, rows)
-        return base * buckets + bucket, sign
+        if not signed:
+            return base * buckets + bucket
+        return base * (2 * buckets) + (sign < 0).long() * buckets + bucket
 
-    def _row_estimates(self, state, flat, sign):
-        """Per-row estimates [B, H_kv, n, r, D] of keys and values at slots ``flat``."""
+    def _slot_estimates(self, state):
+        """[B * H_kv * r * 2 * b, D_k + D_v]: what each slot contributes to a query before the
+        median (Algorithm 2), keys and values side by side: slot / occupancy for ``"mean"``,
+        then the same negated (values; keys too with ``sign_keys``), so that one gather picks
+        g_j(t) x slot. Per slot, not per token: r * b rows instead of n * r."""
         sketch = state["sketch"]
-        batch, kv_heads, count, rows = flat.shape
-        head_dim = sketch.head_dim
-        index = flat.reshape(-1)
-        g = sign[..., None]
-        k = sketch.keys.view(-1, head_dim).index_select(0, index).view(batch, kv_heads, count, rows, head_dim)
-        v = sketch.values.view(-1, head_dim).index_select(0, index).view(batch, kv_heads, count, rows, head_dim)
-        v = v * g
-        if sketch.sign_keys:
-            k = k * g
+        keys, values = sketch.keys, sketch.values
         if self.estimate == "mean":
-            occupancy = state["slot_counts"].view(-1).index_select(0, index).view(batch, kv_heads, count, rows, 1)
-            occupancy = occupancy.clamp(min=1).to(k.dtype)
-            k, v = k / occupancy, v / occupancy
-        return k, v
+            occupancy = state["slot_counts"].clamp(min=1).to(keys.dtype)[..., None]
+            keys, values = keys / occupancy, values / occupancy
+        plus = torch.cat([keys, values], dim=-1)
+        minus = torch.cat([-keys if sketch.sign_keys else keys, -values], dim=-1)
+        return torch.stack([plus, minus], dim=3).view(-1, plus.shape[-1])
 
     def query(self, state, token_ids):
         """Estimates [B, H_kv, n, D] of keys and values of ``token_ids`` from the layer's sketch."""
-        k, v = self._row_estimates(state, *self._slots(state["sketch"], token_ids))
-        return median_rows(k), median_rows(v)
+        table = self._slot_estimates(state)
+        estimates = table.index_select(0, self._slots(state["sketch"], token_ids, signed=True).reshape(-1))
+        median = median_rows(estimates.view(*token_ids.shape, state["sketch"].rows, -1))
+        key_dim = state["sketch"].head_dim
+        return median[..., :key_dim], median[..., key_dim:]
 
     def _count(self, state, token_ids, mask, delta: float) -> None:
         """Add ``delta`` to the occupancy of the slots of the masked ``token_ids`` ("mean")."""
         if self.estimate != "mean":
             return
         sketch = state["sketch"]
-        flat, _ = self._slots(sketch, token_ids)
+        flat = self._slots(sketch, token_ids)
         weight = mask.to(torch.float32)[..., None].expand(flat.shape) * delta
         state["slot_counts"].view(-1).index_put_((flat.reshape(-1),), weight.reshape(-1), accumulate=True)
 
