@@ -38,6 +38,7 @@ class Needs:
     colsum: bool = False  # column sums of the probabilities over all query rows (prefill)
     window: int = 0  # probabilities of the last `window` query rows (prefill)
     logits: bool = False  # q·K·scaling of every query row, fp32, no bias (decode steps)
+    decays: tuple[float, ...] = ()  # Σ_i λ^(q-1-i) probs_i over query rows, per λ (prefill)
 
     @staticmethod
     def union(needs: list["Needs"]) -> "Needs":
@@ -47,7 +48,16 @@ class Needs:
             colsum=any(n.colsum for n in needs),
             window=max((n.window for n in needs), default=0),
             logits=any(n.logits for n in needs),
+            decays=tuple(sorted({decay for n in needs for decay in n.decays})),
         )
+
+    def missing(self, other: "Needs") -> list[str]:
+        """What ``other`` asks for that this does not compute (names of the fields)."""
+        gaps = [name for name in ("probs", "colsum", "logits") if getattr(other, name) and not getattr(self, name)]
+        if other.window > self.window:
+            gaps.append(f"window={other.window}")
+        gaps += [f"decay {decay}" for decay in other.decays if decay not in self.decays]
+        return gaps
 
 
 @dataclass
@@ -60,9 +70,8 @@ class StepStats:
     window_probs [B, H_kv, g, w, S]   probabilities of the last w query rows (if asked)
     logits       [B, H_kv, g, q, S]   fp32 q·k·scaling without the bias (if asked): the very
                                       logits the attention's probabilities come from
-    derived      {key: tensor}        what a method computed from these statistics (keyed by the
-                                      method and its parameters): every cache forked from one
-                                      recorded prefill reuses it instead of computing it again
+    decayed      {λ: [B, H_kv, g, S]} Σ_i λ^(q-1-i) probs_i over the q query rows (if asked):
+                                      the newest row weighs 1
     S is the layer's size after the new block was appended.
     """
 
@@ -73,7 +82,7 @@ class StepStats:
     colsum: torch.Tensor | None = None
     window_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    derived: dict = field(default_factory=dict)
+    decayed: dict[float, torch.Tensor] = field(default_factory=dict)
 
 
 def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -146,8 +155,12 @@ def attend(
         scaled = None if stats.logits is None else stats.logits[:, :, :, start:stop, :visible]
         return softmax_probs(entry_logits(rows, keys[:, :, :visible], bias[:, :, :visible], scaling, block_rows, scaled))
 
-    if needs.probs or needs.colsum or needs.logits or not (size == block or binary_bias or query.dtype == torch.float32):
-        output, stats.probs, stats.colsum = explicit_pass(row_probs, values, query_g.shape, block, rows_per_chunk, needs)
+    if needs.probs or needs.colsum or needs.decays or needs.logits or not (
+        size == block or binary_bias or query.dtype == torch.float32
+    ):
+        output, stats.probs, stats.colsum, stats.decayed = explicit_pass(
+            row_probs, values, query_g.shape, block, rows_per_chunk, needs
+        )
     elif size == block:
         # Nothing stored before this block, so the bias only marks padding, which the mask holds;
         # without padding the mask is plain causal and SDPA needs none (a mask forces a slower kernel).
@@ -164,13 +177,16 @@ def attend(
 
 
 def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: int, needs: Needs):
-    """Output [B, q, H, D], probabilities [B, H_kv, g, q, S] (if ``needs.probs``) and column sums
-    [B, H_kv, g, S] (if ``needs.colsum``), all from one pass of ``row_probs(start, stop)`` over
-    chunks of query rows: the workspace is one chunk's logits, never [q, S] at once."""
+    """Output [B, q, H, D], probabilities [B, H_kv, g, q, S] (if ``needs.probs``), column sums
+    [B, H_kv, g, S] (if ``needs.colsum``) and decayed column sums {λ: [B, H_kv, g, S]} (one per
+    ``needs.decays``), all from one pass of ``row_probs(start, stop)`` over chunks of query
+    rows: the workspace is one chunk's logits, never [q, S] at once."""
     batch, kv_heads, group = query_shape[:3]
     size = values.shape[2]
     output_chunks, prob_chunks = [], []
     colsum = values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) if needs.colsum else None
+    decayed = {decay: values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) for decay in needs.decays}
+    age = torch.arange(block - 1, -1, -1, device=values.device, dtype=torch.float32)  # rows after each row
     for start in range(0, block, rows_per_chunk):
         probs = row_probs(start, min(block, start + rows_per_chunk))
         rows, visible = probs.shape[3:]
@@ -180,8 +196,11 @@ def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: in
             prob_chunks.append(F.pad(probs, (0, size - visible)))
         if needs.colsum:
             colsum[..., :visible] += probs.sum(3)
+        for decay, total in decayed.items():
+            weights = decay ** age[start : start + rows]
+            total[..., :visible] += (probs * weights[:, None]).sum(3)
     output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
-    return output, torch.cat(prob_chunks, dim=3) if needs.probs else None, colsum
+    return output, torch.cat(prob_chunks, dim=3) if needs.probs else None, colsum, decayed
 
 
 def grouped_sdpa(query_g, keys, values, bias, block_mask, scaling: float, binary_bias: bool) -> torch.Tensor:
@@ -227,6 +246,10 @@ def join_prefill_stats(earlier: StepStats, later: StepStats, window: int) -> Ste
         joined.probs = torch.cat([padded(earlier.probs, later.probs), later.probs], dim=3)
     if later.colsum is not None:
         joined.colsum = padded(earlier.colsum, later.colsum) + later.colsum
+    rows = later.query.shape[3]  # each earlier row is `rows` rows older at the end of `later`
+    joined.decayed = {
+        decay: padded(earlier.decayed[decay], total) * decay**rows + total for decay, total in later.decayed.items()
+    }
     if later.window_probs is not None:
         rows = torch.cat([padded(earlier.window_probs, later.window_probs), later.window_probs], dim=3)
         joined.window_probs = rows[:, :, :, -window:]

@@ -722,6 +722,12 @@ class CompressedCache(Cache):
         if self.record is None or self.prompt_lengths is None:
             raise ValueError("fork() needs a cache built with record=Needs(...) that has seen a prefill")
         cache = CompressedCache(self.config, method, budget, compile=self.compile, **method_params)
+        missing = self.record.missing(cache.method.needs(True))
+        if missing:
+            raise ValueError(
+                f"fork({cache.method.name!r}): the recorded prefill lacks {', '.join(missing)}; record "
+                f"Needs.union([method.needs(True) for method in the methods to fork])"
+            )
         for source, layer in zip(self.layers, cache.layers):
             layer.lazy_initialization(source.keys, source.values)
             layer.keys, layer.values = source.keys.clone(), source.values.clone()

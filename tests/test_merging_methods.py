@@ -251,20 +251,25 @@ def test_bad_parameters_name_the_valid_range(name, params):
 
 
 @torch.no_grad()
-def test_forks_of_one_prefill_share_zeromerge_prefill_scores(monkeypatch):
-    """Its λ-weighted prefill scores do not depend on the budget: one pass per layer serves every fork."""
-
-    calls = []
-    real = ZeroMerge.prefill_scores
-    monkeypatch.setattr(ZeroMerge, "prefill_scores", lambda self, layer, stats: calls.append(1) or real(self, layer, stats))
+def test_zeromerge_prefill_scores_are_the_decayed_sum_of_the_recorded_pass():
+    """Σ_i λ^(T-1-i) a_i comes from the prefill's own attention pass (``Needs.decays``): by hand
+    from the recorded probabilities, the same in every fork, equal to ZeroMerge run alone, and a
+    fork from a record without that λ is refused."""
     model = tiny_model("llama-gqa", layers=3)
     input_ids, attention_mask = random_batch(batch=2, length=30, pad=(0, 6))
     keepkv.enable(model)
-    record = keepkv.CompressedCache(model.config, "full", record=Needs(probs=True))
+    record = keepkv.CompressedCache(model.config, "full", record=Needs(probs=True, decays=(0.98,)))
     model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=record)
+    for layer in record.layers:
+        probs = layer.prefill_stats.probs  # [B, H_kv, g, T, S]
+        rows = probs.shape[3]
+        weights = 0.98 ** torch.arange(rows - 1, -1, -1, dtype=torch.float32)
+        by_hand = (probs * weights[:, None]).sum(3)
+        torch.testing.assert_close(layer.prefill_stats.decayed[0.98], by_hand)
     forks = [record.fork("zeromerge", budget) for budget in (8, 16, 0.5)]
-    assert len(calls) == 3  # one per layer
     alone = keepkv.CompressedCache(model.config, "zeromerge", 16)
     model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=alone)
     for forked, direct in zip(forks[1].layers, alone.layers):
         torch.testing.assert_close(forked.extras["score"], direct.extras["score"])
+    with pytest.raises(ValueError, match="lacks decay 0.9"):
+        record.fork("zeromerge", 16, decay=0.9)

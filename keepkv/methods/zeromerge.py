@@ -7,16 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import Needs, entry_logits, softmax_probs
+from ..attention import Needs
 from ..merging import momentum_merge
 from .base import Method, check_range, register, slots_of
-
-# Floats in one chunk of the prefill score pass; independent of the batch size, so a row's
-# scores are summed in the same order whether it runs alone or in a batch.
-SCORE_CHUNK_ELEMENTS = 1 << 22
-# Prefill query rows older than this decay factor contribute nothing measurable in fp32.
-NEGLIGIBLE_DECAY = 1e-10
-
 
 def slot_bias(counts: torch.Tensor, alpha: float) -> torch.Tensor:
     """The attention-logit compensation α·ln w of an entry that fused w tokens (eq. 8)."""
@@ -33,8 +26,8 @@ class ZeroMerge(Method):
     ⌊recent_ratio·B⌋)`` newest tokens), ``merge_slots`` residual slots, and context (the rest:
     the highest contribution scores). Scores decay: s <- λ·s + a at every query (eq. 5),
     a summed over the GQA group (the code's ``de_repeat_kv``). The prefill scores are the same
-    recursion over the prompt's queries, Σ_i λ^(T−1−i)·a_i, computed in chunks (rows whose weight
-    is below 1e-10 are skipped).
+    recursion over the prompt's queries, Σ_i λ^(T−1−i)·a_i, which the prefill's attention pass
+    sums as it goes (``Needs.decays``).
 
     Whenever the entries outside the residual slots and the proximity window exceed the
     context budget, the lowest-scoring ones leave the context (Algorithm 1; the token that just
@@ -92,8 +85,7 @@ class ZeroMerge(Method):
                 raise ValueError(f"{field} must be an int >= 0, got {value!r}")
 
     def needs(self, is_prefill):
-        # Prefill scores are computed in observe (they weight every query row by λ^(T-1-i)).
-        return Needs() if is_prefill else Needs(probs=True)
+        return Needs(decays=(self.decay,))  # Σ_i λ^(q-1-i) a_i over the block's rows (eq. 5)
 
     def setup_layer(self, layer):
         layer.add_extra("score")
@@ -104,39 +96,8 @@ class ZeroMerge(Method):
     def observe(self, layer, stats):
         if "dropped" not in layer.state:
             layer.state["dropped"] = torch.zeros(layer.bias.shape[:2], dtype=torch.long, device=layer.bias.device)
-        if stats.is_prefill:
-            key = ("zeromerge.prefill_scores", self.decay)  # the same for every budget forked from a prefill
-            if key not in stats.derived:
-                stats.derived[key] = self.prefill_scores(layer, stats)
-            layer.extras["score"] = layer.extras["score"] + stats.derived[key]
-            return
-        probs = stats.probs.float().sum(2)  # [B, H_kv, q, S], summed over the group
-        rows = probs.shape[2]
-        weights = self.decay ** torch.arange(rows - 1, -1, -1, device=probs.device, dtype=torch.float32)
-        decayed = (probs * weights[:, None]).sum(2)
-        layer.extras["score"] = layer.extras["score"] * self.decay**rows + decayed
-
-    def prefill_scores(self, layer, stats) -> torch.Tensor:
-        """Σ_i λ^(T−1−i) a_i over the prompt's query rows, [B, H_kv, S], chunked over rows."""
-        query = stats.query  # [B, H_kv, g, T, D]
-        batch, kv_heads, group, block, _ = query.shape
-        size = layer.size
-        device = query.device
-        first = 0
-        if self.decay < 1.0:
-            first = max(0, block - 1 - math.ceil(math.log(NEGLIGIBLE_DECAY) / math.log(self.decay)))
-        rows_per_chunk = max(1, SCORE_CHUNK_ELEMENTS // max(1, kv_heads * group * size))
-        columns = torch.arange(block, device=device)
-        scores = torch.zeros(batch, kv_heads, size, device=device)
-        for start in range(first, block, rows_per_chunk):
-            stop = min(block, start + rows_per_chunk)
-            rows = torch.arange(start, stop, device=device)
-            causal = (columns[None, :] <= rows[:, None]).expand(batch, -1, -1)  # [B, r, T]
-            logits = entry_logits(query[:, :, :, start:stop], layer.keys, layer.bias, stats.scaling, causal)
-            probs = softmax_probs(logits)  # [B, H_kv, g, r, S]
-            weights = self.decay ** (block - 1 - rows).float()
-            scores += (probs.sum(2) * weights[:, None]).sum(2)
-        return scores
+        rows = stats.query.shape[3]
+        layer.extras["score"] = layer.extras["score"] * self.decay**rows + stats.decayed[self.decay].sum(2)
 
     def protected_entries(self):
         return self.merge_slots + self.min_recent
