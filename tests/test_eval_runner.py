@@ -378,8 +378,12 @@ def test_report_states_the_resolution_of_every_group():
     }
     text = eval_cli.format_resolution(groups)
     rows = [line for line in text.splitlines() if line.startswith("| needle") or line.startswith("| kl")]
-    assert rows[0] == "| needle 1024 | 0.1 | 1 | 0.000 | 0.000 (a vs b) | 1/1 below 0.150 |"
-    # kl: every difference is 0.1, so the half-width is 0, below 10% of the pair's mean 0.25.
-    assert rows[1] == "| kl+source=pydoc 1024 | 0.1 | 1 | 0% | 0% (a vs b) | 1/1 below 10% |"
-    assert len(rows) == 2
+    # needle: a and b solve the same samples: half-width 0, close (equal means), not resolved.
+    assert rows[0] == "| needle 1024 | 0.1 | 1 | 0.000 | 0.000 | 0.000 (a vs b) | 1/1 below 0.150 | 0/1 |"
+    # kl: every difference is 0.1, so the half-width is 0, below 10% of the pair's mean 0.25; means
+    # 0.3 and 0.2 are not within 1.25x (no close pair); the difference is resolved.
+    assert rows[1] == "| kl+source=pydoc 1024 | 0.1 | 1 | 0% | – | 0% (a vs b) | 1/1 below 10% | 1/1 |"
+    # Both kl suites pooled: b has pydoc samples only, so the pairs are pydoc's (ids kept apart by suite).
+    assert rows[2] == "| kl (pooled: 2 suites) 1024 | 0.1 | 1 | 0% | – | 0% (a vs b) | 1/1 below 10% | 1/1 |"
+    assert len(rows) == 3
     assert eval_cli.format_resolution({("needle", 1024): {("a", 0.1): cell([1])}}) == ""

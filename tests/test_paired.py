@@ -130,6 +130,8 @@ def test_resolution_of_binary_cells_by_hand():
     assert found.worst == pytest.approx(0.432677, abs=1e-6) and found.worst_pair == ("a", "b")
     assert found.median == pytest.approx(0.432677, abs=1e-6)
     assert found.within == 1
+    assert found.resolved == 0  # a-b: 0.375 ± 0.43; b-c: no difference at all
+    assert found.close_median == 0.0  # only b-c (means 0.375 each) are close; a's mean is 0.75
 
 
 def test_resolution_of_continuous_cells_is_relative_to_the_pair_mean():
@@ -140,4 +142,10 @@ def test_resolution_of_continuous_cells_is_relative_to_the_pair_mean():
     assert found.relative and found.target == 0.10
     assert found.worst == pytest.approx(2.484166 / 3, abs=1e-6)
     assert found.within == 0
+    assert found.resolved == 0 and math.isnan(found.close_median)  # means 4 and 2: not close
+    # c = b + 0.1 on every sample: resolved (interval 0.1 ± 0), close (means 2.1 vs 2), width 0.
+    found = resolution({"a": _cell([2.0, 4.0, 6.0]), "b": _cell([1.0, 2.0, 3.0]), "c": _cell([1.1, 2.1, 3.1])})
+    assert found.pairs == 3 and found.resolved == 1 and found.within == 1
+    assert found.close_median == pytest.approx(0.0, abs=1e-12)
+    assert found.median == pytest.approx(2.484166 / 3.05, abs=1e-6)  # a-c, the middle of 0, 0.8145, 0.828
     assert resolution({"a": _cell([1.0, 2.0])}) is None

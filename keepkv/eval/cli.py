@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..arguments import budget_arg
 from . import runner as _runner
-from .paired import resolution, resolved
+from .paired import CLOSE_RATIO, resolution, resolved
 from .summary import load_cells, read_summary, with_reference
 
 
@@ -332,28 +332,45 @@ def format_table(rows: list[dict]) -> str:
 
 
 def format_resolution(groups: dict) -> str:
-    """Markdown (empty when no group has two compressed methods): per suite and budget, the paired 95% half-widths over every pair of compressed
-    methods, against the targets (0.15 for 0/1 scores, 10% of the pair's mean otherwise)."""
+    """Markdown (empty when no group has two compressed methods): per suite and budget, the paired
+    95% half-widths over every pair of compressed methods, against the targets (0.15 for 0/1
+    scores, 10% of the pair's mean otherwise). Suites run in several variants at one length
+    (``kl+source=pydoc`` and ``kl+source=stdlib``) also get a row of all their samples pooled."""
     header = [
         "", "Resolution: paired 95% half-width over every pair of compressed methods at one budget (0/1 scores: "
         "absolute; others: relative to the pair's mean score); a pair resolves a difference larger than its "
-        "half-width.", "",
-        "| suite | budget | pairs | median | largest (pair) | below target |",
-        "|---|:---:|:---:|:---:|:---:|:---:|",
+        f"half-width. Close pairs: means within {CLOSE_RATIO:g}x of each other. Resolved: pairs whose interval "
+        "excludes 0.", "",
+        "| suite | budget | pairs | median | close pairs' median | largest (pair) | below target | resolved |",
+        "|---|:---:|:---:|:---:|:---:|:---:|:---:|:---:|",
     ]
-    lines = []
+    pooled: dict = {}
     for (suite, length), cells in groups.items():
+        pooled.setdefault((suite.split("+")[0], length), []).append((suite, cells))
+    tables = list(groups.items())
+    for (name, length), members in pooled.items():
+        if len(members) > 1:
+            merged: dict = {}
+            for suite, cells in members:
+                for key, records in cells.items():
+                    merged.setdefault(key, []).extend({**r, "id": f"{suite}/{r['id']}"} for r in records)
+            tables.append(((f"{name} (pooled: {len(members)} suites)", length), merged))
+    lines = []
+    for (suite, length), cells in tables:
         for budget in sorted({b for m, b in cells if m != "full"}):
             found = resolution({m: records for (m, b), records in cells.items() if b == budget and m != "full"})
             if found is None:
                 continue
+
             def show(width):
+                if math.isnan(width):
+                    return "–"
                 return f"{width:.0%}" if found.relative else f"{width:.3f}"
 
             lines.append(
-                f"| {suite} {length} | {budget} | {found.pairs} | {show(found.median)} | "
+                f"| {suite} {length} | {budget} | {found.pairs} | {show(found.median)} | {show(found.close_median)} | "
                 f"{show(found.worst)} ({' vs '.join(found.worst_pair)}) | "
-                f"{found.within}/{found.pairs} below {show(found.target)} |"
+                f"{found.within}/{found.pairs} below {show(found.target)} | {found.resolved}/{found.pairs} |"
             )
     return "\n".join(header + lines) if lines else ""
 

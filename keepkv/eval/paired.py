@@ -115,6 +115,8 @@ def pair_records(records: list[dict], reference: list[dict]) -> PairedDifference
 # difference in accuracy is resolved), below 10% of the pair's mean score otherwise (KL).
 ABSOLUTE_TARGET = 0.15
 RELATIVE_TARGET = 0.10
+# Pairs whose mean scores differ by less than this factor count as "close" in Resolution.
+CLOSE_RATIO = 1.25
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,9 @@ class Resolution:
 
     ``relative``: half-widths are divided by the pair's mean score (the mean of both methods'
     means), for continuous scores; 0/1 scores are absolute. ``within`` counts the pairs below
-    ``target``.
+    ``target``, ``resolved`` those whose difference is resolved. ``close_median``: the median
+    half-width over the pairs whose means are within ``CLOSE_RATIO`` of each other (nan when
+    none are): the resolution where it matters, between methods that score alike.
     """
 
     pairs: int
@@ -133,6 +137,8 @@ class Resolution:
     within: int
     target: float
     relative: bool
+    resolved: int = 0
+    close_median: float = math.nan
 
 
 def resolution(cells: dict[str, list[dict]]) -> Resolution | None:
@@ -141,23 +147,33 @@ def resolution(cells: dict[str, list[dict]]) -> Resolution | None:
     names = sorted(cells)
     scores = {name: [record["score"] for record in cells[name]] for name in names}
     relative = not all(_binary(values) for values in scores.values())
-    widths = {}
+    widths, resolved_pairs, close = {}, 0, []
     for index, first in enumerate(names):
         for second in names[index + 1:]:
             difference = pair_records(cells[first], cells[second])
             if difference is None or math.isnan(difference.ci95):
                 continue
-            scale = abs(_mean(scores[first]) + _mean(scores[second])) / 2 if relative else 1.0
-            widths[(first, second)] = difference.ci95 / scale if scale > 0 else math.inf
+            means = sorted(abs(_mean(scores[name])) for name in (first, second))
+            scale = sum(means) / 2 if relative else 1.0
+            width = difference.ci95 / scale if scale > 0 else math.inf
+            widths[(first, second)] = width
+            resolved_pairs += difference.resolved
+            if means[1] < CLOSE_RATIO * means[0]:
+                close.append(width)
     if not widths:
         return None
     target = RELATIVE_TARGET if relative else ABSOLUTE_TARGET
     ordered = sorted(widths.values())
     worst_pair = max(widths, key=widths.get)
     return Resolution(
-        pairs=len(ordered), median=ordered[len(ordered) // 2], worst=widths[worst_pair], worst_pair=worst_pair,
+        pairs=len(ordered), median=_median(ordered), worst=widths[worst_pair], worst_pair=worst_pair,
         within=sum(width < target for width in ordered), target=target, relative=relative,
+        resolved=resolved_pairs, close_median=_median(sorted(close)) if close else math.nan,
     )
+
+
+def _median(ordered: list[float]) -> float:
+    return ordered[len(ordered) // 2]
 
 
 def _mean(values: Sequence[float]) -> float:
