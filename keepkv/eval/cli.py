@@ -193,8 +193,9 @@ def report(args) -> str:
         rows = with_reference(rows, run_dir if run_dir.is_dir() else run_dir.parent, args.reference)
     text = format_table(rows)
     run_dir = Path(args.path) if Path(args.path).is_dir() else Path(args.path).parent
-    if (run_dir / "cells").is_dir():
-        text += format_resolution(load_cells(run_dir))
+    resolution_text = format_resolution(load_cells(run_dir)) if (run_dir / "cells").is_dir() else ""
+    if resolution_text:
+        text += "\n" + resolution_text  # a blank line: the paragraph must not join the last table
     print(text)
     if getattr(args, "out", None):
         Path(args.out).write_text(text + "\n")

@@ -140,9 +140,24 @@ CPU-s (wall 1,652 s at load average 7.6-10.8): the joint decode of 128 teacher-f
 So about 49 CPU-s per needle sample and 250 per kl sample with the full grid, measured on a
 loaded machine. Measured end to end on the idle 2-core machine (commit 8cd93a2, 2 workers x
 1 thread, the default run): 1,847 s wall, 3,347 CPU-s; needle 13.5 min, kl+source=pydoc 8.5,
-kl+source=stdlib 9.5. Since then ZeroMerge's prefill scores are shared by the forks of one
-prefill (12.7 CPU-s per 4 rows and budget before). Larger batches (``batch_size`` = 8 rows per
-worker) cost less per sample: a decode step is per-op overhead more than per-row work.
+kl+source=stdlib 9.5.
+
+Since then (profiles with ``CompressedCache.fork`` and :func:`decode_cells` timed apart, dev
+seed, ``kl+source=stdlib`` at 1024 tokens, one thread):
+
+* ZeroMerge's prefill scores come from the recording prefill's own attention pass
+  (``Needs.decays``): its fork fell from 57.1 to 3.3 CPU-s per 16 / 8 rows and two budgets
+  (~3.6 to 0.4 per sample). Forks now cost ~3.3 CPU-s per sample for the whole grid (KeepKV
+  and D2O ~0.7 each, KVMerger 0.5, KVReviver 0.4, ZeroMerge 0.4, the rest <= 0.1).
+* KVReviver's rebuild gathers from a per-slot estimate table: its decode step alone, 16
+  rows, fell from 2.73 to 1.58 CPU-s (still 4-7x any other method's 0.23-0.54: the paper
+  rebuilds every vague token at every step). The joint step of the 23 cells x 16 rows fell
+  from 9.8 to 8.4 CPU-s, ~0.52 CPU-s per text and step; the prefill is ~5.2 CPU-s per text.
+* End to end, ``kl+source=stdlib`` with 12 texts, 2 workers x 6 rows: 594 s wall, 1,128
+  CPU-s, ~94 CPU-s (~47 s of wall time) per text. That sets the default of 16 texts per kl
+  suite: with needle's 64 samples the default run stays within 45 minutes. Larger batches
+  cost a little less per sample (a decode step is partly per-op overhead), and more memory:
+  the 6-row workers peaked at 9.1 GB resident each.
 """
 
 from __future__ import annotations

@@ -77,15 +77,19 @@ Algorithm 3 (compress), per row and head, vectorised over all rows and heads
 
 Algorithm 4 (rebuild)
 ---------------------
-:meth:`KVReviver.attention_entries` queries every vague token from the sketch (gather +
-median, in bounded chunks) and *prepends* them to the stored entries for this one
-attention call. The paper rebuilds the T tokens in positional order; attention is a sum
-over entries, so the order does not matter (bar float summation order), and prepending
-keeps the core's rule that the new block comes last. The rebuilt tensors are referenced
-only by that call and freed before the next layer runs, so at most one layer's
-full-length cache exists at a time. :class:`RebuildTracker` measures that with tensor
-byte accounting (weak references on the rebuilt tensors); :meth:`KVReviver.memory_report`
-gives stored bytes next to the peak.
+:meth:`KVReviver.attention_entries` queries every vague token from the sketch and
+*prepends* them to the stored entries for this one attention call. The paper rebuilds the
+T tokens in positional order; attention is a sum over entries, so the order does not
+matter (bar float summation order), and prepending keeps the core's rule that the new
+block comes last. The query is one gather per chunk of tokens from a per-slot table built
+once per call (each slot's key and value already divided by its occupancy, next to its
+negation: the sign g_j(t) picks a row of the table, so nothing is multiplied or divided
+per token), then the median; bucket hashes of positions come from a cached table (one
+gather instead of ~20 integer ops per token and row). The rebuilt tensors are referenced
+only by that call and freed before the next layer runs, so at most one layer's full-length
+cache exists at a time. :class:`RebuildTracker` measures that with tensor byte accounting
+(weak references on the rebuilt tensors); :meth:`KVReviver.memory_report` gives stored
+bytes next to the peak.
 
 Scores: accumulated attention, as H2O: prefill column sums, then every decode query's
 probabilities, pooled over a GQA group by the mean (``pool_group``). Vague tokens are
