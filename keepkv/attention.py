@@ -246,9 +246,10 @@ def join_prefill_stats(earlier: StepStats, later: StepStats, window: int) -> Ste
         joined.probs = torch.cat([padded(earlier.probs, later.probs), later.probs], dim=3)
     if later.colsum is not None:
         joined.colsum = padded(earlier.colsum, later.colsum) + later.colsum
-    rows = later.query.shape[3]  # each earlier row is `rows` rows older at the end of `later`
+    later_rows = later.query.shape[3]  # each earlier row is this much older at the end of `later`
     joined.decayed = {
-        decay: padded(earlier.decayed[decay], total) * decay**rows + total for decay, total in later.decayed.items()
+        decay: padded(earlier.decayed[decay], total) * decay**later_rows + total
+        for decay, total in later.decayed.items()
     }
     if later.window_probs is not None:
         rows = torch.cat([padded(earlier.window_probs, later.window_probs), later.window_probs], dim=3)

@@ -156,8 +156,8 @@ seed, ``kl+source=stdlib`` at 1024 tokens, one thread):
 * End to end, ``kl+source=stdlib`` with 12 texts, 2 workers x 6 rows: 594 s wall, 1,128
   CPU-s, ~94 CPU-s (~47 s of wall time) per text. That sets the default of 16 texts per kl
   suite: with needle's 64 samples the default run stays within 45 minutes. Larger batches
-  cost a little less per sample (a decode step is partly per-op overhead), and more memory:
-  the 6-row workers peaked at 9.1 GB resident each.
+  cost a little less per sample (a decode step is partly per-op overhead), and more memory
+  (``/usr/bin/time`` reported a 9.1 GB peak resident size for that run).
 """
 
 from __future__ import annotations
