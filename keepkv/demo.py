@@ -107,6 +107,26 @@ def best_cell(cells: list[dict], budgets: list) -> dict | None:
     return None
 
 
+def compare_with_selection(cells: list[dict], method: str = "keepkv", selection: str = "snapkv") -> str | None:
+    """One line: does ``method`` keep the answer at every budget where ``selection`` (the
+    selection it merges on top of) keeps it? None when either is not in the cells."""
+    correct = {(c["method"], c["budget"]): c["correct"] for c in cells}
+    budgets = [c["budget"] for c in cells if c["method"] == selection]
+    if not budgets or not any(c["method"] == method for c in cells):
+        return None
+    lost = [b for b in budgets if correct[(selection, b)] and not correct.get((method, b), False)]
+    gained = [b for b in budgets if correct.get((method, b), False) and not correct[(selection, b)]]
+    if lost:
+        text = f"{method} LOSES the answer where {selection}, its selection, keeps it: at {', '.join(map(str, lost))}."
+    elif any(correct[(selection, b)] for b in budgets):
+        text = f"{method} keeps the answer at every budget where {selection}, its selection, keeps it."
+    else:
+        text = f"{selection}, {method}'s selection, keeps the answer at no budget shown."
+    if gained:
+        text += f" It also keeps it where {selection} does not: at {', '.join(map(str, gained))}."
+    return text
+
+
 def format_demo(result: dict) -> str:
     """Memory kept against correctness: one row per method, one column per budget."""
     full, *cells = result["cells"]
@@ -134,6 +154,9 @@ def format_demo(result: dict) -> str:
             f"* best at the smallest budget that keeps the answer: {best['method']} at {best['budget']} "
             f"({best['cache_bytes'] / 2**20:.2f} MiB, {best['share']:.0%} of the full cache), answer {best['answer']!r}"
         )
+    comparison = compare_with_selection(cells)
+    if comparison:
+        lines.append(comparison)
     wrong = [f"{c['method']}@{c['budget']}: {c['answer']!r}" for c in cells if not c["correct"]]
     if wrong:
         lines.append("Wrong answers: " + "; ".join(wrong))

@@ -189,6 +189,53 @@ def _min_norm_shift(
     return mean_keys + coeff.transpose(-1, -2) @ q  # [B, H_kv, E, g] @ [B, H_kv, g, D]
 
 
+def gate_merges(
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    log_scores: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    merge: torch.Tensor,
+    max_value_change: float = math.inf,
+    max_share: float = 1.0,
+) -> torch.Tensor:
+    """The merges of a plan that cannot move a target's value far: ``merge`` [B, H_kv, E] with
+    every merge into a target dropped where ZIP-merging the whole group would
+
+    - move the target's value by more than ``max_value_change`` relative:
+      ‖v_r - v_t‖ = ‖Σ_e w_e (v_e - v_t)‖ / Σ w > ε ‖v_t‖ (w = p ŝ as in :func:`zip_merge`), or
+    - give the incoming entries more than ``max_share`` of the merged weight: Σ_e w_e / Σ w > δ.
+
+    A group is kept or dropped whole, so every target that still merges moves by at most ε and
+    takes at most δ of foreign weight. values [B, H_kv, S, D]; bias, log_scores [B, H_kv, S].
+    Dropped entries are evicted by the caller, as any entry below the similarity threshold.
+    """
+    groups = _group_plan(src, dst, merge, values.shape[-2])
+    entry_group = groups.entry_group
+
+    def own_and_incoming(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _gather_entries(x, groups.slot).float(), _gather_entries(x, groups.src).float()
+
+    own_log_votes, incoming_log_votes = own_and_incoming(bias)
+    own_log_scores, incoming_log_scores = own_and_incoming(log_scores)
+    _, own_w, incoming_w = _group_weights(
+        own_log_votes + own_log_scores.where(torch.isfinite(own_log_scores), 0.0),
+        incoming_log_votes + incoming_log_scores.where(torch.isfinite(incoming_log_scores), 0.0),
+        entry_group,
+    )
+    incoming_w = incoming_w * merge  # unmerged entries bring nothing (they sit in an invalid group)
+    incoming_sum = _group_sum(torch.zeros_like(own_w), incoming_w, entry_group)  # [B, H_kv, E]
+    weight_sum = own_w + incoming_sum
+    keep = incoming_sum <= max_share * weight_sum
+    if math.isfinite(max_value_change):
+        own_values, incoming_values = own_and_incoming(values)  # [B, H_kv, E, D]
+        entry_target = _gather_entries(own_values, entry_group)  # v_t of each entry's target
+        pull = _group_sum(torch.zeros_like(own_values), incoming_w[..., None] * (incoming_values - entry_target), entry_group)
+        change = pull.norm(dim=-1) / weight_sum  # ‖v_r - v_t‖
+        keep &= change <= max_value_change * own_values.norm(dim=-1)
+    return merge & keep.gather(-1, entry_group)
+
+
 @fusable
 def zip_merge(
     keys: torch.Tensor,

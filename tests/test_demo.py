@@ -39,3 +39,16 @@ def test_table_marks_the_best_cell_once_and_names_the_needs():
     assert "best at the smallest budget that keeps the answer: a at 0.25" in text
     result["best"] = None
     assert "No method kept the answer" in format_demo(result)
+
+
+def test_comparison_with_the_selection_says_where_keepkv_loses_or_keeps():
+    from keepkv.demo import compare_with_selection
+
+    loses = cells("snapkv", [True, True, False]) + cells("keepkv", [True, False, False])
+    assert "LOSES" in compare_with_selection(loses) and "at 0.25" in compare_with_selection(loses)
+    keeps = cells("snapkv", [True, True, False]) + cells("keepkv", [True, True, True])
+    text = compare_with_selection(keeps)
+    assert "keeps the answer at every budget where snapkv" in text and "does not: at 0.1" in text
+    neither = cells("snapkv", [False, False, False]) + cells("keepkv", [False, False, False])
+    assert "at no budget" in compare_with_selection(neither)
+    assert compare_with_selection(cells("keepkv", [True, True, True])) is None

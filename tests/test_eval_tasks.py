@@ -33,6 +33,9 @@ CONFIGS = [
     ("aggregation", {"variant": "fwe"}),
     ("ppl", {}),
     ("fidelity", {}),
+    ("passkey", {}),
+    ("passkey", {"digits": 4}),
+    ("needle", {"haystack": "prose", "digits": 5}),
 ]
 CONFIG_IDS = [name + "-" + "-".join(map(str, variant.values())) for name, variant in CONFIGS]
 
@@ -84,7 +87,7 @@ def test_make_suite_rejects_unknown_names_and_variants():
         make_tracking(1, 100, 0, haystack="bogus")
     with pytest.raises(ValueError, match="pydoc"):
         make_suite("kl", 1, 100, 0, source="bogus")
-    assert set(SUITES) == {"needle", "tracking", "aggregation", "ppl", "fidelity", "kl"}
+    assert set(SUITES) == {"needle", "tracking", "aggregation", "passkey", "ppl", "fidelity", "kl"}
 
 
 @pytest.mark.parametrize("source", ["pydoc", "stdlib"])
@@ -274,3 +277,37 @@ def test_load_jsonl_rejects_bad_input(tmp_path):
     path.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match="expected a JSON object"):
         load_jsonl(path)
+
+
+# ---------------------------------------------------------------- pass keys in prose
+
+
+def test_passkey_hides_one_number_in_prose_and_asks_by_its_context():
+    from keepkv.eval.metrics import string_match_all
+    from keepkv.eval.tasks import PASSKEY_TEMPLATES, make_passkey
+
+    samples = make_passkey(8, 700, 3)
+    assert [s.meta["digits"] for s in samples] == [4, 5] * 4  # several key lengths by default
+    assert len({s.question for s in samples}) > 2  # several templates and names
+    facts = {template[0].split("{")[0] for template in PASSKEY_TEMPLATES}
+    for sample in samples:
+        (value,) = sample.answers
+        assert value.isdigit() and len(value) == sample.meta["digits"]
+        assert sample.context.count(sample.meta["fact"]) == 1 and value in sample.meta["fact"]
+        assert any(sample.meta["fact"].startswith(f) for f in facts)
+        assert string_match_all(f"{sample.answer_prefix} {value}.", sample.answers) == 1.0
+        assert string_match_all(f"{sample.answer_prefix} {int(value) + 1}.", sample.answers) == 0.0
+    # real prose, most of it with numbers of its own that a merge could blend into the key
+    with_numbers = [bool(re.search(r"\d", s.context.replace(s.meta["fact"], ""))) for s in samples]
+    assert sum(with_numbers) >= len(samples) // 2
+    assert make_passkey(3, 700, 3, digits=6)[0].meta["digits"] == 6
+    with pytest.raises(ValueError, match="digits"):
+        make_passkey(1, 700, 3, digits=1)
+
+
+def test_needle_digits_sets_the_value_length():
+    for digits in (4, 5, 7):
+        (sample,) = make_needle(1, 500, 2, haystack="prose", digits=digits)
+        assert len(sample.answers[0]) == digits and sample.answers[0] in sample.context
+    with pytest.raises(ValueError, match="digits"):
+        make_needle(1, 500, 2, digits=20)

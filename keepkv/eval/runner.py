@@ -203,6 +203,7 @@ DEFAULT_LENGTHS = {
     "needle": 1024,
     "tracking": 256,
     "aggregation": 512,
+    "passkey": 1024,
     "ppl": 256,
     "fidelity": 512,
     "kl": 1024,

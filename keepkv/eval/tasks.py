@@ -240,10 +240,10 @@ NEEDLE_VARIANTS = ("single", "multikey", "multivalue", "multiquery")
 NEEDLE_VALUE_TYPES = ("number", "word", "uuid")
 
 
-def _needle_value(value_type: str, rng: random.Random, taken: set[str]) -> str:
+def _needle_value(value_type: str, rng: random.Random, taken: set[str], digits: int = 7) -> str:
     while True:
         if value_type == "number":
-            value = str(rng.randint(1_000_000, 9_999_999))
+            value = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
         elif value_type == "word":
             value = rng.choice(_WORD_PAIRS)
         else:
@@ -272,6 +272,7 @@ def make_needle(
     value_type: str = "number",
     num_needles: int = 4,
     depth: float | None = None,
+    digits: int = 7,
 ) -> list[Sample]:
     """RULER needle-in-a-haystack.
 
@@ -287,14 +288,19 @@ def make_needle(
     haystack : {"noise", "prose"}
         Repeated filler sentences, or ``pydoc_data`` text from a seeded offset.
     value_type : {"number", "word", "uuid"}
-        7-digit numbers, adjective-noun words, or UUIDs.
+        ``digits``-digit numbers (RULER: 7), adjective-noun words, or UUIDs.
     num_needles : int
         Needle count of the multi-needle variants.
     depth : float, optional
         Where the first needle goes, 0 (start) to 1 (end of the haystack).
         By default spread evenly over [0, 1] across the ``n`` samples. The
         other needles go to uniformly random depths.
+    digits : int
+        Digits of a number value, 2 to 12. On a prose haystack the embedded model retrieves
+        4-5 digits where 7 defeat every method (README "Results").
     """
+    if isinstance(digits, bool) or not isinstance(digits, int) or not 2 <= digits <= 12:
+        raise ValueError(f"digits must be an int in [2, 12], got {digits!r}")
     _check_choice("variant", variant, NEEDLE_VARIANTS)
     _check_choice("haystack", haystack, HAYSTACKS)
     _check_choice("value_type", value_type, NEEDLE_VALUE_TYPES)
@@ -308,7 +314,7 @@ def make_needle(
         rng = _sample_rng("needle", seed, i)
         keys = rng.sample(_WORD_PAIRS, num_keys)
         taken = set(keys)
-        pairs = [(key, _needle_value(value_type, rng, taken)) for key in keys for _ in range(values_per_key)]
+        pairs = [(key, _needle_value(value_type, rng, taken, digits)) for key in keys for _ in range(values_per_key)]
         needle_depths = [depths[i]] + [rng.random() for _ in pairs[1:]]
         needles = [
             (d, f"One of the special magic {noun}s for {key} is: {value}.")
@@ -344,6 +350,71 @@ def make_needle(
                     "needles": [sentence for _, sentence in needles],
                     "length_tokens": tokens,
                 },
+            )
+        )
+    return samples
+
+
+# ---------------------------------------------------------------- pass keys in prose
+
+# (fact, question, answer prefix): a number stated once in prose and asked for by its context.
+PASSKEY_TEMPLATES = (
+    ("The secret pass key for the {name} archive is {value}. Remember it, it will be asked later.",
+     "What is the secret pass key for the {name} archive mentioned in the text above?",
+     "The secret pass key for the {name} archive is"),
+    ("The door code of the {name} room is {value}.",
+     "What is the door code of the {name} room mentioned in the text above?",
+     "The door code of the {name} room is"),
+    ("Note that the build number of the {name} release is {value}.",
+     "What is the build number of the {name} release mentioned in the text above?",
+     "The build number of the {name} release is"),
+    ("The {name} account was opened with the PIN {value}.",
+     "Which PIN was the {name} account opened with, according to the text above?",
+     "The {name} account was opened with the PIN"),
+)
+PASSKEY_DIGITS = (4, 5)
+
+
+def make_passkey(
+    n: int,
+    length_tokens: int,
+    seed: int,
+    tokenizer_len: TokenCounter | None = None,
+    *,
+    digits: int | None = None,
+    depth: float | None = None,
+) -> list[Sample]:
+    """A number hidden in real prose (``pydoc_data``, which has numbers of its own), asked for
+    by the words around it.
+
+    Each sample draws one of :data:`PASSKEY_TEMPLATES`, a name (adjective-noun) and a number of
+    ``digits`` digits (default: 4 and 5 alternating over the samples). The fact goes at ``depth``
+    (default: spread evenly over [0.1, 0.9] across the ``n`` samples) of a prose haystack from
+    a seeded offset. The numbers of the prose are what a merge can blend into the key's digits.
+    """
+    if digits is not None and (isinstance(digits, bool) or not isinstance(digits, int) or not 2 <= digits <= 12):
+        raise ValueError(f"digits must be an int in [2, 12] (or None: 4 and 5 alternating), got {digits!r}")
+    count = tokenizer_len or approx_token_count
+    depths = [depth] * n if depth is not None else [0.1 + 0.8 * d for d in _evenly_spread_depths(n)]
+    samples = []
+    for i in range(n):
+        rng = _sample_rng("passkey", seed, i)
+        fact, question, prefix = rng.choice(PASSKEY_TEMPLATES)
+        name = rng.choice(_WORD_PAIRS)
+        size = digits if digits is not None else PASSKEY_DIGITS[i % len(PASSKEY_DIGITS)]
+        value = str(rng.randint(10 ** (size - 1), 10**size - 1))
+        sentence = fact.format(name=name, value=value)
+        context, tokens = _fill_haystack("prose", rng, "Read the following text carefully.", [(depths[i], sentence)],
+                                         length_tokens, count)
+        samples.append(
+            Sample(
+                id=f"passkey-{seed}-{i}",
+                suite="passkey",
+                context=context,
+                question=question.format(name=name),
+                answer_prefix=prefix.format(name=name),
+                answers=[value],
+                meta={"depth": depths[i], "digits": size, "fact": sentence, "length_tokens": tokens},
             )
         )
     return samples
@@ -687,6 +758,7 @@ SUITES: dict[str, Callable[..., list[Sample]]] = {
     "needle": make_needle,
     "tracking": make_tracking,
     "aggregation": make_aggregation,
+    "passkey": make_passkey,
     "ppl": make_ppl,
     "fidelity": make_fidelity,
     "kl": make_kl,

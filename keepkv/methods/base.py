@@ -170,13 +170,24 @@ class EvictionPlan:
     kept [B, H_kv, S] bool; slots: the layer's size once the plan is applied (the most any row
     and head keeps); evict_idx [B, H_kv, E]: the evicted slots in position order, then others
     (evict_valid False). keep_idx [B, H_kv, slots]: the kept slots in position order, then others
-    (keep_valid False); computed only when asked for (a sort over every slot).
+    (keep_valid False); computed only when asked for (a sort over every slot). priority
+    [B, H_kv, S]: the ranking the plan was made from (+inf: protected by the selection).
     """
 
     kept: torch.Tensor
     slots: int
     evict_idx: torch.Tensor
     evict_valid: torch.Tensor
+    priority: torch.Tensor | None = None
+
+    def top_kept(self, share: float) -> torch.Tensor:
+        """[B, H_kv, S] bool: the ceil(share · n) highest-ranked of the n kept entries that the
+        selection ranked by score (its own protected entries, priority +inf, are not counted)."""
+        scored = self.kept & torch.isfinite(self.priority)
+        order = self.priority.masked_fill(~scored, NEG_INF).argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+        count = (scored.sum(-1, keepdim=True) * share).ceil()
+        return scored & (rank < count)
 
     @functools.cached_property
     def _keep_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +224,7 @@ def plan_eviction(layer, priority: torch.Tensor) -> EvictionPlan:
     evicted = drops & live.gather(-1, lowest)
     order = (lowest + (~evicted).long() * size).argsort(dim=-1)  # position order, evicted first
     evict_idx, evict_valid = lowest.gather(-1, order), evicted.gather(-1, order)
-    return EvictionPlan(kept, min(size, layer.capacity), evict_idx, evict_valid)
+    return EvictionPlan(kept, min(size, layer.capacity), evict_idx, evict_valid, priority)
 
 
 def slots_of(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:

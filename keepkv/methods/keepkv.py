@@ -13,7 +13,7 @@ from ..fused import fusable
 from ..merging import cosine_nearest
 from ..offload import FullKVCopy, offload_report
 from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register, slots_of
-from .zip_merging import ZipMerging, nearest_kept, pool_log_scores, zip_into
+from .zip_merging import ZipMerging, pool_log_scores, zip_into
 
 NEG_INF = float("-inf")
 SCORE_MODES = ("ema", "exact")
@@ -546,7 +546,10 @@ class KeepKV(ZipMerging, ScoredEviction):
         plan = plan_eviction(layer, self.priority(layer, None if ema is None else ema[1]))
         if plan.evict_idx.shape[-1] > 0:
             if self.merge == "zip":
-                dst, merge = nearest_kept(layer, plan, self.threshold)
+                if ema is None and not exact and (self.max_value_change is not None or self.max_share < 1.0):
+                    ema = self._ema(layer, live)  # the gate weighs with the scores the merge uses
+                scores = (lambda: layer.state["exact_logits"]) if exact else (lambda: ema[0])
+                dst, merge = self.merge_targets(layer, plan, scores)
             else:
                 dst, merge = plan.evict_idx, torch.zeros_like(plan.evict_valid)
             dropped = plan.evict_valid & ~merge

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Needs, scaled_logits
-from ..merging import KEY_RULES, cosine_nearest, zip_merge
+from ..merging import KEY_RULES, cosine_nearest, gate_merges, zip_merge
 from .base import EvictionPlan, check_range
 
 NEG_INF = float("-inf")
@@ -55,10 +55,14 @@ def pool_log_scores(head_scores: torch.Tensor, bias: torch.Tensor) -> torch.Tens
     return shares + log_z.mean(-1, keepdim=True)
 
 
-def nearest_kept(layer, plan: EvictionPlan, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+def nearest_kept(
+    layer, plan: EvictionPlan, threshold: float, candidates: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge targets of a plan: (dst, merge), both [B, H_kv, E]: each evicted entry's most
-    cosine-similar kept entry, and whether it is at least ``threshold`` similar."""
-    dst, sim = cosine_nearest(layer.keys, plan.evict_idx, plan.kept, plan.candidate_idx(layer.size))
+    cosine-similar kept entry (among ``candidates`` [B, H_kv, S] if given, a subset of the kept
+    ones), and whether it is at least ``threshold`` similar."""
+    allowed = plan.kept if candidates is None else candidates
+    dst, sim = cosine_nearest(layer.keys, plan.evict_idx, allowed, plan.candidate_idx(layer.size))
     return dst, plan.evict_valid & (sim >= threshold)
 
 
@@ -105,11 +109,24 @@ class ZipMerging:
         (KeepKV's T, paper 0.8); -1 merges every evicted entry.
     zip_key : str
         Key rule of :func:`keepkv.merging.zip_merge`: "projection", "group", "paper" or "mean".
+    protect : float
+        Share in [0, 1] of the kept entries, the selection's highest-ranked first, that take no
+        merges (its own protected sinks and window not counted): an evicted entry goes to its
+        most similar unprotected kept entry, else is evicted. 0: every kept entry may take merges.
+    max_value_change : float or None
+        Value gate ε >= 0: a target takes its merges only if they move its value by at most ε
+        relative, ‖v_r - v_t‖ <= ε ‖v_t‖ (else they are evicted). None: no gate.
+    max_share : float
+        Weight cap δ in [0, 1]: a target takes its merges only if they bring at most δ of the
+        merged weight, Σ w_e / Σ w <= δ (else they are evicted). 1: no cap.
     """
 
     merge: str = "none"
     threshold: float = 0.8
     zip_key: str = "projection"
+    protect: float = 0.0
+    max_value_change: float | None = None
+    max_share: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -120,6 +137,32 @@ class ZipMerging:
         check_range("threshold", self.threshold, -1.0, 1.0)
         if self.zip_key not in KEY_RULES:
             raise ValueError(f"zip_key must be one of {', '.join(map(repr, KEY_RULES))}, got {self.zip_key!r}")
+        for name in ("protect", "max_share") + (("max_value_change",) if self.max_value_change is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        check_range("protect", self.protect, 0.0, 1.0)
+        check_range("max_share", self.max_share, 0.0, 1.0)
+        if self.max_value_change is not None:
+            check_range("max_value_change", self.max_value_change, 0.0, math.inf)
+
+    def merge_targets(self, layer, plan: EvictionPlan, head_log_scores) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dst, merge) [B, H_kv, E]: each evicted entry's most similar kept entry that may take
+        merges (``protect``), if at least ``threshold`` similar, and only where the targets pass
+        the value gate and the weight cap.
+
+        head_log_scores: a function returning the per-query-head log-scores [B, H_kv, g, S] the
+        merge weights come from (called only if a gate is on).
+        """
+        candidates = plan.kept & ~plan.top_kept(self.protect) if self.protect > 0 else None
+        dst, merge = nearest_kept(layer, plan, self.threshold, candidates)
+        if self.max_value_change is not None or self.max_share < 1.0:
+            pooled = pool_log_scores(head_log_scores(), layer.bias)
+            merge = gate_merges(
+                layer.values, layer.bias, pooled, plan.evict_idx, dst, merge,
+                math.inf if self.max_value_change is None else self.max_value_change, self.max_share,
+            )
+        return dst, merge
 
     def needs(self, is_prefill: bool) -> Needs:
         # While decoding, the merges read the logits the attention computed.
@@ -136,6 +179,6 @@ class ZipMerging:
             else:
                 logits = stats.logits[:, :, :, -1]
             logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
-            dst, merge = nearest_kept(layer, plan, self.threshold)
+            dst, merge = self.merge_targets(layer, plan, lambda: logits)
             zip_into(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key)
         layer.keep(plan.kept, plan.slots)

@@ -1,0 +1,154 @@
+"""Merges that cannot corrupt an important entry: the value gate, the weight cap and protected
+targets of ZIP-merging (keepkv.merging.gate_merges, ZipMerging.protect)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import keepkv
+from keepkv.merging import gate_merges, zip_merge
+
+from conftest import random_batch, tiny_model
+
+SIZE, HEADS, DIM = 12, 2, 8
+
+
+def random_plan(seed: int, evicted: int):
+    """A layer [1, H, S, D] and a plan moving ``evicted`` slots into random kept ones."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, HEADS, SIZE, DIM, generator=g)
+    values = torch.randn(1, HEADS, SIZE, DIM, generator=g) * torch.rand(1, HEADS, SIZE, 1, generator=g) * 3
+    bias = torch.rand(1, HEADS, SIZE, generator=g).log1p()  # ln p, p in [1, 2)
+    log_scores = torch.randn(1, HEADS, SIZE, generator=g) * 2
+    order = torch.stack([torch.randperm(SIZE, generator=g) for _ in range(HEADS)])[None]
+    src, kept = order[..., :evicted], order[..., evicted:]
+    dst = kept.gather(-1, torch.randint(0, SIZE - evicted, (1, HEADS, evicted), generator=g))
+    merge = torch.rand(1, HEADS, evicted, generator=g) < 0.8
+    return keys, values, bias, log_scores, src, dst, merge
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    evicted=st.integers(1, SIZE - 1),
+    max_value_change=st.sampled_from([0.0, 0.05, 0.3, 1.0, math.inf]),
+    max_share=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
+)
+def test_gate_bounds_what_every_target_takes(seed, evicted, max_value_change, max_share):
+    keys, values, bias, log_scores, src, dst, merge = random_plan(seed, evicted)
+    gated = gate_merges(values, bias, log_scores, src, dst, merge, max_value_change, max_share)
+    assert not (gated & ~merge).any()  # the gate only removes merges
+    _, merged_values, merged_bias = zip_merge(
+        keys, values, bias, log_scores, src, dst, gated, key_rule="mean"
+    )
+    change = (merged_values - values).norm(dim=-1) / values.norm(dim=-1)
+    assert (change <= max_value_change * (1 + 1e-5) + 1e-6).all(), change.max()
+    # the incoming share of each target: 1 - w_t / Σ w, with w = p ŝ and Σ w read from the votes' logsumexp
+    for head in range(HEADS):
+        for target in dst[0, head][gated[0, head]].unique():
+            into = gated[0, head] & (dst[0, head] == target)
+            own = bias[0, head, target] + log_scores[0, head, target]
+            incoming = (bias[0, head] + log_scores[0, head])[src[0, head][into]]
+            share = 1 - torch.exp(own - torch.logsumexp(torch.cat([own[None], incoming]), 0))
+            assert share <= max_share + 1e-5
+    if math.isinf(max_value_change) and max_share == 1.0:
+        assert torch.equal(gated, merge)  # no gate: every merge stays
+
+
+def test_gate_drops_a_group_whole():
+    """One harmless and one harmful entry into the same target: neither merges."""
+    values = torch.tensor([[[[1.0, 0.0], [1.0, 0.01], [-1.0, 0.0]]]])  # target, near copy, opposite
+    bias = torch.zeros(1, 1, 3)
+    scores = torch.zeros(1, 1, 3)
+    src, dst = torch.tensor([[[1, 2]]]), torch.tensor([[[0, 0]]])
+    merge = torch.ones(1, 1, 2, dtype=torch.bool)
+    assert not gate_merges(values, bias, scores, src, dst, merge, max_value_change=0.1).any()
+    only_copy = gate_merges(values, bias, scores, src[..., :1], dst[..., :1], merge[..., :1], max_value_change=0.1)
+    assert only_copy.all()
+
+
+@torch.no_grad()
+def compressed_prefill(method, budget, ids, **params):
+    """(full cache, compressed cache) after one prefill of ``ids`` on a tiny MHA model."""
+    model = tiny_model("llama-mha")
+    keepkv.enable(model)
+    full = keepkv.CompressedCache(model.config, "full", 1.0)
+    model(input_ids=ids, past_key_values=full)
+    cache = keepkv.CompressedCache(model.config, method, budget, **params)
+    model(input_ids=ids, past_key_values=cache)
+    return full, cache
+
+
+def at_positions(full_tensor, positions):
+    """The full cache's [B, H, S(, D)] entries at the stored ``positions`` [B, H, K]."""
+    index = positions.clamp_min(0)
+    if full_tensor.dim() == 4:
+        index = index[..., None].expand(-1, -1, -1, full_tensor.shape[-1])
+    return full_tensor.gather(2, index)
+
+
+@pytest.mark.parametrize("method", ["keepkv", "snapkv+merge=zip"])
+def test_protected_targets_stay_bit_identical(method):
+    """protect=1: every entry the selection kept by its score is exactly the token it was; with
+    protect=0 the same compression merges into some of them (so the test can fail)."""
+    ids, _ = random_batch(batch=1, length=80, pad=(0,), seed=5)
+    window = 32  # SnapKV's: the last 32 prompt tokens are kept whatever their scores
+    for protect, expect_exact in ((1.0, True), (0.0, False)):
+        full, cache = compressed_prefill(method, 44, ids, threshold=-1.0, protect=protect)
+        exact_everywhere = True
+        for full_layer, layer in zip(full.layers, cache.layers):
+            scored = (layer.positions >= 0) & (layer.positions < ids.shape[1] - window)
+            assert scored.any()
+            same_values = (layer.values == at_positions(full_layer.values, layer.positions)).all(-1)
+            same_keys = (layer.keys == at_positions(full_layer.keys, layer.positions)).all(-1)
+            exact = same_values & same_keys & (layer.bias == 0)
+            exact_everywhere &= bool(exact[scored].all())
+        assert exact_everywhere == expect_exact, protect
+
+
+@pytest.mark.parametrize("epsilon", [0.05, 0.2])
+def test_value_gate_bounds_each_kept_entry_after_prefill(epsilon):
+    ids, _ = random_batch(batch=1, length=80, pad=(0,), seed=6)
+    moved = []
+    for gate in (epsilon, None):
+        full, cache = compressed_prefill("keepkv", 40, ids, threshold=-1.0, max_value_change=gate)
+        for full_layer, layer in zip(full.layers, cache.layers):
+            live = layer.bias > float("-inf")
+            original = at_positions(full_layer.values, layer.positions).float()
+            change = (layer.values.float() - original).norm(dim=-1) / original.norm(dim=-1)
+            if gate is not None:
+                assert (change[live] <= epsilon * (1 + 1e-4)).all(), change[live].max()
+            moved.append(float(change[live].max()))
+    assert max(moved) > epsilon  # ungated, some value moves further: the gate did something
+
+
+@torch.no_grad()
+def test_gates_keep_exact_budgets_and_rows_that_fit():
+    ids, mask = random_batch(batch=2, length=80, pad=(0, 50), seed=7)
+    model = tiny_model("llama-gqa")
+    keepkv.enable(model)
+    params = dict(threshold=-1.0, protect=0.5, max_value_change=0.1, max_share=0.5)
+    cache = keepkv.CompressedCache(model.config, "keepkv", 36, **params)
+    full = keepkv.CompressedCache(model.config, "full", 1.0)
+    model(input_ids=ids, attention_mask=mask, past_key_values=full)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    for full_layer, layer in zip(full.layers, cache.layers):
+        counts = layer.live_counts()
+        assert (counts[0] == 36).all() and (counts[1] == 30).all()  # row 1 has 30 tokens: fits
+        short = layer.bias[1] > float("-inf")
+        assert (layer.bias[1][short] == 0).all()
+        real = full_layer.bias[1] > float("-inf")
+        assert torch.equal(layer.values[1][short].view(2, -1, layer.values.shape[-1]),
+                           full_layer.values[1][real].view(2, -1, layer.values.shape[-1]))
+
+
+@pytest.mark.parametrize(
+    "params", [{"protect": 1.5}, {"protect": "top"}, {"max_value_change": -0.1}, {"max_share": 2.0},
+               {"max_value_change": True}]
+)
+def test_bad_gate_parameters_raise_one_line(params):
+    with pytest.raises(ValueError, match=next(iter(params))):
+        keepkv.get_method("keepkv", **params)
