@@ -16,9 +16,10 @@ from keepkv.perturbation import _attend, builtin_document, format_perturbation, 
 
 from conftest import decode_loop, random_batch, tiny_model
 
-# KeepKV with its own EMA selection: the theorems and the EMA are tested on it (the registered
-# default selects with SnapKV; tests/test_zip_merging.py covers the selections).
-EMA = "keepkv+selection=ema"
+# KeepKV with its own EMA selection and ungated merges (every kept entry may take merges, as in
+# the paper): the theorems and the EMA are tested on it (the registered default selects with
+# SnapKV and gates its merges; tests/test_zip_merging.py and test_merge_gates.py cover those).
+EMA = "keepkv+selection=ema+protect=0+max_value_change=None"
 
 
 @pytest.fixture(autouse=True)

@@ -244,6 +244,11 @@ class KeepKV(ZipMerging, ScoredEviction):
     prefill_scores: str = "exact"
     prefill_order: str = "evict_first"
     refresh_interval: int | None = None
+    # Merges that cannot corrupt an important entry (docs/keepkv.md, "Merge gates"): the top 3/4
+    # of the entries the selection keeps by score take no merges, the others move by at most
+    # their own norm. ZipMerging's defaults (0, None) are the paper's: every kept entry merges.
+    protect: float = 0.75
+    max_value_change: float | None = 1.0
 
     def __post_init__(self):
         super().__post_init__()
