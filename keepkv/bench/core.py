@@ -588,15 +588,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(model, "--threads", type=int, metavar="N", help="torch CPU threads (1 is steadier on a shared CPU)")
     run = parser.add_argument_group("workload")
     add(run, "--methods", help="comma-separated methods (default: all registered; full is always run)")
-    add(run, "--budget", type=budget_arg, default=0.2, help="fraction of the prompt or entry count (0.2)")
+    add(run, "--budget", type=budget_arg, default=0.2, help="fraction of the prompt or entry count")
     add(run, "--param", action="append", metavar="[METHOD.]KEY=VALUE",
         help="method parameter, e.g. interval=8 (every method with it) or h2o.recent_ratio=0.3")
-    add(run, "--prompt-len", type=int, default=1024, metavar="L", help="prompt tokens per row (1024)")
-    add(run, "--gen-len", type=int, default=128, metavar="G", help="timed decode steps (128)")
-    add(run, "--batch", type=int, nargs="+", default=[1], metavar="B", help="batch size(s) (1)")
-    add(run, "--repeats", type=int, default=3, help="timed repetitions; median and min/max reported (3)")
-    add(run, "--warmup", type=int, default=1, help="untimed short runs before each timed one (1)")
-    add(run, "--seed", type=int, default=0)
+    add(run, "--prompt-len", type=int, default=1024, metavar="L", help="prompt tokens per row")
+    add(run, "--gen-len", type=int, default=128, metavar="G", help="timed decode steps")
+    add(run, "--batch", type=int, nargs="+", default=[1], metavar="B", help="batch size(s)")
+    add(run, "--repeats", type=int, default=3, help="timed repetitions; median and min/max reported")
+    add(run, "--warmup", type=int, default=1, help="untimed short runs before each timed one")
+    add(run, "--seed", type=int, default=0, help="seed of the random prompts (and --config weights)")
     add(run, "--prefill-chunk", type=int, metavar="N",
         help="feed each prompt in blocks of N tokens: bounded prefill workspace (default: one block)")
     add(run, "--prefill-rows", type=int, metavar="R",
@@ -608,8 +608,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(modes, "--max-measure-batch", type=int, metavar="B",
         help="largest batch measured in memory-cap mode (default 8 on CPU, none on GPU)")
     add(modes, "--overhead", action="store_true", help="time the method's own code per decode step")
-    add(modes, "--overhead-steps", type=int, default=16, metavar="N", help="steps for --overhead (16)")
-    add(modes, "--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps")
+    add(modes, "--overhead-steps", type=int, default=16, metavar="N", help="steps for --overhead")
+    add(modes, "--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps (0: off)")
     out = parser.add_argument_group("output")
     add(out, "--json", nargs="?", const="-", metavar="PATH",
         help="write the JSON to PATH, or to stdout without one (the table then goes to stderr)")
