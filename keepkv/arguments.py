@@ -21,6 +21,11 @@ def budget_arg(text: str) -> int | float:
         raise argparse.ArgumentTypeError(f"budget must be a float in (0, 1] or an int >= 1, got {text!r}")
 
 
+def _unset(default) -> bool:
+    """A default that means "not given" (0 is a value: ``0 == False`` must not hide it)."""
+    return default is None or default is False or default is argparse.SUPPRESS or default in ([], "")
+
+
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` shows every option's default as "(default: X)", in one place for every command.
 
@@ -32,8 +37,7 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         help_text = action.help or ""
         default = action.default
         if (
-            "%(default)" in help_text or "(default" in help_text or default in (None, False, [], "")
-            or default is argparse.SUPPRESS or not action.option_strings
+            "%(default)" in help_text or "(default" in help_text or _unset(default) or not action.option_strings
         ):
             return action.help
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)

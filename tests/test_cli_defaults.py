@@ -29,7 +29,7 @@ def test_help_shows_every_default(name):
     text = " ".join(parser.format_help().split())  # argparse wraps lines
     for action in parser._actions:
         default = action.default
-        if not action.option_strings or default in (None, False, [], "", argparse.SUPPRESS):
+        if not action.option_strings or default is None or default is False or default in ([], "", argparse.SUPPRESS):
             continue
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         assert f"(default: {shown})" in text, f"keepkv {name} --help: {action.option_strings[0]} hides {shown!r}"

@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seed", type=_seed, default=_runner.TEST_SEED,
-        help="sample seed: 0 for reported numbers (default), 'dev' (= 1000) or >= 1000 for tuning",
+        help="sample seed: 0 for reported numbers, 'dev' (= 1000) or >= 1000 for tuning",
     )
     parser.add_argument("--out", help="output directory (default: runs/eval; with --quick: runs/eval-quick)")
     quick_lengths = " ".join(f"{name}={value}" for name, value in _runner.QUICK_LENGTHS.items())
