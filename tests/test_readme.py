@@ -238,3 +238,22 @@ def test_what_the_readme_says_about_the_code_is_true():
         assert "--json" in options, name
         if name not in ("methods", "report"):
             assert "--model" in options, name
+
+
+def test_report_writes_between_the_markers_of_a_docs_page(tmp_path, capsys):
+    """`keepkv report RUN --out PAGE` regenerates a page's tables and keeps its prose; --json
+    prints the rows."""
+    import json
+
+    from keepkv.eval import cli as eval_cli
+
+    page = tmp_path / "results.md"
+    page.write_text(f"# Prose before\n\n{eval_cli.REPORT_BEGIN}\nstale\n{eval_cli.REPORT_END}\n\nProse after.\n")
+    assert main(["report", str(ROOT / "docs" / "results"), "--out", str(page)]) == 0
+    printed = capsys.readouterr().out.strip()
+    written = page.read_text()
+    assert written.startswith("# Prose before\n") and written.endswith("\nProse after.\n")
+    assert "stale" not in written and eval_cli.report_section(written) == printed
+    assert main(["report", str(ROOT / "docs" / "results"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["method"] for row in rows} >= {"full", "keepkv", "snapkv"}

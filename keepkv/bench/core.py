@@ -16,7 +16,7 @@ import warnings
 import torch
 from tqdm.auto import tqdm
 
-from ..arguments import budget_arg
+from ..arguments import DefaultsFormatter, budget_arg
 from ..diagnostics import KeepKVWarning
 from ..methods.base import get_method, parse_method_spec, parse_value
 from ..models import DTYPES
@@ -706,6 +706,7 @@ def main(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="keepkv bench", description="Throughput, memory and per-step overhead of every registered method."
+        prog="keepkv bench", description="Throughput, memory and per-step overhead of every registered method.",
+        formatter_class=DefaultsFormatter,
     )
     return add_arguments(parser)
