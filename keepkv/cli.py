@@ -212,7 +212,7 @@ def say(line: str) -> None:
     tqdm.write(line, file=sys.stderr)
 
 
-def _one_line_warnings(show=None):
+def _one_line_warnings():
     """A ``warnings.showwarning`` that prints keepkv's warnings (keepkv/diagnostics.py) as one
     ``keepkv: warning: ...`` line each, and any other warning in Python's format, through :func:`say`."""
     from .diagnostics import KeepKVWarning
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            warnings.showwarning = _one_line_warnings()
             code = args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"keepkv: error: {error}", file=sys.stderr)
