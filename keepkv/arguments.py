@@ -19,3 +19,26 @@ def budget_arg(text: str) -> int | float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"budget must be a float in (0, 1] or an int >= 1, got {text!r}")
+
+
+def _unset(default) -> bool:
+    """A default that means "not given" (0 is a value: ``0 == False`` must not hide it)."""
+    return default is None or default is False or default is argparse.SUPPRESS or default in ([], "")
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default as "(default: X)", in one place for every command.
+
+    Options whose default means "not given" (None, False, an empty list) show none: their help
+    says what happens then. A list default is written as on the command line ("0.5 0.25 0.1").
+    """
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        default = action.default
+        if (
+            "%(default)" in help_text or "(default" in help_text or _unset(default) or not action.option_strings
+        ):
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{help_text} (default: {shown.replace('%', '%%')})".lstrip()

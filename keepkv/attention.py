@@ -13,6 +13,7 @@ Grouped-query attention: the g = H / H_kv query heads of KV head h are heads h·
 from __future__ import annotations
 
 import contextvars
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -307,14 +308,32 @@ def enable(model) -> None:
         model.set_attn_implementation("keepkv")
 
 
+# Overlapping enabled() blocks on one model (threads of a server): the first to enter saves the
+# model's implementation and switches it, the last to leave restores it. Per-call save/restore
+# would let the first call to finish switch the model back under the others.
+_SWITCH_LOCK = threading.Lock()
+_USERS: dict[int, list] = {}  # id(model) -> [model, blocks inside, implementation to restore]
+
+
 @contextmanager
 def enabled(model):
     """``with keepkv.enabled(model): ...`` runs the block on keepkv's attention path and restores
-    the model's previous attention implementation afterwards, even on error."""
-    previous = model.config._attn_implementation
-    enable(model)
+    the model's previous attention implementation afterwards, even on error.
+
+    Thread-safe and reference-counted per model: overlapping blocks (any stagger) all run on the
+    keepkv path, and the implementation found by the first is restored when the last one ends."""
+    with _SWITCH_LOCK:
+        users = _USERS.get(id(model))
+        if users is None or users[0] is not model:
+            users = _USERS[id(model)] = [model, 0, model.config._attn_implementation]
+            enable(model)
+        users[1] += 1
     try:
         yield model
     finally:
-        if model.config._attn_implementation != previous:
-            model.set_attn_implementation(previous)
+        with _SWITCH_LOCK:
+            users[1] -= 1
+            if users[1] == 0:
+                del _USERS[id(model)]
+                if model.config._attn_implementation != users[2]:
+                    model.set_attn_implementation(users[2])

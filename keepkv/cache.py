@@ -428,17 +428,35 @@ def validate_budget(budget) -> None:
         raise ValueError(f"a float budget is a fraction of the prompt and must be in (0, 1], got {budget}")
 
 
-def row_budgets(budget: int | float, prompt_lengths: torch.Tensor) -> torch.Tensor:
-    """[B] entries per layer and head each row may keep: a fraction of its prompt, or a count."""
+# The budget floor: a fractional budget keeps at least the method's protected tokens plus this
+# many scored entries per layer and head. A fraction of a short prompt (a chat template around a
+# one-line question is ~40 tokens) would otherwise leave fewer entries than the method always
+# keeps (keepkv, snapkv, pyramidkv: 32), and the answer is garbage; with the floor, a prompt no
+# longer than it is not compressed at all (as PyramidKV's code, which compresses only prompts
+# longer than its capacity). An int budget is an exact entry count and has no floor.
+SCORED_FLOOR = 32
+
+
+def budget_floor(method: Method) -> int:
+    """Fewest entries per layer and head a fractional budget gives a row (see ``SCORED_FLOOR``)."""
+    return method.protected_entries() + SCORED_FLOOR
+
+
+def row_budgets(budget: int | float, prompt_lengths: torch.Tensor, floor: int = 0) -> torch.Tensor:
+    """[B] entries per layer and head each row may keep: a fraction of its prompt, but at least
+    ``floor`` (:func:`budget_floor`) and 1; or a count. A row whose prompt is no longer than its
+    budget is not compressed, and keeps up to its budget while it decodes. This is the one place
+    where a budget becomes entry counts: the cache, ``capacity_bound`` and the paged adapter
+    (``keepkv.paged``) all read it."""
     if isinstance(budget, float):
-        return (prompt_lengths.double() * budget).round().long().clamp(min=1)
+        return (prompt_lengths.double() * budget).round().long().clamp(min=max(1, floor))
     return torch.full_like(prompt_lengths, budget)
 
 
 def layer_budgets(method: Method, cache, budget: int | float, prompt_lengths: torch.Tensor) -> torch.Tensor | None:
     """[L, B, H_kv] entries each layer, row and head keeps: the method's allocation, fitted to the
     prompt; None when the method never compresses. ``cache``: what ``method.allocate`` reads."""
-    per_row = row_budgets(budget, prompt_lengths)
+    per_row = row_budgets(budget, prompt_lengths, budget_floor(method))
     budgets = method.allocate(cache, per_row)
     if budgets is None:
         return None
@@ -468,7 +486,7 @@ def capacity_bound(method: str | Method, prompt_length: int, budget: int | float
     num_layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
     lengths = torch.tensor([prompt_length])
     if method.allocates_from_all_layers:
-        per_row = row_budgets(budget, lengths)
+        per_row = row_budgets(budget, lengths, budget_floor(method))
         budgets = torch.maximum(per_row, lengths).expand(num_layers, 1, kv_heads)
     else:  # allocate() reads the depth, the heads, the config; KeepKV writes per-layer state
         stub_layers = [SimpleNamespace(keys=torch.empty(1, kv_heads, 0, 1), state={}) for _ in range(num_layers)]
@@ -516,7 +534,8 @@ class CompressedCache(Cache):
     method : str or Method
         A registered method name (``keepkv methods``) or an instance.
     budget : float or int
-        A float in (0, 1]: that fraction of each row's prompt length. An int >= 1: an entry count.
+        A float in (0, 1]: that fraction of each row's prompt length, but at least the method's
+        protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). An int >= 1: an entry count.
         Methods may split it unevenly over layers and heads; the mean stays at the budget.
     compile : bool
         Run the methods' decode-time math through ``torch.compile`` (see :mod:`keepkv.fused`):
@@ -664,7 +683,7 @@ class CompressedCache(Cache):
         """[L, B, H_kv] budgets from the method, or None when it never compresses."""
         budgets = layer_budgets(self.method, self, self.budget, self.prompt_lengths)
         if budgets is not None:
-            self._warn_budget(row_budgets(self.budget, self.prompt_lengths))
+            self._warn_budget(row_budgets(self.budget, self.prompt_lengths, budget_floor(self.method)))
         return budgets
 
     def _warn_budget(self, per_row: torch.Tensor) -> None:

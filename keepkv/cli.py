@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
 
-from .arguments import budget_arg
+from .arguments import DefaultsFormatter, budget_arg
 
 
 def _param(text: str) -> tuple[str, object]:
@@ -109,7 +110,8 @@ def cmd_perturbation(args) -> None:
     prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
     _check_method(args)
     model, tokenizer = _load(args)
-    result = perturbation(model, tokenizer, prompt=prompt, method=args.method, budget=args.budget, **dict(args.param))
+    result = perturbation(model, tokenizer, prompt=prompt, method=args.method, budget=args.budget,
+                          progress=not args.json, **dict(args.param))
     print(json.dumps(result, indent=2) if args.json else format_perturbation(result))
 
 
@@ -134,9 +136,10 @@ def cmd_bench(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .demo import DEMO_BUDGETS, DEMO_METHODS
 
-    parser = argparse.ArgumentParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs")
+    parser = argparse.ArgumentParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs",
+                                     formatter_class=DefaultsFormatter)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", help="local HF model directory or GGUF file (default: embedded SmolLM2-135M)")
+    common.add_argument("--model", help="local HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     common.add_argument("--json", action="store_true", help="print JSON")
     dtype_args = argparse.ArgumentParser(add_help=False)
     dtype_args.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
@@ -147,14 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--param", type=_param, action="append", default=[], metavar="NAME=VALUE", help="method parameter"
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    add_command = partial(commands.add_parser, formatter_class=DefaultsFormatter)  # --help shows defaults
 
-    methods = commands.add_parser("methods", parents=[common], help="list methods, parameters and defaults")
+    methods = add_command("methods", parents=[common], help="list methods, parameters and defaults")
     methods.set_defaults(func=cmd_methods)
 
-    gen = commands.add_parser("generate", parents=[common, dtype_args, method_args], help="answer a prompt")
+    gen = add_command("generate", parents=[common, dtype_args, method_args], help="answer a prompt")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--prompt-file", help="read the prompt from a file")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     gen.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
     gen.add_argument("--answer-prefix", default="", metavar="TEXT", help="start the reply with TEXT")
     gen.add_argument(
@@ -164,51 +168,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=cmd_generate)
 
-    demo = commands.add_parser(
+    demo = add_command(
         "demo", parents=[common, dtype_args], help="hidden pass key: memory kept against correctness, per method and budget"
     )
     demo.add_argument("--budgets", type=budget_arg, nargs="+", default=list(DEMO_BUDGETS), metavar="B",
-                      help=f"budgets to try (default: {' '.join(map(str, DEMO_BUDGETS))})")
+                      help="budgets to try")
     demo.add_argument("--methods", nargs="+", default=list(DEMO_METHODS), metavar="M",
-                      help=f"methods besides the full cache (default: {' '.join(DEMO_METHODS)})")
+                      help="methods besides the full cache")
     demo.add_argument("--threads", type=int, default=1,
-                      help="torch threads (default 1: on a busy machine more threads wait for each other)")
+                      help="torch threads (on a busy machine more threads wait for each other)")
     demo.set_defaults(func=cmd_demo)
 
-    pert = commands.add_parser(
+    pert = add_command(
         "perturbation", parents=[common, dtype_args, method_args], help="attention-output error of compression per layer"
     )
     pert.add_argument("prompt", nargs="?", help="prompt (default: a built-in ~1k-token document)")
-    pert.add_argument("--prompt-file")
+    pert.add_argument("--prompt-file", help="read the prompt from a file")
     pert.set_defaults(func=cmd_perturbation)
 
     from .eval import cli as eval_cli
 
-    evaluate = commands.add_parser("eval", parents=[common], help="quality of every method at every budget")
+    evaluate = add_command("eval", parents=[common], help="quality of every method at every budget")
     eval_cli.add_arguments(evaluate)
     evaluate.set_defaults(func=cmd_eval)
-    report = commands.add_parser("report", help="render an eval summary.csv as a Markdown table")
+    report = add_command("report", help="render an eval summary.csv as a Markdown table")
     eval_cli.add_report_arguments(report)
     report.set_defaults(func=cmd_report)
 
     from . import bench
 
-    bench_parser = commands.add_parser("bench", parents=[common], help="throughput and memory benchmark")
+    bench_parser = add_command("bench", parents=[common], help="throughput and memory benchmark")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
     return parser
 
 
-def _one_line_warnings(show):
+def say(line: str) -> None:
+    """Print one line to stderr above any progress bar (``tqdm.write`` clears the bars, prints,
+    redraws them): every warning and message of the command line goes through here, so none is
+    glued to the end of a bar."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+def _one_line_warnings():
     """A ``warnings.showwarning`` that prints keepkv's warnings (keepkv/diagnostics.py) as one
-    ``keepkv: warning: ...`` line each and hands any other warning to ``show``."""
+    ``keepkv: warning: ...`` line each, and any other warning in Python's format, through :func:`say`."""
     from .diagnostics import KeepKVWarning
 
-    def show_warning(message, category, *args, **kwargs):
+    def show_warning(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, KeepKVWarning):
-            print(f"keepkv: warning: {message}", file=sys.stderr)
+            say(f"keepkv: warning: {message}")
         else:
-            show(message, category, *args, **kwargs)
+            say(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"))
 
     return show_warning
 
@@ -217,7 +230,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            warnings.showwarning = _one_line_warnings()
             code = args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"keepkv: error: {error}", file=sys.stderr)

@@ -7,10 +7,16 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation import utils as generation_utils
 
 from .attention import enabled
 from .cache import CompressedCache
 from .diagnostics import warn_context_length
+
+
+# transformers 5.x renames generate()'s past_key_values to cache (a FutureWarning on every call
+# where both exist); older 5.x releases (the vLLM venv's) know only past_key_values.
+CACHE_KWARG = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
 @dataclass
@@ -124,7 +130,9 @@ def generate(
     method : str or Method
         A registered method (``keepkv.describe_methods()``).
     budget : float or int
-        Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head.
+        Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head. A fraction
+        never keeps fewer than the method's protected tokens + 32 (``keepkv.cache.budget_floor``):
+        a prompt no longer than that is not compressed.
     max_new_tokens : int
         Tokens to generate (>= 0; 0 runs the prefill and compression only).
     chat : bool
@@ -176,7 +184,7 @@ def generate(
             else:
                 output = model.generate(
                     **inputs,
-                    past_key_values=cache,
+                    **{CACHE_KWARG: cache},
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
                     temperature=None,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import CompressedCache, LayerStore, capacity_bound, validate_budget
+from .cache import CompressedCache, LayerStore, budget_floor, capacity_bound, row_budgets, validate_budget
 from .methods import get_method
 from .methods.base import ScoredEviction, slots_of
 
@@ -100,9 +100,7 @@ class PagedCompression:
 
     def kept(self, prompt_length: int) -> int:
         """Entries per layer and head a request keeps once compressed."""
-        if isinstance(self.budget, float):  # as row_budgets(): round half to even, at least 1
-            return max(1, round(prompt_length * self.budget))
-        return self.budget
+        return int(row_budgets(self.budget, torch.tensor([prompt_length]), budget_floor(self.method))[0])
 
     def stored(self, prompt_length: int, computed: int) -> int:
         """Entries a request holds per layer and head after ``computed`` tokens (prompt included).

@@ -24,6 +24,7 @@ import dataclasses
 import re
 
 import torch
+from tqdm.auto import tqdm
 
 from .attention import enable
 from .cache import CompressedCache
@@ -188,6 +189,7 @@ def perturbation(
     method: str | Method = "keepkv",
     budget: int | float = 0.1,
     steps=(1, 8, 64),
+    progress: bool = False,
     **method_params,
 ) -> dict:
     """Per-layer attention-output error of ``method`` at the compression step and k steps later.
@@ -200,6 +202,8 @@ def perturbation(
     method : a registered method name or a Method instance.
     budget : the cache budget (float fraction of the prompt or int entries).
     steps : decode steps k >= 1 at which the later error is measured.
+    progress : show a progress bar on stderr, a tick per forward pass (two prefills, then the
+        decode steps of the full and of the compressed run; minutes on a 1k-token prompt).
     **method_params : parameters of the method when given by name.
 
     Returns
@@ -230,10 +234,14 @@ def perturbation(
     last_token = ids[:, -1:]
     horizon = max(steps, default=0)
 
+    bar = tqdm(total=2 * (horizon + 1), desc=f"{method.name or type(method).__name__}: perturbation",
+               unit="pass", leave=False, disable=not progress)
+
     # Full cache: the reference outputs and the greedy continuation.
     full_cache = CompressedCache(model.config, "full", 1.0)
     full = _Recorder(full_cache, steps)
     logits = model(input_ids=ids, past_key_values=full_cache).logits[:, -1]
+    bar.update(1)
     full_logits = recompute_logits(model, full_cache, last_token, length - 1)
     tokens = []
     for k in range(1, horizon + 1):
@@ -241,11 +249,13 @@ def perturbation(
         tokens.append(token)
         full.step = k
         logits = model(input_ids=token, past_key_values=full_cache).logits[:, -1]
+        bar.update(1)
 
     # Compressed cache, fed the same tokens.
     cache = CompressedCache(model.config, method, budget)
     run = _Recorder(cache, steps)
     model(input_ids=ids, past_key_values=cache)
+    bar.update(1)
     layers = []
     for layer in cache.layers:
         index = layer.layer_idx
@@ -258,6 +268,8 @@ def perturbation(
     for k, token in enumerate(tokens, start=1):
         run.step = k
         model(input_ids=token, past_key_values=cache)
+        bar.update(1)
+    bar.close()
 
     later = {}
     for k in steps:

@@ -94,7 +94,7 @@ def full_result():
     return bench.run_bench(
         config=tiny_config(),
         methods=["full", "h2o"],
-        budget=0.25,
+        budget=8,  # an entry count: a fraction of a 32-token prompt is under the budget floor
         prompt_len=32,
         gen_len=6,
         batches=[1, 2],
@@ -306,7 +306,7 @@ def test_prefill_rows_admits_groups_and_bounds_the_prefill_cache():
     cache's prefill peak is one uncompressed prompt beside the compressed rows, not the batch's."""
     model = tiny_model("llama-gqa", layers=2)
     runs = {
-        rows: run_once(model, "h2o", 0.25, prompt_len=48, gen_len=4, batch=3, prefill_chunk=16, prefill_rows=rows)
+        rows: run_once(model, "h2o", 12, prompt_len=48, gen_len=4, batch=3, prefill_chunk=16, prefill_rows=rows)
         for rows in (None, 1)
     }
     one_prompt = runs[None]["cache_bytes_prefill"] / 3

@@ -19,19 +19,27 @@ def generate_warnings(model, prompts=PROMPT, method="keepkv+selection=ema", budg
 
 
 def test_budget_below_protected_tokens_warns_once(gqa_model):
-    # keepkv with its EMA selection protects 4 sinks; a tenth of 31 tokens keeps 3.
-    (message,) = generate_warnings(gqa_model)
+    # keepkv with its EMA selection protects 4 sinks; an entry budget of 3 keeps 3.
+    (message,) = generate_warnings(gqa_model, budget=3)
     assert "keeps 3 entries" in message and "31-token" in message and "4 protected" in message
     assert "\n" not in message
     assert generate_warnings(gqa_model, budget=4) == []
     # snapkv protects its observation window.
-    (message,) = generate_warnings(gqa_model, method="snapkv", budget=0.5)
+    (message,) = generate_warnings(gqa_model, method="snapkv", budget=16)
     assert "32 protected" in message
 
 
+@pytest.mark.parametrize("method", ["keepkv", "keepkv+selection=ema", "snapkv", "streamingllm", "h2o"])
+def test_a_fraction_never_keeps_fewer_than_the_protected_tokens(gqa_model, method):
+    """The budget floor: a fraction keeps at least the protected tokens plus 32, so a fraction of
+    a short prompt (here a tenth of 31, and of 200, tokens) never warns."""
+    assert generate_warnings(gqa_model, method=method, budget=0.1) == []
+    assert generate_warnings(gqa_model, ["y" * 200], method=method, budget=0.1) == []
+
+
 def test_fewest_kept_compressed_row_is_named_and_fitting_rows_are_not(gqa_model):
-    (message,) = generate_warnings(gqa_model, [PROMPT, "y" * 200], budget=0.1)
-    assert "keeps 3 entries" in message
+    (message,) = generate_warnings(gqa_model, [PROMPT, "y" * 200], budget=3)
+    assert "keeps 3 entries" in message and "31-token" in message
     # A row that fits its budget is never touched, so a short prompt under an entry budget is fine.
     assert generate_warnings(gqa_model, ["abc"], budget=3) == []
 
@@ -59,6 +67,6 @@ def test_warnings_can_be_filtered(gqa_model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", category=keepkv.KeepKVWarning)
-        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "keepkv", 0.1, max_new_tokens=1)
+        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "keepkv", 3, max_new_tokens=1)
     with pytest.warns(keepkv.KeepKVWarning):
-        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "keepkv", 0.1, max_new_tokens=1)
+        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "keepkv", 3, max_new_tokens=1)

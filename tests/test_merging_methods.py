@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import keepkv
 from keepkv.attention import Needs, StepStats, attend
-from keepkv.cache import row_budgets
+from keepkv.cache import budget_floor, row_budgets
 from keepkv.merging import attention_mass, momentum_merge
 from keepkv.methods.d2o import d2o_merge
 from keepkv.methods.kvmerger import KVMerger, kvmerger_merge
@@ -62,13 +62,14 @@ def test_d2o_threshold_moves_during_decoding():
 
 def test_d2o_layer_budgets_sum_to_total():
     model = tiny_model("llama-gqa", layers=4)
-    input_ids, attention_mask = random_batch(length=40, pad=(0, 8))
+    # 100 and 92 tokens: half of either is above the budget floor, and within the prompt in every layer
+    input_ids, attention_mask = random_batch(length=100, pad=(0, 8))
     probe = prefill(model, input_ids, attention_mask, "d2o", 0.5, gate=math.inf)
     variance = torch.stack([layer.state["variance_paper"] for layer in probe.layers])  # [L, B]
     gate = float(variance[:, 0].median())  # two layers of row 0 above the gate, two below
 
     cache = prefill(model, input_ids, attention_mask, "d2o", 0.5, gate=gate, alpha=3.0)
-    total = 4 * row_budgets(0.5, cache.prompt_lengths)
+    total = 4 * row_budgets(0.5, cache.prompt_lengths, budget_floor(cache.method))
     budgets = torch.stack([layer.budget for layer in cache.layers])  # [L, B, H_kv]
     assert (budgets == budgets[..., :1]).all()  # one budget per layer and row
     assert torch.equal(budgets[..., 0].sum(0), total)

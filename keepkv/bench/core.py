@@ -11,10 +11,13 @@ import os
 import platform
 import re
 import sys
+import warnings
 
 import torch
+from tqdm.auto import tqdm
 
-from ..arguments import budget_arg
+from ..arguments import DefaultsFormatter, budget_arg
+from ..diagnostics import KeepKVWarning
 from ..methods.base import get_method, parse_method_spec, parse_value
 from ..models import DTYPES
 from .configs import CONFIGS, build_config, param_bytes, random_model
@@ -63,10 +66,10 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 def resolve_methods(methods) -> list[str]:
     """Registered methods or variants (``name+key=value``) to run ("full" first, added if missing);
-    all registered by default."""
+    all registered by default or for ``"all"``."""
     from ..methods import METHODS
 
-    if methods is None:
+    if methods is None or methods in ("all", ["all"]):
         chosen = sorted(METHODS)
     else:
         if isinstance(methods, str):
@@ -287,8 +290,8 @@ def run_bench(
         raise ValueError(f"batches must be ints >= 1, got {batches!r}")
     if memory_cap_gb is not None and not memory_cap_gb > 0:
         raise ValueError(f"memory_cap_gb must be > 0, got {memory_cap_gb!r}")
-    if log is None:
-        log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    if log is None:  # tqdm.write: a message is its own line above the bars, never glued to one
+        log = (lambda msg: tqdm.write(msg, file=sys.stderr)) if progress else (lambda msg: None)
 
     load_start = _load_avg()
     device = resolve_device(device)
@@ -337,25 +340,32 @@ def run_bench(
             return None
 
     def warm(batch):
-        for method in names:
-            for _ in range(warmup):
-                one(method, batch, min(prompt_len, 64), min(gen_len, 4), seed)
+        # Short untimed runs; a warning about their prompt (one the user never gave) would mislead.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KeepKVWarning)
+            for method in names:
+                for _ in range(warmup):
+                    one(method, batch, min(prompt_len, 128), min(gen_len, 4), seed)
 
     # -- fixed batch
     fixed, overhead, profile = [], [], {}
     largest = max(batches)
+    # One bar over every timed run: its ETA is the whole benchmark's (warm-ups included in the rate).
+    overall = tqdm(total=len(batches) * repeats * len(names), desc="bench", unit="run", disable=not progress)
     for batch in batches:
         warm(batch)
         runs: dict[str, list] = {m: [] for m in names}
         for rep in range(repeats):
             for method in names:
-                log(f"bench: fixed b={batch} rep {rep + 1}/{repeats} {method}")
+                overall.set_postfix_str(f"b={batch} rep {rep + 1}/{repeats} {method}")
+                overall.update(0)
                 out = one(
                     method, batch, prompt_len, gen_len, seed + rep,
                     overhead=overhead_steps if rep == 0 else 0,
                     prof=profile_steps if rep == 0 and batch == largest else 0,
                     bar=True,
                 )
+                overall.update(1)
                 if out is None:
                     continue
                 runs[method].append(out)
@@ -364,6 +374,7 @@ def run_bench(
                 if "profile" in out:
                     profile[method] = {"batch": batch, **out["profile"]}
         fixed.extend(aggregate(runs[m]) for m in names if runs[m] and m not in errors)
+    overall.close()
     add_ratios(fixed)
 
     # -- memory cap
@@ -567,6 +578,13 @@ def parse_params(items: list[str] | None) -> dict:
     return params
 
 
+# `keepkv bench` with no options: a quick run (about 2 minutes on a 2-core CPU), not the grid.
+QUICK_METHODS = "full,snapkv,keepkv"
+QUICK_REPEATS = 1
+QUICK_GEN_LEN = 64
+FULL_GRID = "keepkv bench --methods all --repeats 3 --gen-len 128 (every registered method; over an hour on a 2-core CPU)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``keepkv bench`` options to ``parser`` (see ``keepkv.bench``).
 
@@ -587,16 +605,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(model, "--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     add(model, "--threads", type=int, metavar="N", help="torch CPU threads (1 is steadier on a shared CPU)")
     run = parser.add_argument_group("workload")
-    add(run, "--methods", help="comma-separated methods (default: all registered; full is always run)")
-    add(run, "--budget", type=budget_arg, default=0.2, help="fraction of the prompt or entry count (0.2)")
+    add(run, "--methods", default=QUICK_METHODS,
+        help="comma-separated methods, or 'all' for every registered one (full is always run)")
+    add(run, "--budget", type=budget_arg, default=0.2, help="fraction of the prompt or entry count")
     add(run, "--param", action="append", metavar="[METHOD.]KEY=VALUE",
         help="method parameter, e.g. interval=8 (every method with it) or h2o.recent_ratio=0.3")
-    add(run, "--prompt-len", type=int, default=1024, metavar="L", help="prompt tokens per row (1024)")
-    add(run, "--gen-len", type=int, default=128, metavar="G", help="timed decode steps (128)")
-    add(run, "--batch", type=int, nargs="+", default=[1], metavar="B", help="batch size(s) (1)")
-    add(run, "--repeats", type=int, default=3, help="timed repetitions; median and min/max reported (3)")
-    add(run, "--warmup", type=int, default=1, help="untimed short runs before each timed one (1)")
-    add(run, "--seed", type=int, default=0)
+    add(run, "--prompt-len", type=int, default=1024, metavar="L", help="prompt tokens per row")
+    add(run, "--gen-len", type=int, default=QUICK_GEN_LEN, metavar="G", help="timed decode steps")
+    add(run, "--batch", type=int, nargs="+", default=[1], metavar="B", help="batch size(s)")
+    add(run, "--repeats", type=int, default=QUICK_REPEATS, help="timed repetitions; median and min/max reported")
+    add(run, "--warmup", type=int, default=1, help="untimed short runs before each timed one")
+    add(run, "--seed", type=int, default=0, help="seed of the random prompts (and --config weights)")
     add(run, "--prefill-chunk", type=int, metavar="N",
         help="feed each prompt in blocks of N tokens: bounded prefill workspace (default: one block)")
     add(run, "--prefill-rows", type=int, metavar="R",
@@ -608,8 +627,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(modes, "--max-measure-batch", type=int, metavar="B",
         help="largest batch measured in memory-cap mode (default 8 on CPU, none on GPU)")
     add(modes, "--overhead", action="store_true", help="time the method's own code per decode step")
-    add(modes, "--overhead-steps", type=int, default=16, metavar="N", help="steps for --overhead (16)")
-    add(modes, "--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps")
+    add(modes, "--overhead-steps", type=int, default=16, metavar="N", help="steps for --overhead")
+    add(modes, "--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps (0: off)")
     out = parser.add_argument_group("output")
     add(out, "--json", nargs="?", const="-", metavar="PATH",
         help="write the JSON to PATH, or to stdout without one (the table then goes to stderr)")
@@ -663,6 +682,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"keepkv bench: {error}", file=sys.stderr)
         return 2
+    if (args.methods, args.repeats, args.gen_len) == (QUICK_METHODS, QUICK_REPEATS, QUICK_GEN_LEN):
+        result["notes"].append(f"a quick run; the full grid: {FULL_GRID}")
     table = format_table(result)
     text = json.dumps(result, indent=2)
     print(table, file=sys.stderr if json_to == "-" else sys.stdout)
@@ -685,6 +706,7 @@ def main(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="keepkv bench", description="Throughput, memory and per-step overhead of every registered method."
+        prog="keepkv bench", description="Throughput, memory and per-step overhead of every registered method.",
+        formatter_class=DefaultsFormatter,
     )
     return add_arguments(parser)

@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seed", type=_seed, default=_runner.TEST_SEED,
-        help="sample seed: 0 for reported numbers (default), 'dev' (= 1000) or >= 1000 for tuning",
+        help="sample seed: 0 for reported numbers, 'dev' (= 1000) or >= 1000 for tuning",
     )
     parser.add_argument("--out", help="output directory (default: runs/eval; with --quick: runs/eval-quick)")
     quick_lengths = " ".join(f"{name}={value}" for name, value in _runner.QUICK_LENGTHS.items())
@@ -177,7 +177,13 @@ def run(args) -> list[dict]:
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``keepkv report``."""
     parser.add_argument("path", help="an eval run directory or its summary.csv")
-    parser.add_argument("--out", metavar="FILE", help="also write the Markdown to FILE")
+    parser.add_argument(
+        "--out", metavar="FILE",
+        help="also write the Markdown to FILE; a FILE holding the lines "
+        f"'{REPORT_BEGIN}' and '{REPORT_END}' (a docs page, docs/results.md) keeps everything else "
+        "and gets the Markdown between them",
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary rows as JSON instead")
     parser.add_argument(
         "--reference", metavar="METHOD",
         help="pair every method with METHOD at the same budget, from the run's cells/ (default: the "
@@ -196,10 +202,34 @@ def report(args) -> str:
     resolution_text = format_resolution(load_cells(run_dir)) if (run_dir / "cells").is_dir() else ""
     if resolution_text:
         text += "\n" + resolution_text  # a blank line: the paragraph must not join the last table
-    print(text)
+    if getattr(args, "json", False):
+        print(json.dumps(rows, indent=1))
+    else:
+        print(text)
     if getattr(args, "out", None):
-        Path(args.out).write_text(text + "\n")
+        write_report(Path(args.out), text)
     return text
+
+
+# What `keepkv report --out PAGE` replaces in a docs page, so that the page's prose stays.
+REPORT_BEGIN = "<!-- keepkv report: begin -->"
+REPORT_END = "<!-- keepkv report: end -->"
+
+
+def write_report(path: Path, text: str) -> None:
+    """Write the report to ``path``; into a page with the REPORT_BEGIN/REPORT_END lines, between them."""
+    page = path.read_text() if path.exists() else ""
+    if REPORT_BEGIN in page and REPORT_END in page:
+        head, rest = page.split(REPORT_BEGIN, 1)
+        _, tail = rest.split(REPORT_END, 1)
+        path.write_text(f"{head}{REPORT_BEGIN}\n\n{text}\n\n{REPORT_END}{tail}")
+    else:
+        path.write_text(text + "\n")
+
+
+def report_section(page: str) -> str:
+    """The part of a docs page that ``keepkv report --out`` wrote (between the markers)."""
+    return page.split(REPORT_BEGIN, 1)[1].split(REPORT_END, 1)[0].strip()
 
 
 # ---------------------------------------------------------------- Markdown

@@ -50,7 +50,7 @@ slots, says as much: a/N is 30-100 here). Signing the keys too is worse still
 (25 / 14 / 9). ``estimate="mean"``
 (slot / occupancy, not in the paper) gives 0.76 / 0.63 / 0.45, slightly better than
 eviction. So ``"mean"`` is the default: with the paper's estimate the embedded model's
-perplexity reaches the millions at 10-25% budgets (README, "KVReviver"). The paper's estimate
+perplexity reaches the millions at 10-25% budgets (docs/methods.md, "KVReviver"). The paper's estimate
 is ``kvreviver+estimate=sum``.
 
 Algorithm 3 (compress), per row and head, vectorised over all rows and heads
