@@ -164,7 +164,7 @@ class KeepKV(ZipMerging, ScoredEviction):
     selection would keep is merged away whenever a more important entry's key is T-similar,
     and key cosine >= 0.8 is common. A needle's tokens go that way: on the dev seed's needle
     suite (1k tokens, 24 prompts) merge-first answers 2/24 at budget 0.2 where evict-first, with
-    the same selection, answers 21/24 (README, "KeepKV ablation").
+    the same selection, answers 21/24 (docs/keepkv.md, "KeepKV ablation").
 
     Parameters
     ----------
@@ -218,6 +218,10 @@ class KeepKV(ZipMerging, ScoredEviction):
     refresh_interval : int or None
         N >= 1: rebuild every layer from the full copy every N decode steps. None: never, and no
         full copy is kept.
+    protect, max_value_change, max_share : float
+        Merge gates of evict-then-merge (:class:`ZipMerging`); here 0.75, 1.0 and 1.0: the top
+        3/4 of the entries kept by score take no merges, the others move by at most their norm
+        (docs/keepkv.md, "Merge gates"). ``protect=0+max_value_change=None``: the paper's merge.
     sinks : int
         Leading tokens always kept (4).
     interval : int
