@@ -126,6 +126,48 @@ class LayerStore(CacheLayerMixin):
     def reset(self) -> None:
         self.__init__(self.layer_idx)
 
+    # The layer-level row hooks of CacheLayerMixin would move keys and values only: the
+    # CompressedCache's hooks move every per-row tensor, the method's state included.
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        raise ValueError("reorder_cache: call it on the CompressedCache, which also moves the method's state")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError("batch_repeat_interleave: call it on the CompressedCache, which also moves the method's state")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError("batch_select_indices: call it on the CompressedCache, which also moves the method's state")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("crop: call it on the CompressedCache")
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] (int64, repeats allowed) of every per-row tensor, in that order:
+        keys, values, bias, positions, extras (their buffers' spare slots too), ``real_seen`` and
+        ``budget``. The method's per-layer state is the method's to move (``Method.select_rows``)."""
+        if not self.is_initialized:
+            return
+        binary = self.binary_bias()
+        index = index.to(self.device)
+
+        def rows(name: str, current: torch.Tensor) -> torch.Tensor:
+            buffer = self._buffer_of(name, current)
+            with torch.inference_mode(False):  # a version counter for binary_bias()
+                if buffer is None:
+                    return current.index_select(0, index)
+                self.buffers[name] = buffer.index_select(0, index)
+            return self.buffers[name].narrow(2, 0, current.shape[2])
+
+        self.keys, self.values = rows("keys", self.keys), rows("values", self.values)
+        self.bias, self.positions = rows("bias", self.bias), rows("positions", self.positions)
+        self.extras = {name: rows(f"extras.{name}", extra) for name, extra in self.extras.items()}
+        self.real_seen = self.real_seen.index_select(0, index)
+        if self.budget is not None:
+            self.budget = self.budget.index_select(0, index)
+            self.capacity, self.min_budget = int(self.budget.max()), int(self.budget.min())
+        if self.prefill_stats is not None:
+            self.prefill_stats = _stats_rows(self.prefill_stats, index)
+        self._binary_mark = self._bias_mark() if binary else None
+
     # -- storage ---------------------------------------------------------------------
     @property
     def size(self) -> int:
@@ -418,6 +460,16 @@ def _state_joins(states: list[dict], rows: list[int]) -> dict[str, str]:
     return joins
 
 
+def _stats_rows(stats: StepStats, index: torch.Tensor) -> StepStats:
+    """Rows ``index`` of every per-row tensor of ``stats`` (a prefill's, kept for a later chunk or a fork)."""
+    picked = {
+        name: value.index_select(0, index) if isinstance(value, torch.Tensor) else value
+        for name, value in vars(stats).items()
+    }
+    picked["decayed"] = {decay: total.index_select(0, index) for decay, total in stats.decayed.items()}
+    return StepStats(**picked)
+
+
 def validate_budget(budget) -> None:
     """Raise ValueError unless budget is a float in (0, 1] or an int >= 1."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
@@ -587,6 +639,65 @@ class CompressedCache(Cache):
         self.layer_budgets = None
         self.prefill_peak_bytes = 0
         self.prompt_mask = None
+
+    # -- row-reshaping hooks transformers calls ----------------------------------------------
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row r becomes old row ``beam_idx[r]`` [B], every per-row tensor included."""
+        self.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row repeated ``repeats`` times in place (row r becomes rows r·repeats … r·repeats+repeats−1)."""
+        rows = self.batch_size
+        if rows:
+            self.select_rows(torch.arange(rows).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only rows ``indices`` (int or bool [B])."""
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().view(-1)
+        self.select_rows(indices)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of the cache (0 before its first forward)."""
+        first = self.layers[0]
+        return first.keys.shape[0] if first.is_initialized else 0
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] (int64, repeats allowed), in that order, of every layer's store and
+        method state and of the cache's own per-row figures. Raises ValueError, changing nothing,
+        where the method's state cannot follow (see ``Method.select_rows``)."""
+        index = torch.as_tensor(index).long().view(-1).cpu()
+        rows = self.batch_size
+        if not rows:
+            return
+        if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= rows:
+            raise ValueError(f"row indices must be in [0, {rows}), got {index.tolist()}")
+        states = [self.method.select_rows(layer, index.to(layer.device)) for layer in self.layers]
+        for layer, state in zip(self.layers, states):  # every state moved before any layer changes
+            layer.select_rows(index)
+            layer.state = state
+        if self.prompt_lengths is not None:
+            self.prompt_lengths = self.prompt_lengths.index_select(0, index.to(self.prompt_lengths.device))
+        if self.layer_budgets is not None:
+            self.layer_budgets = self.layer_budgets.index_select(1, index.to(self.layer_budgets.device))
+        if self.prompt_mask is not None:
+            self.prompt_mask = self.prompt_mask.index_select(0, index.to(self.prompt_mask.device))
+
+    @property
+    def is_croppable(self) -> bool:
+        """False: compressed entries cannot be put back (assisted decoding refuses before it drafts)."""
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Only ``crop(0)`` (nothing to remove) is accepted: entries a method merged or evicted cannot
+        be restored, so rolling back tokens (assisted or speculative decoding) is refused."""
+        if tokens_to_remove != 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): a CompressedCache cannot roll back tokens (assisted/speculative "
+                "decoding); generate without assistant_model, or with a DynamicCache"
+            )
 
     def start_prefill(self, attention_mask: torch.Tensor) -> None:
         """Announce a prompt that will be fed in several blocks: attention_mask [B, T] (1 = real

@@ -162,6 +162,41 @@ class Method:
         """Bring every row and head of ``layer`` to at most its budget."""
         raise NotImplementedError
 
+    def select_rows(self, layer, index: torch.Tensor) -> dict:
+        """The layer's method state for rows ``index`` [B'] of its B rows (beam search and the other
+        row-reshaping hooks), as a new dict; the layer is left unchanged.
+
+        By default: a tensor laid out per row (first dimension B) takes those rows; an object with a
+        ``select_rows(index)`` (a sketch, a host copy) returns its own; a plain Python value (a step
+        count, a scaling) is shared by every row and kept. Anything else raises ValueError: a state
+        that cannot follow its rows is refused rather than left in the old order. A method whose
+        scalars are derived from its rows (KVReviver's largest exact share) recomputes them here.
+        """
+        return select_state_rows(layer.state, index, layer.keys.shape[0], self.name)
+
+
+def select_state_rows(state: dict, index: torch.Tensor, rows: int, owner: str) -> dict:
+    """``state`` with rows ``index`` of each per-row value (see ``Method.select_rows``)."""
+    picked = {}
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != rows:
+                raise ValueError(
+                    f"{owner}: its state {name!r} of shape {tuple(value.shape)} is not laid out per row, so its "
+                    "rows cannot be reordered (beam search, num_return_sequences)"
+                )
+            picked[name] = value.index_select(0, index.to(value.device))
+        elif callable(getattr(value, "select_rows", None)):
+            picked[name] = value.select_rows(index)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            picked[name] = value
+        else:
+            raise ValueError(
+                f"{owner}: its state {name!r} ({type(value).__name__}) cannot be reordered by row (beam search, "
+                "num_return_sequences); use num_beams=1"
+            )
+    return picked
+
 
 @dataclass
 class EvictionPlan:

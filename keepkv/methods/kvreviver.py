@@ -592,6 +592,15 @@ class KVReviver(Method):
             state["sketch"] = None
         return state
 
+    def select_rows(self, layer, index):
+        """Per-row state and sketch follow their rows; the host-side extremes over the rows are
+        recomputed for the rows now present."""
+        state = super().select_rows(layer, index)
+        if "exact" in state:
+            state["exact_max"], state["exact_min"] = int(state["exact"].max()), int(state["exact"].min())
+            state["last_fit_seen"] = int(state["fits_while_seen"].max())
+        return state
+
     def protected(self, layer) -> torch.Tensor:
         """[B, H_kv, S] bool: sinks and the Recent part (the R newest tokens)."""
         positions = layer.positions
