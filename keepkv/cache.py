@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import ACTIVE_CACHE, Needs, StepStats, attend, join_prefill_stats
+from .attention import Needs, StepStats, attend, hand_over, join_prefill_stats
 from .diagnostics import warn_budget
 from .fused import compiled
 from .methods import Method, get_method
@@ -623,7 +623,7 @@ class CompressedCache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        ACTIVE_CACHE.set(self)
+        hand_over(self, key_states)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
