@@ -32,7 +32,7 @@ from .diagnostics import warn_budget
 from .fused import compiled
 from .methods import Method, get_method
 from .methods.base import slots_of
-from .models import check_architecture
+from .models import check_architecture, check_context, sliding_window
 
 NEG_INF = float("-inf")
 # An uncompressed layer's buffers grow by an eighth of their length, at least GROWTH_MIN slots:
@@ -610,6 +610,7 @@ class CompressedCache(Cache):
         self.budget = budget
         self.num_layers = config.num_hidden_layers
         self.config = config
+        self.sliding_window = sliding_window(config)
         super().__init__(layers=[LayerStore(i) for i in range(self.num_layers)])
         self.prompt_lengths: torch.Tensor | None = None
         self.layer_budgets: torch.Tensor | None = None
@@ -647,7 +648,7 @@ class CompressedCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times in place (row r becomes rows r·repeats … r·repeats+repeats−1)."""
-        rows = self.batch_size
+        rows = self._rows()
         if rows:
             self.select_rows(torch.arange(rows).repeat_interleave(repeats))
 
@@ -658,8 +659,7 @@ class CompressedCache(Cache):
             indices = indices.nonzero().view(-1)
         self.select_rows(indices)
 
-    @property
-    def batch_size(self) -> int:
+    def _rows(self) -> int:
         """Rows of the cache (0 before its first forward)."""
         first = self.layers[0]
         return first.keys.shape[0] if first.is_initialized else 0
@@ -669,7 +669,7 @@ class CompressedCache(Cache):
         method state and of the cache's own per-row figures. Raises ValueError, changing nothing,
         where the method's state cannot follow (see ``Method.select_rows``)."""
         index = torch.as_tensor(index).long().view(-1).cpu()
-        rows = self.batch_size
+        rows = self._rows()
         if not rows:
             return
         if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= rows:
@@ -719,6 +719,8 @@ class CompressedCache(Cache):
         """
         layer = self.layers[layer_idx]
         block = keys.shape[2]
+        if self.sliding_window is not None:  # refused before anything changes (models.check_context)
+            check_context(self.config, max(layer.seen + block, self.prefill_tokens))
         is_prefill = layer.seen == 0 or layer.seen < self.prefill_tokens
         if layer.seen == 0:
             self.method.setup_layer(layer)

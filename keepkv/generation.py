@@ -11,6 +11,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from .attention import enabled
 from .cache import CompressedCache
 from .diagnostics import warn_context_length
+from .models import check_context
 
 
 @dataclass
@@ -160,6 +161,7 @@ def generate(
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
     prompt_length = inputs["input_ids"].shape[1]
     warn_context_length(model.config, prompt_length, max_new_tokens)
+    check_context(model.config, prompt_length + max_new_tokens)
     if prefill_chunk is not None:
         cache.start_prefill(inputs["attention_mask"])
     bars = _Progress(model, cache.method.name, max_new_tokens) if progress else None
