@@ -77,9 +77,12 @@ class LayerStore(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, layer_idx: int):
+    def __init__(self, layer_idx: int, shared: dict | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        # The method's per-cache objects, one dict shared by every layer of a cache (KVReviver's
+        # rebuild tracker): not per row, not per layer, and not counted as cache bytes.
+        self.shared = {} if shared is None else shared
         self.bias: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.extras: dict[str, torch.Tensor] = {}
@@ -124,7 +127,8 @@ class LayerStore(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.layer_idx)
+        self.shared.clear()
+        self.__init__(self.layer_idx, self.shared)
 
     # The layer-level row hooks of CacheLayerMixin would move keys and values only: the
     # CompressedCache's hooks move every per-row tensor, the method's state included.
@@ -337,11 +341,12 @@ class LayerStore(CacheLayerMixin):
         return _state_joins([layer.state for layer in layers], [layer.keys.shape[0] for layer in layers])
 
     @classmethod
-    def stack(cls, layers: list["LayerStore"]) -> "LayerStore":
+    def stack(cls, layers: list["LayerStore"], shared: dict | None = None) -> "LayerStore":
         """One layer whose rows are the rows of ``layers`` in order, each padded with empty slots to
-        the largest; see :meth:`CompressedCache.stack`. Raises ValueError where they cannot join."""
+        the largest; see :meth:`CompressedCache.stack`. Raises ValueError where they cannot join.
+        ``shared``: the per-cache dict of the cache it joins."""
         joins = cls.check_stackable(layers)
-        out = cls(layers[0].layer_idx)
+        out = cls(layers[0].layer_idx, shared)
         slots = max(layer.size for layer in layers)
 
         def stacked(tensors: list[torch.Tensor], fill: float) -> torch.Tensor:
@@ -611,7 +616,8 @@ class CompressedCache(Cache):
         self.num_layers = config.num_hidden_layers
         self.config = config
         self.sliding_window = sliding_window(config)
-        super().__init__(layers=[LayerStore(i) for i in range(self.num_layers)])
+        shared = {}
+        super().__init__(layers=[LayerStore(i, shared) for i in range(self.num_layers)])
         self.prompt_lengths: torch.Tensor | None = None
         self.layer_budgets: torch.Tensor | None = None
         self.prefill_peak_bytes = 0
@@ -815,9 +821,9 @@ class CompressedCache(Cache):
             LayerStore.check_stackable([cache.layers[i] for cache in caches])
         out = cls(first.config, first.method, first.budget, compile=first.compile)
         for i in range(first.num_layers):
-            out.layers[i] = LayerStore.stack([cache.layers[i] for cache in caches])
+            out.layers[i] = LayerStore.stack([cache.layers[i] for cache in caches], out.layers[i].shared)
             for cache in caches:
-                cache.layers[i] = LayerStore(i)
+                cache.layers[i] = LayerStore(i, cache.layers[i].shared)
         out.prompt_lengths = torch.cat([cache.prompt_lengths for cache in caches])
         if first.layer_budgets is not None:
             out.layer_budgets = torch.cat([cache.layer_budgets for cache in caches], dim=1)

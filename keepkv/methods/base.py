@@ -96,6 +96,30 @@ def check_range(name: str, value, low, high, *, low_open=False, high_open=False)
         raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
 
 
+_KINDS = {  # a field's declared type -> (accepted values, how the error names them)
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == v, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def check_field_types(method) -> None:
+    """Raise ValueError (one line) when a parameter has the wrong type for its declared one (int,
+    float, bool, str, or one of them | None): a float ``window`` would otherwise fail deep inside a
+    tensor op. Ranges are each method's own checks."""
+    for field in dataclasses.fields(method):
+        declared = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+        optional = declared.endswith(" | None")
+        kind = _KINDS.get(declared.removesuffix(" | None"))
+        value = getattr(method, field.name)
+        if kind is None or (optional and value is None):
+            continue
+        accepts, wanted = kind
+        if not accepts(value):
+            raise ValueError(f"{method.name}: {field.name} must be {wanted}{' or None' if optional else ''}, got {value!r}")
+
+
 @dataclass
 class Method:
     """Base class. Subclasses are small dataclasses registered with ``@register``.
@@ -115,6 +139,7 @@ class Method:
     interval: int = 1
 
     def __post_init__(self):
+        check_field_types(self)
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"interval must be an int >= 1, got {self.interval!r}")
 
