@@ -294,6 +294,9 @@ def keepkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     block_mask = new_block_mask(attention_mask, query.shape[0], query.shape[2], query.device)
+    check = getattr(cache, "check_continuation", None)
+    if check is not None and query.shape[2] > 1 and kwargs.get("position_ids") is not None:
+        check(module.layer_idx, kwargs["position_ids"], block_mask)
     return cache.forward_layer(module.layer_idx, query, key, value, block_mask, scaling), None
 
 

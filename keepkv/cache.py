@@ -582,6 +582,12 @@ class CompressedCache(Cache):
     **method_params
         Parameters of the method when it is given by name.
 
+    One cache holds one sequence per row. A second ``model.generate`` on it continues that
+    sequence: pass the whole sequence so far (prompt and generated tokens) plus any new tokens;
+    a new prompt on a used cache is refused (``check_continuation``): use a new cache, or
+    ``reset()``. Beam search and ``num_return_sequences`` are supported (every per-row tensor and
+    the method's state follow ``reorder_cache``); ``crop`` (assisted decoding) is refused.
+
     A cache built with ``record=Needs(...)`` compresses nothing and keeps the prefill's
     statistics, so that ``fork()`` can start any number of methods from one prefill.
 
@@ -703,6 +709,25 @@ class CompressedCache(Cache):
             raise ValueError(
                 f"crop({tokens_to_remove}): a CompressedCache cannot roll back tokens (assisted/speculative "
                 "decoding); generate without assistant_model, or with a DynamicCache"
+            )
+
+    def check_continuation(self, layer_idx: int, position_ids: torch.Tensor, block_mask: torch.Tensor) -> None:
+        """Raise ValueError unless a block of several tokens fed after the prefill continues the
+        sequence this cache holds: its last token's position (position_ids [B or 1, q]) must be each
+        row's real tokens so far plus the block's. A second ``model.generate`` on one cache continues
+        it (input_ids: the whole sequence so far, then the new tokens); HF slices off as many tokens
+        as the cache has seen, so a new prompt would otherwise be fed from the middle, silently.
+        Checked on the first layer only: one host sync per multi-token continuation block."""
+        layer = self.layers[layer_idx]
+        if layer_idx != 0 or layer.seen == 0 or layer.seen < self.prefill_tokens:
+            return
+        due = layer.real_seen + block_mask[:, 0, -1, :].sum(-1) - 1
+        got = position_ids[:, -1].to(due.device).expand_as(due)
+        if not torch.equal(got, due):
+            raise ValueError(
+                f"this CompressedCache holds a sequence of {layer.seen} tokens and the new block does not continue it "
+                f"(last position {got.tolist()}, due {due.tolist()}): to continue, pass the whole sequence so far plus "
+                "the new tokens; for a new prompt, use a new CompressedCache (or cache.reset())"
             )
 
     def start_prefill(self, attention_mask: torch.Tensor) -> None:
