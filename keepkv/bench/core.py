@@ -591,7 +591,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(run, "--budget", type=budget_arg, default=0.2, help="fraction of the prompt or entry count (0.2)")
     add(run, "--param", action="append", metavar="[METHOD.]KEY=VALUE",
         help="method parameter, e.g. interval=8 (every method with it) or h2o.recent_ratio=0.3")
-    add(run, "--prompt-len", type=int, default=1024, metavar="L", help="prompt tokens per row (1024)")
+    add(run, "--prompt-len", type=int, metavar="L", help="prompt tokens per row (1024; --soak: 256)")
     add(run, "--gen-len", type=int, default=128, metavar="G", help="timed decode steps (128)")
     add(run, "--batch", type=int, nargs="+", default=[1], metavar="B", help="batch size(s) (1)")
     add(run, "--repeats", type=int, default=3, help="timed repetitions; median and min/max reported (3)")
@@ -610,6 +610,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(modes, "--overhead", action="store_true", help="time the method's own code per decode step")
     add(modes, "--overhead-steps", type=int, default=16, metavar="N", help="steps for --overhead (16)")
     add(modes, "--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps")
+    add(modes, "--soak", action="store_true",
+        help="soak instead: one long decode per method, cache bytes and RSS at steps 100, 1k, 10k, 20k "
+             "(default model: the smollm2-135m shape, random weights, --layers 2; --prompt-len 256)")
+    add(modes, "--soak-steps", type=int, default=20_000, metavar="N", help="decode steps of --soak (20000)")
     out = parser.add_argument_group("output")
     add(out, "--json", nargs="?", const="-", metavar="PATH",
         help="write the JSON to PATH, or to stdout without one (the table then goes to stderr)")
@@ -630,6 +634,8 @@ def main(args: argparse.Namespace) -> int:
         json_to = None
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
+    if getattr(args, "soak", False):
+        return _soak_main(args, json_to)
     if args.layers is not None and args.config is None:
         print("keepkv bench: --layers needs --config", file=sys.stderr)
         return 2
@@ -646,7 +652,7 @@ def main(args: argparse.Namespace) -> int:
             methods=args.methods,
             budget=args.budget,
             method_params=parse_params(args.param),
-            prompt_len=args.prompt_len,
+            prompt_len=1024 if args.prompt_len is None else args.prompt_len,
             gen_len=args.gen_len,
             batches=args.batch,
             repeats=args.repeats,
@@ -680,6 +686,39 @@ def main(args: argparse.Namespace) -> int:
         save_plot(result, os.path.join(args.out, "bench.png"))
     if args.plot:
         save_plot(result, args.plot)
+    return 0
+
+
+def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
+    """``keepkv bench --soak``: see :mod:`keepkv.bench.soak`."""
+    from .soak import format_soak, run_soak
+
+    try:
+        device = resolve_device(args.device)
+        config = args.config if args.model is not None or args.config else "smollm2-135m"
+        layers = args.layers if args.layers is not None or args.model is not None else 2
+        model, info = load_bench_model(
+            args.model, config=config if args.model is None else None, layers=layers,
+            dtype=resolve_dtype(args.dtype, device), device=device, seed=args.seed,
+        )
+        prompt_len = 256 if args.prompt_len is None else args.prompt_len
+        methods = resolve_methods(args.methods)
+        result = run_soak(
+            model, methods, args.budget, prompt_len=prompt_len, steps=args.soak_steps, seed=args.seed,
+            progress=not args.no_progress, method_params=parse_params(args.param),
+        )
+    except ValueError as error:
+        print(f"keepkv bench: {error}", file=sys.stderr)
+        return 2
+    result["model"].update(source=info["source"], random_weights=info["random_weights"])
+    table = format_soak(result)
+    print(table, file=sys.stderr if json_to == "-" else sys.stdout)
+    text = json.dumps({"soak": result}, indent=2)
+    if json_to == "-":
+        print(text)
+    elif json_to:
+        with open(json_to, "w") as handle:
+            handle.write(text + "\n")
     return 0
 
 
