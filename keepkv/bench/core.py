@@ -694,6 +694,8 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
     from .soak import format_soak, run_soak
 
     try:
+        if isinstance(args.soak_steps, bool) or not isinstance(args.soak_steps, int) or args.soak_steps < 1:
+            raise ValueError(f"soak steps must be an int >= 1, got {args.soak_steps!r}")  # before the model loads
         device = resolve_device(args.device)
         config = args.config if args.model is not None or args.config else "smollm2-135m"
         layers = args.layers if args.layers is not None or args.model is not None else 2
