@@ -5,9 +5,9 @@ the embedded SmolLM2-135M's shape with random weights and a small depth (``layer
 default, so that every method finishes on a CPU). The decoder runs without its LM head and is
 fed random token ids: a soak measures the cache, not the answers.
 
-At each checkpoint (steps 100, 1,000, 10,000 and 20,000, those within ``steps``) it records the
-cache's bytes (``cache.nbytes()``), the process's current RSS and the mean kept entries per
-layer and KV head. The growth between the last two checkpoints, per token, is checked against
+At each checkpoint (steps 100, 1,000, 10,000 and 20,000, those within ``steps``, and the last
+step) it records the cache's bytes (``cache.nbytes()``), the process's current RSS and the mean
+kept entries per layer and KV head. The growth between the last two checkpoints, per token, is checked against
 what each method documents:
 
 - every compressing method: 0 bytes per token (its cache holds budget + interval entries);
@@ -98,10 +98,14 @@ def run_soak(model, methods: list[str], budget, prompt_len: int = 256, steps: in
     results = []
     for method, params in resolve_params(methods, method_params).items():
         results.append(soak_method(model, method, budget, prompt_len, steps, checkpoints, seed, progress, **params))
+        if progress:  # each method's line as it ends: a long soak shows its figures before the table
+            last = results[-1]["checkpoints"][-1]
+            tqdm.write(f"soak {method}: step {last['step']} cache {last['cache_bytes']} B, rss {last['rss_bytes']} B, "
+                       f"growth {results[-1]['growth_bytes_per_token']} B/token, {results[-1]['seconds']} s")
     config = model.config
     return {
         "settings": {"steps": steps, "prompt_len": prompt_len, "budget": budget, "batch": 1, "seed": seed,
-                     "checkpoints": [c for c in checkpoints if c <= steps]},
+                     "checkpoints": sorted({c for c in checkpoints if c <= steps} | {steps})},
         "model": {"num_layers": config.num_hidden_layers, "num_key_value_heads": config.num_key_value_heads,
                   "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
@@ -111,7 +115,7 @@ def run_soak(model, methods: list[str], budget, prompt_len: int = 256, steps: in
 
 def format_soak(result: dict) -> str:
     """A text table: cache bytes and RSS (MiB) at each checkpoint, growth per token, verdict."""
-    steps = result["settings"]["checkpoints"] or [result["settings"]["steps"]]
+    steps = result["settings"]["checkpoints"]
     head = ["method"] + [f"cache@{s}" for s in steps] + [f"rss_MiB@{s}" for s in steps] + ["B/token", "expected", "bounded", "s"]
     rows = [head]
     for record in result["methods"]:
