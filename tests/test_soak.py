@@ -37,11 +37,12 @@ def test_documented_growth():
 
 def test_cli_soak_json(capsys):
     args = build_parser().parse_args(
-        ["--soak", "--soak-steps", "12", "--layers", "1", "--methods", "h2o", "--prompt-len", "16", "--json", "-",
-         "--no-progress"]
+        ["--soak", "--soak-steps", "12", "--layers", "1", "--methods", "h2o", "--prompt-len", "16", "--json", "-"]
     )
     assert main(args) == 0
-    soak = json.loads(capsys.readouterr().out)["soak"]
+    shown = capsys.readouterr()
+    soak = json.loads(shown.out)["soak"]  # stdout holds the JSON alone; progress lines go to stderr
+    assert "soak h2o: step 12" in shown.err
     assert soak["model"]["source"] == "config:smollm2-135m" and soak["model"]["num_layers"] == 1
     assert [record["method"] for record in soak["methods"]] == ["full", "h2o"]
     assert soak["methods"][1]["checkpoints"][-1]["step"] == 12

@@ -24,6 +24,7 @@ JSON (``--json``): ``{"soak": {...}}`` with ``settings``, ``model`` and ``method
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import torch
@@ -101,7 +102,7 @@ def run_soak(model, methods: list[str], budget, prompt_len: int = 256, steps: in
         if progress:  # each method's line as it ends: a long soak shows its figures before the table
             last = results[-1]["checkpoints"][-1]
             tqdm.write(f"soak {method}: step {last['step']} cache {last['cache_bytes']} B, rss {last['rss_bytes']} B, "
-                       f"growth {results[-1]['growth_bytes_per_token']} B/token, {results[-1]['seconds']} s")
+                       f"growth {results[-1]['growth_bytes_per_token']} B/token, {results[-1]['seconds']} s", file=sys.stderr)
     config = model.config
     return {
         "settings": {"steps": steps, "prompt_len": prompt_len, "budget": budget, "batch": 1, "seed": seed,
