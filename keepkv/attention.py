@@ -13,6 +13,7 @@ Grouped-query attention: the g = H / H_kv query heads of KV head h are heads h·
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,8 +28,28 @@ NEG_INF = float("-inf")
 # Floats in one chunk of prefill logits: bounds the workspace, never a full T×T matrix.
 CHUNK_ELEMENTS = 1 << 24
 
-# The attention function is not handed the cache; CompressedCache.update() names it here.
+# The attention function is not handed the cache; CompressedCache.update() names it here, with the
+# key block it returned, as (cache, keys): see hand_over().
 ACTIVE_CACHE: contextvars.ContextVar = contextvars.ContextVar("keepkv_active_cache", default=None)
+
+
+def hand_over(cache, key_states: torch.Tensor) -> None:
+    """Name ``cache`` for the attention call that receives ``key_states``; called by a cache's
+    ``update()``, which HF's attention modules call right before their attention function.
+
+    Off keepkv's attention path the cache would be silently wrong (SDPA would attend over the new
+    block alone, since the cache appends in the attention call), so a caller whose config names
+    another attention implementation is refused. The keys tie the cache to that one call: a cache
+    named but never consumed cannot leak into a later forward (:func:`keepkv_attention`).
+    """
+    caller = sys._getframe(2).f_locals.get("self")  # the attention module that called cache.update()
+    implementation = getattr(getattr(caller, "config", None), "_attn_implementation", None)
+    if isinstance(implementation, str) and implementation != "keepkv":
+        raise ValueError(
+            f"a {type(cache).__name__} needs the model on keepkv's attention path, but its attention is "
+            f"{implementation!r}: call keepkv.enable(model) (or use keepkv.generate) first"
+        )
+    ACTIVE_CACHE.set((cache, key_states))
 
 
 @dataclass(frozen=True)
@@ -265,13 +286,18 @@ def keepkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     one (``use_cache=False``, a DynamicCache, plain ``model.generate``) this is the standard SDPA
     path with the standard mask, so a model left on ``"keepkv"`` still works as before.
     """
-    cache = ACTIVE_CACHE.get()
-    if cache is None:
+    active = ACTIVE_CACHE.get()
+    if active is not None:
+        ACTIVE_CACHE.set(None)
+    if active is None or active[1] is not key:  # no cache, or a stale one that another call named
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    ACTIVE_CACHE.set(None)
+    cache = active[0]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     block_mask = new_block_mask(attention_mask, query.shape[0], query.shape[2], query.device)
+    check = getattr(cache, "check_continuation", None)
+    if check is not None and query.shape[2] > 1 and kwargs.get("position_ids") is not None:
+        check(module.layer_idx, kwargs["position_ids"], block_mask)
     return cache.forward_layer(module.layer_idx, query, key, value, block_mask, scaling), None
 
 

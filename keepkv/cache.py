@@ -27,12 +27,12 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import ACTIVE_CACHE, Needs, StepStats, attend, join_prefill_stats
+from .attention import Needs, StepStats, attend, hand_over, join_prefill_stats
 from .diagnostics import warn_budget
 from .fused import compiled
 from .methods import Method, get_method
 from .methods.base import slots_of
-from .models import check_architecture
+from .models import check_architecture, check_context, sliding_window
 
 NEG_INF = float("-inf")
 # An uncompressed layer's buffers grow by an eighth of their length, at least GROWTH_MIN slots:
@@ -77,9 +77,12 @@ class LayerStore(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, layer_idx: int):
+    def __init__(self, layer_idx: int, shared: dict | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        # The method's per-cache objects, one dict shared by every layer of a cache (KVReviver's
+        # rebuild tracker): not per row, not per layer, and not counted as cache bytes.
+        self.shared = {} if shared is None else shared
         self.bias: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.extras: dict[str, torch.Tensor] = {}
@@ -124,7 +127,50 @@ class LayerStore(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.layer_idx)
+        self.shared.clear()
+        self.__init__(self.layer_idx, self.shared)
+
+    # The layer-level row hooks of CacheLayerMixin would move keys and values only: the
+    # CompressedCache's hooks move every per-row tensor, the method's state included.
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        raise ValueError("reorder_cache: call it on the CompressedCache, which also moves the method's state")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError("batch_repeat_interleave: call it on the CompressedCache, which also moves the method's state")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError("batch_select_indices: call it on the CompressedCache, which also moves the method's state")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("crop: call it on the CompressedCache")
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] (int64, repeats allowed) of every per-row tensor, in that order:
+        keys, values, bias, positions, extras (their buffers' spare slots too), ``real_seen`` and
+        ``budget``. The method's per-layer state is the method's to move (``Method.select_rows``)."""
+        if not self.is_initialized:
+            return
+        binary = self.binary_bias()
+        index = index.to(self.device)
+
+        def rows(name: str, current: torch.Tensor) -> torch.Tensor:
+            buffer = self._buffer_of(name, current)
+            with torch.inference_mode(False):  # a version counter for binary_bias()
+                if buffer is None:
+                    return current.index_select(0, index)
+                self.buffers[name] = buffer.index_select(0, index)
+            return self.buffers[name].narrow(2, 0, current.shape[2])
+
+        self.keys, self.values = rows("keys", self.keys), rows("values", self.values)
+        self.bias, self.positions = rows("bias", self.bias), rows("positions", self.positions)
+        self.extras = {name: rows(f"extras.{name}", extra) for name, extra in self.extras.items()}
+        self.real_seen = self.real_seen.index_select(0, index)
+        if self.budget is not None:
+            self.budget = self.budget.index_select(0, index)
+            self.capacity, self.min_budget = int(self.budget.max()), int(self.budget.min())
+        if self.prefill_stats is not None:
+            self.prefill_stats = _stats_rows(self.prefill_stats, index)
+        self._binary_mark = self._bias_mark() if binary else None
 
     # -- storage ---------------------------------------------------------------------
     @property
@@ -295,11 +341,12 @@ class LayerStore(CacheLayerMixin):
         return _state_joins([layer.state for layer in layers], [layer.keys.shape[0] for layer in layers])
 
     @classmethod
-    def stack(cls, layers: list["LayerStore"]) -> "LayerStore":
+    def stack(cls, layers: list["LayerStore"], shared: dict | None = None) -> "LayerStore":
         """One layer whose rows are the rows of ``layers`` in order, each padded with empty slots to
-        the largest; see :meth:`CompressedCache.stack`. Raises ValueError where they cannot join."""
+        the largest; see :meth:`CompressedCache.stack`. Raises ValueError where they cannot join.
+        ``shared``: the per-cache dict of the cache it joins."""
         joins = cls.check_stackable(layers)
-        out = cls(layers[0].layer_idx)
+        out = cls(layers[0].layer_idx, shared)
         slots = max(layer.size for layer in layers)
 
         def stacked(tensors: list[torch.Tensor], fill: float) -> torch.Tensor:
@@ -416,6 +463,16 @@ def _state_joins(states: list[dict], rows: list[int]) -> dict[str, str]:
         else:
             raise ValueError(f"stack: the caches' method state {name!r} cannot be joined")
     return joins
+
+
+def _stats_rows(stats: StepStats, index: torch.Tensor) -> StepStats:
+    """Rows ``index`` of every per-row tensor of ``stats`` (a prefill's, kept for a later chunk or a fork)."""
+    picked = {
+        name: value.index_select(0, index) if isinstance(value, torch.Tensor) else value
+        for name, value in vars(stats).items()
+    }
+    picked["decayed"] = {decay: total.index_select(0, index) for decay, total in stats.decayed.items()}
+    return StepStats(**picked)
 
 
 def validate_budget(budget) -> None:
@@ -544,6 +601,12 @@ class CompressedCache(Cache):
     **method_params
         Parameters of the method when it is given by name.
 
+    One cache holds one sequence per row. A second ``model.generate`` on it continues that
+    sequence: pass the whole sequence so far (prompt and generated tokens) plus any new tokens;
+    a new prompt on a used cache is refused (``check_continuation``): use a new cache, or
+    ``reset()``. Beam search and ``num_return_sequences`` are supported (every per-row tensor and
+    the method's state follow ``reorder_cache``); ``crop`` (assisted decoding) is refused.
+
     A cache built with ``record=Needs(...)`` compresses nothing and keeps the prefill's
     statistics, so that ``fork()`` can start any number of methods from one prefill.
 
@@ -577,7 +640,9 @@ class CompressedCache(Cache):
         self.budget = budget
         self.num_layers = config.num_hidden_layers
         self.config = config
-        super().__init__(layers=[LayerStore(i) for i in range(self.num_layers)])
+        self.sliding_window = sliding_window(config)
+        shared = {}
+        super().__init__(layers=[LayerStore(i, shared) for i in range(self.num_layers)])
         self.prompt_lengths: torch.Tensor | None = None
         self.layer_budgets: torch.Tensor | None = None
         self.prefill_peak_bytes = 0
@@ -590,7 +655,7 @@ class CompressedCache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        ACTIVE_CACHE.set(self)
+        hand_over(self, key_states)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -606,6 +671,83 @@ class CompressedCache(Cache):
         self.layer_budgets = None
         self.prefill_peak_bytes = 0
         self.prompt_mask = None
+
+    # -- row-reshaping hooks transformers calls ----------------------------------------------
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row r becomes old row ``beam_idx[r]`` [B], every per-row tensor included."""
+        self.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row repeated ``repeats`` times in place (row r becomes rows r·repeats … r·repeats+repeats−1)."""
+        rows = self._rows()
+        if rows:
+            self.select_rows(torch.arange(rows).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only rows ``indices`` (int or bool [B])."""
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().view(-1)
+        self.select_rows(indices)
+
+    def _rows(self) -> int:
+        """Rows of the cache (0 before its first forward)."""
+        first = self.layers[0]
+        return first.keys.shape[0] if first.is_initialized else 0
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] (int64, repeats allowed), in that order, of every layer's store and
+        method state and of the cache's own per-row figures. Raises ValueError, changing nothing,
+        where the method's state cannot follow (see ``Method.select_rows``)."""
+        index = torch.as_tensor(index).long().view(-1).cpu()
+        rows = self._rows()
+        if not rows:
+            return
+        if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= rows:
+            raise ValueError(f"row indices must be in [0, {rows}), got {index.tolist()}")
+        states = [self.method.select_rows(layer, index.to(layer.device)) for layer in self.layers]
+        for layer, state in zip(self.layers, states):  # every state moved before any layer changes
+            layer.select_rows(index)
+            layer.state = state
+        if self.prompt_lengths is not None:
+            self.prompt_lengths = self.prompt_lengths.index_select(0, index.to(self.prompt_lengths.device))
+        if self.layer_budgets is not None:
+            self.layer_budgets = self.layer_budgets.index_select(1, index.to(self.layer_budgets.device))
+        if self.prompt_mask is not None:
+            self.prompt_mask = self.prompt_mask.index_select(0, index.to(self.prompt_mask.device))
+
+    @property
+    def is_croppable(self) -> bool:
+        """False: compressed entries cannot be put back (assisted decoding refuses before it drafts)."""
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Only ``crop(0)`` (nothing to remove) is accepted: entries a method merged or evicted cannot
+        be restored, so rolling back tokens (assisted or speculative decoding) is refused."""
+        if tokens_to_remove != 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): a CompressedCache cannot roll back tokens (assisted/speculative "
+                "decoding); generate without assistant_model, or with a DynamicCache"
+            )
+
+    def check_continuation(self, layer_idx: int, position_ids: torch.Tensor, block_mask: torch.Tensor) -> None:
+        """Raise ValueError unless a block of several tokens fed after the prefill continues the
+        sequence this cache holds: its last token's position (position_ids [B or 1, q]) must be each
+        row's real tokens so far plus the block's. A second ``model.generate`` on one cache continues
+        it (input_ids: the whole sequence so far, then the new tokens); HF slices off as many tokens
+        as the cache has seen, so a new prompt would otherwise be fed from the middle, silently.
+        Checked on the first layer only: one host sync per multi-token continuation block."""
+        layer = self.layers[layer_idx]
+        if layer_idx != 0 or layer.seen == 0 or layer.seen < self.prefill_tokens:
+            return
+        due = layer.real_seen + block_mask[:, 0, -1, :].sum(-1) - 1
+        got = position_ids[:, -1].to(due.device).expand_as(due)
+        if not torch.equal(got, due):
+            raise ValueError(
+                f"this CompressedCache holds a sequence of {layer.seen} tokens and the new block does not continue it "
+                f"(last position {got.tolist()}, due {due.tolist()}): to continue, pass the whole sequence so far plus "
+                "the new tokens; for a new prompt, use a new CompressedCache (or cache.reset())"
+            )
 
     def start_prefill(self, attention_mask: torch.Tensor) -> None:
         """Announce a prompt that will be fed in several blocks: attention_mask [B, T] (1 = real
@@ -627,6 +769,8 @@ class CompressedCache(Cache):
         """
         layer = self.layers[layer_idx]
         block = keys.shape[2]
+        if self.sliding_window is not None:  # refused before anything changes (models.check_context)
+            check_context(self.config, max(layer.seen + block, self.prefill_tokens))
         is_prefill = layer.seen == 0 or layer.seen < self.prefill_tokens
         if layer.seen == 0:
             self.method.setup_layer(layer)
@@ -721,9 +865,9 @@ class CompressedCache(Cache):
             LayerStore.check_stackable([cache.layers[i] for cache in caches])
         out = cls(first.config, first.method, first.budget, compile=first.compile)
         for i in range(first.num_layers):
-            out.layers[i] = LayerStore.stack([cache.layers[i] for cache in caches])
+            out.layers[i] = LayerStore.stack([cache.layers[i] for cache in caches], out.layers[i].shared)
             for cache in caches:
-                cache.layers[i] = LayerStore(i)
+                cache.layers[i] = LayerStore(i, cache.layers[i].shared)
         out.prompt_lengths = torch.cat([cache.prompt_lengths for cache in caches])
         if first.layer_budgets is not None:
             out.layer_budgets = torch.cat([cache.layer_budgets for cache in caches], dim=1)

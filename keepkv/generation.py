@@ -12,6 +12,7 @@ from transformers.generation import utils as generation_utils
 from .attention import enabled
 from .cache import CompressedCache
 from .diagnostics import warn_context_length
+from .models import check_context
 
 
 # transformers 5.x renames generate()'s past_key_values to cache (a FutureWarning on every call
@@ -168,6 +169,7 @@ def generate(
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
     prompt_length = inputs["input_ids"].shape[1]
     warn_context_length(model.config, prompt_length, max_new_tokens)
+    check_context(model.config, prompt_length + max_new_tokens)
     if prefill_chunk is not None:
         cache.start_prefill(inputs["attention_mask"])
     bars = _Progress(model, cache.method.name, max_new_tokens) if progress else None

@@ -49,6 +49,38 @@ def check_architecture(config) -> None:
         )
 
 
+def sliding_window(config) -> int | None:
+    """The attention window of the config's sliding-window layers, or None when every layer attends
+    over the whole context.
+
+    Mistral slides in every layer when ``sliding_window`` is set; Qwen2/Qwen3 (``use_sliding_window``)
+    and any config with ``layer_types`` slide in their ``"sliding_attention"`` layers only.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def check_context(config, tokens: int) -> None:
+    """Raise ValueError if a context of ``tokens`` tokens would run past a sliding window.
+
+    keepkv attends over every kept entry: it does not mask entries that left a sliding-window
+    layer's window, so such a run would be silently wrong. A window that the context never
+    exceeds changes nothing, and is accepted.
+    """
+    window = sliding_window(config)
+    if window is not None and tokens > window:
+        raise ValueError(
+            f"keepkv does not support sliding-window attention: this {getattr(config, 'model_type', 'model')} "
+            f"attends over the last {window} tokens and the run needs {tokens}; keep prompt plus new tokens "
+            f"<= {window}, or use a model without a sliding window"
+        )
+
+
 def parse_dtype(dtype) -> torch.dtype:
     """A parameter dtype: float32, bfloat16 or float16, as a torch.dtype or its name.
 

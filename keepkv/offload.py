@@ -13,6 +13,7 @@ grow by doubling (amortised O(1) per token).
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -151,6 +152,20 @@ class FullKVCopy:
         self.loads += 1
         self.bytes_to_device += sum(p.numel() * p.element_size() for p in parts)
         return keys, values, is_real
+
+    def select_rows(self, index: torch.Tensor) -> "FullKVCopy":
+        """A copy holding batch rows ``index`` [B'] (repeats allowed), in that order; this one is unchanged."""
+        self.synchronize()
+        index = index.cpu()
+        picked = copy.copy(self)
+        picked.shape = (index.numel(), self.shape[1])
+        picked._events = []
+        for name in ("keys", "values", "is_real"):
+            buffer = getattr(self, name)
+            selected = picked._buffer(buffer.shape[0], *buffer.shape[2:], dtype=buffer.dtype)
+            torch.index_select(buffer, 1, index, out=selected)
+            setattr(picked, name, selected)
+        return picked
 
     # -- reporting ---------------------------------------------------------------------------
     def nbytes(self) -> int:

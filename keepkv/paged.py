@@ -159,7 +159,14 @@ class PagedCompression:
 
         The served methods give every layer the same budget, so each call runs as the cache's layer 0.
         """
-        is_prefill = batch.computed[rows[0]] == 0
+        interval = self.method.interval
+        phases = {
+            (True, False) if batch.computed[r] == 0 else (False, (batch.computed[r] - batch.prompt[r]) % interval == interval - 1)
+            for r in rows
+        }
+        if len(phases) > 1:  # one LayerStore has one prefill flag and one pending count for its rows
+            raise ValueError(f"paged: rows {rows} mix phases (prefill, compressing or plain decode): call them apart")
+        is_prefill, compressing = phases.pop()
         block = max(lengths[r] for r in rows)
         table = batch.block_table[rows].long().to(query.device)
         # The new tokens, left-padded to one block: [R, q] flat token indices (padding: 0, masked).
@@ -183,6 +190,7 @@ class PagedCompression:
             prompts = [batch.prompt[r] for r in rows]
             sizes = [self.stored(batch.prompt[r], batch.computed[r]) for r in rows]
             cache.layers[0], before = self._gather(kv_cache, table, sizes, [batch.computed[r] for r in rows], prompts, new_keys)
+            cache.layers[0].pending = interval - 1 if compressing else 0  # this step's append compresses, or not
         out = cache.forward_layer(0, new_query, new_keys, new_values, block_mask, scaling)  # [R, q, H, D]
         output[tokens[real]] = out[real].to(output.dtype)
         after_sizes = [self.stored(batch.prompt[r], batch.computed[r] + lengths[r]) for r in rows]
@@ -242,7 +250,6 @@ class PagedCompression:
         store.seen = max(computed)
         store.budget = torch.tensor([self.kept(p) for p in prompts], device=like.device)[:, None].expand(-1, kv_heads).contiguous()
         store.capacity, store.min_budget = int(store.budget.max()), int(store.budget.min())
-        store.pending = 0 if self.method.interval == 1 else (computed[0] - prompts[0]) % self.method.interval
         store._binary_mark = store._bias_mark()  # served methods evict only: the bias is 0 or -inf
         return store, positions
 

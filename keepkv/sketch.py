@@ -18,6 +18,7 @@ and deletes are one ``index_add_`` each for keys and values, queries one
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 from dataclasses import dataclass, field
@@ -245,6 +246,16 @@ class CountSketch:
             self.keys.numel() * self.keys.element_size()
             + self.values.numel() * self.values.element_size()
         )
+
+    def select_rows(self, index: Tensor) -> "CountSketch":
+        """A sketch of batch rows ``index`` [B'] (repeats allowed), in that order; this one is unchanged."""
+        index = index.to(self.keys.device)
+        picked = copy.copy(self)
+        picked.keys, picked.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        for name, value in vars(self).items():  # per-row extras of a subclass (RaggedSketch.active)
+            if name not in ("keys", "values", "_salts") and isinstance(value, Tensor) and value.dim():
+                setattr(picked, name, value.index_select(0, index))
+        return picked
 
     # ----------------------------------------------------------------------- hashes
     def _raw_hashes(self, token_ids: Tensor, limit: int | None = None) -> Tensor:

@@ -2,11 +2,27 @@
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import keepkv
 
 VOCAB = 128
+
+# Property-based tests: hypothesis' default example count, derandomized in CI (a failure
+# reproduces), and a deeper random search with ``pytest --hypothesis-profile=long``. The model
+# fuzz (test_fuzz.py) runs FUZZ_EXAMPLES[profile] examples: a fixed, small budget in CI.
+_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True, suppress_health_check=_HEALTH)
+settings.register_profile("long", max_examples=1000, deadline=None, print_blob=True, suppress_health_check=_HEALTH)
+settings.load_profile("ci")
+FUZZ_EXAMPLES = {"ci": 50, "long": 2000}
+
+
+def fuzz_settings(share: float = 1.0) -> settings:
+    """Settings of a model fuzz test: ``share`` of the current profile's fuzz examples."""
+    examples = FUZZ_EXAMPLES.get(settings.get_current_profile_name(), FUZZ_EXAMPLES["ci"])
+    return settings(max_examples=max(1, round(examples * share)))
 # Tiny tensors: thread fan-out costs far more than it saves, most of all on a busy 2-core machine.
 torch.set_num_threads(1)
 

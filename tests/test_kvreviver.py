@@ -342,3 +342,24 @@ def test_cache_grows_by_the_vague_scalars_only():
     kv_heads, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
     assert all(after[0] - before[0] == 8 * kv_heads * layers for before, after in zip(sizes, sizes[1:]))
     assert len({entries for _, entries, _ in sizes}) == 1 and len({sketch for _, _, sketch in sizes}) == 1
+
+
+def test_memory_report_of_caches_that_share_one_method_instance_stays_apart():
+    """The rebuild tracker belongs to the cache, not to the method instance: a bigger run of another
+    cache with the same KVReviver does not leak into this cache's peak."""
+    model = tiny_model("llama-gqa", layers=2)
+    small_ids, small_mask = random_batch(batch=1, length=24, pad=(0,))
+    big_ids, big_mask = random_batch(batch=3, length=60, pad=(0, 0, 0), seed=2)
+    alone = keepkv.CompressedCache(model.config, "kvreviver", 0.25, **UNIFORM)
+    for _ in decode_loop(model, small_ids, small_mask, alone, steps=6):
+        pass
+    shared = keepkv.get_method("kvreviver", **UNIFORM)
+    small = keepkv.CompressedCache(model.config, shared, 0.25)
+    big = keepkv.CompressedCache(model.config, shared, 0.25)
+    for _ in decode_loop(model, small_ids, small_mask, small, steps=6):
+        pass
+    for _ in decode_loop(model, big_ids, big_mask, big, steps=6):
+        pass
+    expected = alone.method.memory_report(alone)
+    assert shared.memory_report(small) == expected
+    assert shared.memory_report(big)["peak_rebuilt_bytes"] > expected["peak_rebuilt_bytes"]

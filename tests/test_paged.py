@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from keepkv import CompressedCache
 from keepkv.cache import budget_floor, row_budgets
-from keepkv.paged import SERVED_METHODS, PagedCompression
+from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 CONFIG = LlamaConfig(
@@ -132,3 +132,26 @@ def test_rejects_what_it_cannot_serve():
     paged = PagedCompression(CONFIG, "snapkv", 0.5)
     with pytest.raises(ValueError, match="whole-prompt prefills"):
         paged.batch([0, 5], [9], torch.zeros(1, 2, dtype=torch.int32))
+
+
+def test_rows_of_mixed_phase_are_refused_not_run_as_the_first_rows_phase():
+    """One LayerStore call takes its prefill flag and pending count for every row: rows that differ
+    in phase must never share it (forward() groups them; a direct call with mixed rows is refused)."""
+    generator = torch.Generator().manual_seed(3)
+    paged = PagedCompression(CONFIG, "h2o+interval=3", 0.5)
+    engine = Engine(paged)
+    engine.step({0: tokens(generator, 6)})
+    engine.step({0: tokens(generator, 1)})
+    new = {0: tokens(generator, 1), 1: tokens(generator, 5)}  # a decode beside a prefill
+    fresh = [engine.free.pop(), engine.free.pop()]
+    width = max(len(engine.tables[0]), 2)
+    table = torch.tensor([engine.tables[0] + [0] * (width - len(engine.tables[0])), fresh + [0] * (width - 2)],
+                         dtype=torch.int32)
+    batch = paged.batch([0, 1, 6], [8, 5], table)
+    query, key, value = (torch.cat([new[r][i] for r in (0, 1)]) for i in range(3))
+    output = query.new_empty(query.shape)
+    with pytest.raises(ValueError, match="mix phases"):
+        paged._forward_rows(engine.kv_cache, query, key, value, batch, [0, 1], batch.query_lengths, SCALING, output)
+    decodes = PagedBatch([0, 1, 2], [7, 7], [6, 5], table)  # 1 and 2 decode steps into interval 3
+    with pytest.raises(ValueError, match="mix phases"):
+        paged._forward_rows(engine.kv_cache, query[:2], key[:2], value[:2], decodes, [0, 1], [1, 1], SCALING, output)

@@ -610,7 +610,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(run, "--budget", type=budget_arg, default=0.2, help="fraction of the prompt or entry count")
     add(run, "--param", action="append", metavar="[METHOD.]KEY=VALUE",
         help="method parameter, e.g. interval=8 (every method with it) or h2o.recent_ratio=0.3")
-    add(run, "--prompt-len", type=int, default=1024, metavar="L", help="prompt tokens per row")
+    add(run, "--prompt-len", type=int, metavar="L", help="prompt tokens per row (default: 1024; --soak: 256)")
     add(run, "--gen-len", type=int, default=QUICK_GEN_LEN, metavar="G", help="timed decode steps")
     add(run, "--batch", type=int, nargs="+", default=[1], metavar="B", help="batch size(s)")
     add(run, "--repeats", type=int, default=QUICK_REPEATS, help="timed repetitions; median and min/max reported")
@@ -629,6 +629,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(modes, "--overhead", action="store_true", help="time the method's own code per decode step")
     add(modes, "--overhead-steps", type=int, default=16, metavar="N", help="steps for --overhead")
     add(modes, "--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps (0: off)")
+    add(modes, "--soak", action="store_true",
+        help="soak instead: one long decode per method (every registered one unless --methods names others), "
+             "cache bytes and RSS at steps 100, 1k, 10k, 20k (default model: the smollm2-135m shape, random "
+             "weights, --layers 2; --prompt-len 256)")
+    add(modes, "--soak-steps", type=int, default=20_000, metavar="N", help="decode steps of --soak")
     out = parser.add_argument_group("output")
     add(out, "--json", nargs="?", const="-", metavar="PATH",
         help="write the JSON to PATH, or to stdout without one (the table then goes to stderr)")
@@ -649,6 +654,8 @@ def main(args: argparse.Namespace) -> int:
         json_to = None
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
+    if getattr(args, "soak", False):
+        return _soak_main(args, json_to)
     if args.layers is not None and args.config is None:
         print("keepkv bench: --layers needs --config", file=sys.stderr)
         return 2
@@ -665,7 +672,7 @@ def main(args: argparse.Namespace) -> int:
             methods=args.methods,
             budget=args.budget,
             method_params=parse_params(args.param),
-            prompt_len=args.prompt_len,
+            prompt_len=1024 if args.prompt_len is None else args.prompt_len,
             gen_len=args.gen_len,
             batches=args.batch,
             repeats=args.repeats,
@@ -701,6 +708,41 @@ def main(args: argparse.Namespace) -> int:
         save_plot(result, os.path.join(args.out, "bench.png"))
     if args.plot:
         save_plot(result, args.plot)
+    return 0
+
+
+def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
+    """``keepkv bench --soak``: see :mod:`keepkv.bench.soak`."""
+    from .soak import format_soak, run_soak
+
+    try:
+        if isinstance(args.soak_steps, bool) or not isinstance(args.soak_steps, int) or args.soak_steps < 1:
+            raise ValueError(f"soak steps must be an int >= 1, got {args.soak_steps!r}")  # before the model loads
+        device = resolve_device(args.device)
+        config = args.config if args.model is not None or args.config else "smollm2-135m"
+        layers = args.layers if args.layers is not None or args.model is not None else 2
+        model, info = load_bench_model(
+            args.model, config=config if args.model is None else None, layers=layers,
+            dtype=resolve_dtype(args.dtype, device), device=device, seed=args.seed,
+        )
+        prompt_len = 256 if args.prompt_len is None else args.prompt_len
+        methods = resolve_methods("all" if args.methods == QUICK_METHODS else args.methods)
+        result = run_soak(
+            model, methods, args.budget, prompt_len=prompt_len, steps=args.soak_steps, seed=args.seed,
+            progress=not args.no_progress, method_params=parse_params(args.param),
+        )
+    except ValueError as error:
+        print(f"keepkv bench: {error}", file=sys.stderr)
+        return 2
+    result["model"].update(source=info["source"], random_weights=info["random_weights"])
+    table = format_soak(result)
+    print(table, file=sys.stderr if json_to == "-" else sys.stdout)
+    text = json.dumps({"soak": result}, indent=2)
+    if json_to == "-":
+        print(text)
+    elif json_to:
+        with open(json_to, "w") as handle:
+            handle.write(text + "\n")
     return 0
 
 

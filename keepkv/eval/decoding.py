@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from transformers.cache_utils import Cache
 
-from ..attention import ACTIVE_CACHE, enable
+from ..attention import enable, hand_over
 from ..cache import CompressedCache
 
 
@@ -126,7 +126,7 @@ class JointCache(Cache):
         self.rows = [cache.layers[0].keys.shape[0] for cache in caches]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        ACTIVE_CACHE.set(self)
+        hand_over(self, key_states)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -96,6 +96,30 @@ def check_range(name: str, value, low, high, *, low_open=False, high_open=False)
         raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
 
 
+_KINDS = {  # a field's declared type -> (accepted values, how the error names them)
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == v, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def check_field_types(method) -> None:
+    """Raise ValueError (one line) when a parameter has the wrong type for its declared one (int,
+    float, bool, str, or one of them | None): a float ``window`` would otherwise fail deep inside a
+    tensor op. Ranges are each method's own checks."""
+    for field in dataclasses.fields(method):
+        declared = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+        optional = declared.endswith(" | None")
+        kind = _KINDS.get(declared.removesuffix(" | None"))
+        value = getattr(method, field.name)
+        if kind is None or (optional and value is None):
+            continue
+        accepts, wanted = kind
+        if not accepts(value):
+            raise ValueError(f"{method.name}: {field.name} must be {wanted}{' or None' if optional else ''}, got {value!r}")
+
+
 @dataclass
 class Method:
     """Base class. Subclasses are small dataclasses registered with ``@register``.
@@ -115,6 +139,7 @@ class Method:
     interval: int = 1
 
     def __post_init__(self):
+        check_field_types(self)
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"interval must be an int >= 1, got {self.interval!r}")
 
@@ -161,6 +186,41 @@ class Method:
     def compress(self, layer, stats: StepStats) -> None:
         """Bring every row and head of ``layer`` to at most its budget."""
         raise NotImplementedError
+
+    def select_rows(self, layer, index: torch.Tensor) -> dict:
+        """The layer's method state for rows ``index`` [B'] of its B rows (beam search and the other
+        row-reshaping hooks), as a new dict; the layer is left unchanged.
+
+        By default: a tensor laid out per row (first dimension B) takes those rows; an object with a
+        ``select_rows(index)`` (a sketch, a host copy) returns its own; a plain Python value (a step
+        count, a scaling) is shared by every row and kept. Anything else raises ValueError: a state
+        that cannot follow its rows is refused rather than left in the old order. A method whose
+        scalars are derived from its rows (KVReviver's largest exact share) recomputes them here.
+        """
+        return select_state_rows(layer.state, index, layer.keys.shape[0], self.name)
+
+
+def select_state_rows(state: dict, index: torch.Tensor, rows: int, owner: str) -> dict:
+    """``state`` with rows ``index`` of each per-row value (see ``Method.select_rows``)."""
+    picked = {}
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != rows:
+                raise ValueError(
+                    f"{owner}: its state {name!r} of shape {tuple(value.shape)} is not laid out per row, so its "
+                    "rows cannot be reordered (beam search, num_return_sequences)"
+                )
+            picked[name] = value.index_select(0, index.to(value.device))
+        elif callable(getattr(value, "select_rows", None)):
+            picked[name] = value.select_rows(index)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            picked[name] = value
+        else:
+            raise ValueError(
+                f"{owner}: its state {name!r} ({type(value).__name__}) cannot be reordered by row (beam search, "
+                "num_return_sequences); use num_beams=1"
+            )
+    return picked
 
 
 @dataclass

@@ -384,7 +384,6 @@ class KVReviver(Method):
             self.layer_scores = scores
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        self.tracker = RebuildTracker()
         self._warned_uniform = False
 
     # -- budgets -------------------------------------------------------------------------
@@ -468,20 +467,29 @@ class KVReviver(Method):
         values[:, :, count:] = layer.values
         vague_bias = torch.zeros_like(state["vague_score"]).masked_fill(vague_pos < 0, NEG_INF)
         bias = torch.cat([vague_bias, layer.bias], dim=-1)
-        rebuilt = self.tracker.track((keys, values, bias))
-        workspace = self.rebuild_vague(state, vague_pos, keys, values, layer.seen)
+        tracker = self.tracker_of(layer)
+        rebuilt = tracker.track((keys, values, bias))
+        workspace = self.rebuild_vague(state, vague_pos, keys, values, layer.seen, tracker)
         state["rebuilt_bytes"] = rebuilt
         state["peak_rebuilt_bytes"] = max(state.get("peak_rebuilt_bytes", 0), rebuilt + workspace)
         return keys, values, bias
 
-    def rebuild_vague(self, state, token_ids, keys_out, values_out, limit: int) -> int:
+    @staticmethod
+    def tracker_of(layer) -> RebuildTracker:
+        """The rebuild tracker of the layer's cache (one per cache, shared by its layers: caches that
+        share a KVReviver instance are measured apart)."""
+        return layer.shared.setdefault("kvreviver.rebuild_tracker", RebuildTracker())
+
+    def rebuild_vague(self, state, token_ids, keys_out, values_out, limit: int, tracker=None) -> int:
         """Query ``token_ids`` [B, H_kv, n] from the layer's sketch into ``keys_out[:, :, :n]``
         and ``values_out[:, :, :n]`` (Algorithm 2: the r slots, values times their sign, the
         coordinate-wise median; see ``estimate``), in chunks so that the per-row estimates
         [B, H_kv, c, r, D_k + D_v] stay within REBUILD_WORKSPACE_FRACTION of the rebuilt layer
         (at least QUERY_CHUNK_MIN tokens a chunk). ``token_ids`` lie in [0, limit) or are -1
-        (empty slots, masked by the caller). Returns the largest workspace in bytes.
+        (empty slots, masked by the caller). Returns the largest workspace in bytes, as counted by
+        ``tracker`` (a RebuildTracker; a new one when None).
         """
+        tracker = RebuildTracker() if tracker is None else tracker
         sketch = state["sketch"]
         rows, key_dim = sketch.rows, sketch.head_dim
         batch, kv_heads, count = token_ids.shape
@@ -490,11 +498,11 @@ class KVReviver(Method):
         table = self._slot_estimates(state)
         # Sketch row first: each row's estimates come out contiguous for the median.
         index = self._slots(sketch, token_ids, limit, signed=True).movedim(-1, 0)  # [r, B, H_kv, n]
-        table_bytes, workspace = self.tracker.track((table,)), 0
+        table_bytes, workspace = tracker.track((table,)), 0
         for start in range(0, count, chunk):
             stop = min(count, start + chunk)
             estimates = table.index_select(0, index[..., start:stop].reshape(-1))
-            workspace = max(workspace, table_bytes + self.tracker.track((estimates,)))
+            workspace = max(workspace, table_bytes + tracker.track((estimates,)))
             median = median_rows(estimates.view(rows, batch, kv_heads, stop - start, -1), dim=0, inplace=True)
             keys_out[:, :, start:stop] = median[..., :key_dim]
             values_out[:, :, start:stop] = median[..., key_dim:]
@@ -590,6 +598,15 @@ class KVReviver(Method):
             state["vague_score"] = torch.full((batch, kv_heads, 0), NEG_INF, device=layer.device)
         else:
             state["sketch"] = None
+        return state
+
+    def select_rows(self, layer, index):
+        """Per-row state and sketch follow their rows; the host-side extremes over the rows are
+        recomputed for the rows now present."""
+        state = super().select_rows(layer, index)
+        if "exact" in state:
+            state["exact_max"], state["exact_min"] = int(state["exact"].max()), int(state["exact"].min())
+            state["last_fit_seen"] = int(state["fits_while_seen"].max())
         return state
 
     def protected(self, layer) -> torch.Tensor:
@@ -695,6 +712,7 @@ class KVReviver(Method):
             layer.state["sketch"].nbytes() for layer in cache.layers if layer.state.get("sketch") is not None
         )
         first = cache.layers[0]
+        tracker = self.tracker_of(first)
         per_token = 2 * first.keys.shape[1] * first.keys.shape[-1] * first.keys.element_size()
         return {
             "entry_bytes": entries,
@@ -706,9 +724,9 @@ class KVReviver(Method):
                 if name in layer.state
             ),
             "stored_bytes": cache.nbytes(),
-            "peak_rebuilt_bytes": self.tracker.peak,
+            "peak_rebuilt_bytes": tracker.peak,
             "largest_layer_rebuilt_bytes": max(layer.state.get("peak_rebuilt_bytes", 0) for layer in cache.layers),
-            "rebuilt_bytes_alive": self.tracker.live,
+            "rebuilt_bytes_alive": tracker.live,
             "full_cache_bytes": int(first.real_seen.sum()) * per_token * cache.num_layers,
             "swaps": int(sum(layer.state.get("swaps", 0) for layer in cache.layers)),
         }

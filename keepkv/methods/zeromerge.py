@@ -124,7 +124,10 @@ class ZeroMerge(Method):
         # Rank context candidates by score (0 = best); the lowest leave the context.
         order = score.masked_fill(~candidate, -math.inf).argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(size, device=live.device).expand_as(order))
-        leaving = candidate & (rank >= context[..., None])
+        # A row and head that fits its budget is left alone, even when others of the batch compress
+        # (no slot is opened for it: that would change how it merges later).
+        fits = live.sum(-1) <= layer.budget
+        leaving = candidate & (rank >= context[..., None]) & ~fits[..., None]
         keep_context = candidate & ~leaving
         missing_slots = (slots - is_slot.sum(-1)).clamp(min=0)
         seeds = leaving & (rank >= (candidate.sum(-1) - missing_slots)[..., None])  # lowest scores open slots
