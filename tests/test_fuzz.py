@@ -154,8 +154,9 @@ def test_found_by_the_fuzz(case):
 
 
 def test_kvreviver_refuses_a_budget_too_small_for_its_sketch_in_one_line():
-    """Found by the fuzz: a 1-token prompt at budget 1.0 leaves one entry, less than the sketch needs."""
-    case = {"method": "kvreviver", "lengths": [1], "budget": 1.0, "interval": 1, "chunk": None, "steps": 0, "seed": 0}
+    """Found by the fuzz: a 1-token prompt at budget 1.0 left one entry, less than the sketch needs
+    (now the budget floor keeps a fractional budget above it: an entry count still can be too small)."""
+    case = {"method": "kvreviver", "lengths": [1], "budget": 1, "interval": 1, "chunk": None, "steps": 0, "seed": 0}
     assert check_case(case) is False
     with pytest.raises(ValueError, match="needs a budget of at least 4 entries") as error:
         _run(_cache(case), *_prompts([1], 0), None, 0)
