@@ -94,6 +94,11 @@ def _gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(-2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
 
 
+def _own_and_incoming(x: torch.Tensor, groups: _Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H_kv, S(, D)] at each group's target and at each plan entry, in fp32."""
+    return _gather_entries(x, groups.slot).float(), _gather_entries(x, groups.src).float()
+
+
 def _group_sum(own: torch.Tensor, incoming: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
     """Sum over each group: own [..., E(, D)] (the target's term) plus incoming [..., E(, D)] per entry."""
     if own.dim() == entry_group.dim():
@@ -212,12 +217,8 @@ def gate_merges(
     """
     groups = _group_plan(src, dst, merge, values.shape[-2])
     entry_group = groups.entry_group
-
-    def own_and_incoming(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _gather_entries(x, groups.slot).float(), _gather_entries(x, groups.src).float()
-
-    own_log_votes, incoming_log_votes = own_and_incoming(bias)
-    own_log_scores, incoming_log_scores = own_and_incoming(log_scores)
+    own_log_votes, incoming_log_votes = _own_and_incoming(bias, groups)
+    own_log_scores, incoming_log_scores = _own_and_incoming(log_scores, groups)
     _, own_w, incoming_w = _group_weights(
         own_log_votes + own_log_scores.where(torch.isfinite(own_log_scores), 0.0),
         incoming_log_votes + incoming_log_scores.where(torch.isfinite(incoming_log_scores), 0.0),
@@ -228,7 +229,7 @@ def gate_merges(
     weight_sum = own_w + incoming_sum
     keep = incoming_sum <= max_share * weight_sum
     if math.isfinite(max_value_change):
-        own_values, incoming_values = own_and_incoming(values)  # [B, H_kv, E, D]
+        own_values, incoming_values = _own_and_incoming(values, groups)  # [B, H_kv, E, D]
         entry_target = _gather_entries(own_values, entry_group)  # v_t of each entry's target
         pull = _group_sum(torch.zeros_like(own_values), incoming_w[..., None] * (incoming_values - entry_target), entry_group)
         change = pull.norm(dim=-1) / weight_sum  # ‖v_r - v_t‖
@@ -334,12 +335,8 @@ def zip_merge(
     groups = _group_plan(src, dst, merge, keys.shape[-2])
     entry_group = groups.entry_group  # [B, H_kv, E]
 
-    def own_and_incoming(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, H_kv, S(, D)] at each group's target and at each plan entry, in fp32."""
-        return _gather_entries(x, groups.slot).float(), _gather_entries(x, groups.src).float()
-
-    own_log_votes, incoming_log_votes = own_and_incoming(bias)  # [B, H_kv, E]  ln p
-    own_log_scores, incoming_log_scores = own_and_incoming(log_scores)  # [B, H_kv, E]  ln ŝ
+    own_log_votes, incoming_log_votes = _own_and_incoming(bias, groups)  # [B, H_kv, E]  ln p
+    own_log_scores, incoming_log_scores = _own_and_incoming(log_scores, groups)  # [B, H_kv, E]  ln ŝ
 
     # Weights w = p ŝ relative to the group max (the common factor cancels in every ratio).
     group_max, own_w, incoming_w = _group_weights(
@@ -354,8 +351,8 @@ def zip_merge(
         summed = _group_sum(own_w.unsqueeze(-1) * own, incoming_w.unsqueeze(-1) * incoming, entry_group)
         return summed / weight_sum.unsqueeze(-1)
 
-    merged_values = weighted_mean(*own_and_incoming(values))  # [B, H_kv, E, D]  v_r
-    mean_keys = weighted_mean(*own_and_incoming(keys))  # [B, H_kv, E, D]  k̄
+    merged_values = weighted_mean(*_own_and_incoming(values, groups))  # [B, H_kv, E, D]  v_r
+    mean_keys = weighted_mean(*_own_and_incoming(keys, groups))  # [B, H_kv, E, D]  k̄
     merged_log_votes = _group_logsumexp(own_log_votes, incoming_log_votes, entry_group)  # ln Σ p
     target_logit = group_max + weight_sum.log() - merged_log_votes  # [B, H_kv, E]  t = ln(Σw / Σp)
     mean_logit = weighted_mean(own_log_scores, incoming_log_scores)  # [B, H_kv, E]  m̄
