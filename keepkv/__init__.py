@@ -1,7 +1,8 @@
 """keepkv: KV-cache compression for Hugging Face LLMs (KeepKV and the methods it is measured against)."""
 
 from .attention import enable, enabled
-from .cache import CompressedCache, capacity_bound
+from .budgets import capacity_bound
+from .cache import CompressedCache
 from .diagnostics import KeepKVWarning
 from .generation import GenerationResult, generate
 from .methods import Method, describe_methods, get_method

@@ -106,6 +106,15 @@ class StepStats:
     logits: torch.Tensor | None = None
     decayed: dict[float, torch.Tensor] = field(default_factory=dict)
 
+    def rows(self, index: torch.Tensor) -> "StepStats":
+        """Rows ``index`` [B'] of every per-row tensor (a prefill's, kept for a later chunk or a fork)."""
+        picked = {
+            name: value.index_select(0, index) if isinstance(value, torch.Tensor) else value
+            for name, value in vars(self).items()
+        }
+        picked["decayed"] = {decay: total.index_select(0, index) for decay, total in self.decayed.items()}
+        return StepStats(**picked)
+
 
 def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, H, q, D] -> [B, H_kv, g, q, D]."""

@@ -30,7 +30,7 @@ def _load(args):
 
 def _check_method(args) -> None:
     """Reject a bad method, parameter or budget before the model loads."""
-    from .cache import validate_budget
+    from .budgets import validate_budget
     from .methods import get_method
 
     validate_budget(args.budget)
@@ -88,7 +88,7 @@ def memory_line(result) -> str:
 def cmd_demo(args) -> None:
     import torch
 
-    from .cache import validate_budget
+    from .budgets import validate_budget
     from .demo import format_demo, run_demo
     from .methods import get_method
 

@@ -132,7 +132,7 @@ def generate(
         A registered method (``keepkv.describe_methods()``).
     budget : float or int
         Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head. A fraction
-        never keeps fewer than the method's protected tokens + 32 (``keepkv.cache.budget_floor``):
+        never keeps fewer than the method's protected tokens + 32 (``keepkv.budgets.budget_floor``):
         a prompt no longer than that is not compressed.
     max_new_tokens : int
         Tokens to generate (>= 0; 0 runs the prefill and compression only).

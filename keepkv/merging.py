@@ -23,9 +23,11 @@ Padded plan entries must have ``merge=False``; their ``src``/``dst`` may hold an
 must be disjoint from the set of ``dst`` slots (no chains within one call). The merge *group*
 of a target c is G_c = {c} ∪ {e : dst[e] = c, merge[e]}.
 
-Every function returns new tensors of the full [.., S, ..] size in which only the targets
-of at least one merge differ from the input; all other slots (the evicted ones included)
-are bit-identical copies. The caller gathers the kept slots afterwards.
+Every ``*_rows`` function returns the merged rows of its targets (:class:`MergedRows`), which a
+method hands to ``LayerStore.merge_into`` (written in place); the plain function returns new
+tensors of the full [.., S, ..] size in which only the targets of at least one merge differ from
+the input. All other slots (the evicted ones included) stay bit-identical. The caller keeps the
+plan's slots afterwards.
 """
 
 from __future__ import annotations
@@ -43,11 +45,16 @@ __all__ = [
     "KEY_RULES",
     "PAPER_MAX_KEY_GAIN",
     "attention_mass",
+    "MergedRows",
     "convex_merge",
+    "convex_merge_rows",
     "cosine_nearest",
     "momentum_merge",
+    "momentum_merge_rows",
     "spread_values",
+    "spread_values_rows",
     "zip_merge",
+    "zip_merge_rows",
 ]
 
 PAPER_MAX_KEY_GAIN = 10.0
@@ -127,6 +134,23 @@ def _write_groups(x: torch.Tensor, groups: _Groups, merged: torch.Tensor, in_pla
     batch_idx = torch.arange(batch, device=x.device).view(batch, 1, 1)
     head_idx = torch.arange(heads, device=x.device).view(1, heads, 1)
     return (x if in_place else x.clone()).index_put_((batch_idx, head_idx, slot), rows)
+
+
+class MergedRows(NamedTuple):
+    """What a merge writes: for each named tensor (keys, values, bias, an extra), each valid group's
+    merged row [B, H_kv, E(, D)] at its target slot. ``LayerStore.merge_into`` writes them in place;
+    :meth:`applied` returns merged copies (the pure form the tests and the functions below return)."""
+
+    groups: _Groups
+    rows: dict[str, torch.Tensor]
+
+    def write_into(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Write the merged rows of ``name`` into x [B, H_kv, S(, D)] in place; returns x."""
+        return _write_groups(x, self.groups, self.rows[name], in_place=True)
+
+    def applied(self, **tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies of ``tensors`` (name -> [B, H_kv, S(, D)]) with the merged rows written, in order."""
+        return tuple(_write_groups(x, self.groups, self.rows[name]) for name, x in tensors.items())
 
 
 def _group_weights(
@@ -238,7 +262,7 @@ def gate_merges(
 
 
 @fusable
-def zip_merge(
+def zip_merge_rows(
     keys: torch.Tensor,
     values: torch.Tensor,
     bias: torch.Tensor,
@@ -252,8 +276,7 @@ def zip_merge(
     scaling: float | None = None,
     group_log_scores: torch.Tensor | None = None,
     paper_max_gain: float = PAPER_MAX_KEY_GAIN,
-    in_place: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> MergedRows:
     """KeepKV's ZIP-Merging with Electoral Votes (eq. 7, many-to-one eq. 25; EMA scores eq. 26).
 
     For each target c with group G = G_c, p_i = exp(bias_i) the votes and ln ŝ_i = log_scores_i
@@ -312,14 +335,11 @@ def zip_merge(
     scaling : attention scale (1/√D); needed whenever ``queries`` is.
     group_log_scores : [B, H_kv, g, S], per-query-head ln s^h, only for "group".
     paper_max_gain : bound G on the eq. 25 key gain, only for "paper".
-    in_place : write the merged rows into ``keys``, ``values`` and ``bias`` themselves instead of
-        copies (saves three copies of the layer when the caller replaces them anyway).
 
     Returns
     -------
-    keys, values : [B, H_kv, S, D] in the input dtype.
-    bias : [B, H_kv, S] fp32, logsumexp of the group's bias at each target (votes add).
-    Slots that receive no merge are bit-identical to the input.
+    The merged rows of "keys", "values" (v_r, k_r) and "bias" (logsumexp of the group's bias:
+    votes add) at each target; :func:`zip_merge` returns the merged tensors.
     """
     if key_rule not in KEY_RULES:
         raise ValueError(f"key_rule must be one of {KEY_RULES}, got {key_rule!r}")
@@ -388,21 +408,24 @@ def zip_merge(
         ) / weight_sum.unsqueeze(-2)  # [B, H_kv, g, E]  m̄_h = scaling·q_h·k̄ for exact logits
         merged_keys = _min_norm_shift(mean_keys, queries, head_targets - head_mean_logits, scaling)
 
-    return (
-        _write_groups(keys, groups, merged_keys, in_place),
-        _write_groups(values, groups, merged_values, in_place),
-        _write_groups(bias, groups, merged_log_votes, in_place),
-    )
+    return MergedRows(groups, {"keys": merged_keys, "values": merged_values, "bias": merged_log_votes})
 
 
-def convex_merge(
+def zip_merge(keys, values, bias, log_scores, src, dst, merge, **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`zip_merge_rows` applied: merged copies of keys, values [B, H_kv, S, D] and bias
+    [B, H_kv, S]; slots that receive no merge are bit-identical to the input."""
+    rows = zip_merge_rows(keys, values, bias, log_scores, src, dst, merge, **options)
+    return rows.applied(keys=keys, values=values, bias=bias)
+
+
+def convex_merge_rows(
     keys: torch.Tensor,
     values: torch.Tensor,
     src: torch.Tensor,
     dst: torch.Tensor,
     merge: torch.Tensor,
     weights: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> MergedRows:
     """Classic convex (weighted) merge of keys and values (KeepKV eq. 5 / eq. 11).
 
     Each target becomes x_r = (x_c + Σ_e w_e x_e) / (1 + Σ_e w_e): the target has weight 1 and
@@ -423,7 +446,7 @@ def convex_merge(
 
     Returns
     -------
-    keys, values : [B, H_kv, S, D] in the input dtype; slots with no incoming merge unchanged.
+    The merged rows of "keys" and "values" at each target (:func:`convex_merge`: the merged tensors).
     """
     groups = _group_plan(src, dst, merge, keys.shape[-2])
     incoming_w = weights.float().unsqueeze(-1)  # [B, H_kv, E, 1]
@@ -432,19 +455,25 @@ def convex_merge(
     def merged(x: torch.Tensor) -> torch.Tensor:
         own = _gather_entries(x, groups.slot).float()  # [B, H_kv, E, D]
         incoming = incoming_w * _gather_entries(x, groups.src).float()
-        return _write_groups(x, groups, _group_sum(own, incoming, groups.entry_group) / weight_sum)
+        return _group_sum(own, incoming, groups.entry_group) / weight_sum
 
-    return merged(keys), merged(values)
+    return MergedRows(groups, {"keys": merged(keys), "values": merged(values)})
 
 
-def momentum_merge(
+def convex_merge(keys, values, src, dst, merge, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`convex_merge_rows` applied: merged copies of keys, values [B, H_kv, S, D] in the input
+    dtype; slots with no incoming merge unchanged."""
+    return convex_merge_rows(keys, values, src, dst, merge, weights).applied(keys=keys, values=values)
+
+
+def momentum_merge_rows(
     keys: torch.Tensor,
     values: torch.Tensor,
     counts: torch.Tensor,
     src: torch.Tensor,
     dst: torch.Tensor,
     merge: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> MergedRows:
     """ZeroMerge's momentum merge into residual slots (ZeroMerge eq. 7), many sources at once.
 
     One source: x_slot <- (w x_slot + x) / (w + 1), w <- w + 1. Applied for n sources in turn
@@ -460,9 +489,8 @@ def momentum_merge(
 
     Returns
     -------
-    keys, values : [B, H_kv, S, D] in the input dtype.
-    counts : [B, H_kv, S] in the input dtype, w + n at each target.
-    Slots with no incoming merge are unchanged.
+    The merged rows of "keys", "values" and "count" (w + n) at each target
+    (:func:`momentum_merge`: the merged tensors; slots with no incoming merge unchanged).
     """
     groups = _group_plan(src, dst, merge, keys.shape[-2])
     own_counts = counts.gather(-1, groups.slot).float().unsqueeze(-1)  # [B, H_kv, E, 1]  w
@@ -471,18 +499,24 @@ def momentum_merge(
     def merged(x: torch.Tensor) -> torch.Tensor:
         own = own_counts * _gather_entries(x, groups.slot).float()  # [B, H_kv, E, D]
         incoming = _gather_entries(x, groups.src).float()
-        return _write_groups(x, groups, _group_sum(own, incoming, groups.entry_group) / new_counts)
+        return _group_sum(own, incoming, groups.entry_group) / new_counts
 
-    return merged(keys), merged(values), _write_groups(counts, groups, new_counts.squeeze(-1))
+    return MergedRows(groups, {"keys": merged(keys), "values": merged(values), "count": new_counts.squeeze(-1)})
 
 
-def spread_values(
+def momentum_merge(keys, values, counts, src, dst, merge) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`momentum_merge_rows` applied: merged copies of keys, values and counts."""
+    rows = momentum_merge_rows(keys, values, counts, src, dst, merge)
+    return rows.applied(keys=keys, values=values, count=counts)
+
+
+def spread_values_rows(
     values: torch.Tensor,
     src: torch.Tensor,
     merge: torch.Tensor,
     m: int,
     kept_next_idx: torch.Tensor,
-) -> torch.Tensor:
+) -> MergedRows:
     """CaM's value merge: the evicted value v_e / m is added to each of the next m kept values.
 
     The share is v_e / m even where fewer than m successors exist (index -1, skipped): those
@@ -498,7 +532,7 @@ def spread_values(
 
     Returns
     -------
-    values : [B, H_kv, S, D] in the input dtype; slots receiving nothing unchanged.
+    The merged rows of "values" at each receiving slot (:func:`spread_values`: the merged values).
     """
     if kept_next_idx.shape[-1] != m:
         raise ValueError(f"kept_next_idx has {kept_next_idx.shape[-1]} successors per entry, expected m={m}")
@@ -508,7 +542,12 @@ def spread_values(
     groups = _group_plan(sources.flatten(-2), kept_next_idx.flatten(-2), receives.flatten(-2), values.shape[-2])
     own = _gather_entries(values, groups.slot).float()  # [B, H_kv, E*m, D]
     shares = _gather_entries(values, groups.src).float() / m
-    return _write_groups(values, groups, _group_sum(own, shares, groups.entry_group))
+    return MergedRows(groups, {"values": _group_sum(own, shares, groups.entry_group)})
+
+
+def spread_values(values, src, merge, m, kept_next_idx) -> torch.Tensor:
+    """:func:`spread_values_rows` applied: merged values [B, H_kv, S, D]; slots receiving nothing unchanged."""
+    return spread_values_rows(values, src, merge, m, kept_next_idx).applied(values=values)[0]
 
 
 def compacts(candidates: int, slots: int) -> bool:

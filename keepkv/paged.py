@@ -4,7 +4,7 @@ A serving engine (vLLM) stores each request's KV entries in blocks of ``block_si
 listed in a block table, and frees whole blocks. Here a request keeps its entries compact in
 its leading slots, so its scheduler can free every block past ``capacity_bound``. One attention
 call over a batch of requests runs through the very code of :class:`~keepkv.cache.CompressedCache`:
-the requests' slots are gathered into a :class:`~keepkv.cache.LayerStore` (one row per request),
+the requests' slots are gathered into a :class:`~keepkv.store.LayerStore` (one row per request),
 ``CompressedCache.forward_layer`` appends, attends, scores and compresses, and what changed is
 written back. This module knows nothing of vLLM (``keepkv.vllm`` wires it in).
 
@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import CompressedCache, LayerStore, budget_floor, capacity_bound, row_budgets, validate_budget
+from .budgets import budget_floor, capacity_bound, held_entries, row_budgets, validate_budget
+from .cache import CompressedCache
+from .store import LayerStore
 from .methods import get_method
 from .methods.base import ScoredEviction, slots_of
 
@@ -109,8 +111,7 @@ class PagedCompression:
         shrinks back to its budget every ``interval`` steps: min(P + t, budget + t mod interval)
         after t decode steps.
         """
-        decoded = computed - prompt_length
-        return min(computed, self.kept(prompt_length) + decoded % self.method.interval)
+        return held_entries(self.kept(prompt_length), prompt_length, computed, self.method.interval)
 
     def capacity(self, prompt_length: int) -> int:
         """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
@@ -231,26 +232,20 @@ class PagedCompression:
         empty = ~valid[:, None, :]
         positions = meta[..., 0].long().masked_fill_(empty, -1)
 
-        store = LayerStore(0)
-        store.lazy_initialization(like[:, :, :0], like[:, :, :0])
-        store.headroom = self.method.interval
-        size = rows.shape[-1]
-
-        def buffered(name: str, source: torch.Tensor) -> torch.Tensor:
-            view = store._new_buffer(name, source, size + store.spare_slots(size)).narrow(2, 0, size)
-            return view.copy_(source)
-
-        store.keys, store.values = buffered("keys", keys), buffered("values", values)
-        store.bias = buffered("bias", meta[..., 1].masked_fill(empty, NEG_INF))
-        store.positions = buffered("positions", positions)
-        for i, name in enumerate(self.extras):
-            store.extras[name] = buffered(f"extras.{name}", meta[..., 2 + i].masked_fill(empty, self.extra_fill[name]))
-            store.extra_fill[name] = self.extra_fill[name]
-        store.real_seen = torch.tensor(computed, device=like.device)
-        store.seen = max(computed)
-        store.budget = torch.tensor([self.kept(p) for p in prompts], device=like.device)[:, None].expand(-1, kv_heads).contiguous()
-        store.capacity, store.min_budget = int(store.budget.max()), int(store.budget.min())
-        store._binary_mark = store._bias_mark()  # served methods evict only: the bias is 0 or -inf
+        tensors = {
+            "keys": keys,
+            "values": values,
+            "bias": meta[..., 1].masked_fill(empty, NEG_INF),
+            "positions": positions,
+            **{f"extras.{name}": meta[..., 2 + i].masked_fill(empty, self.extra_fill[name]) for i, name in enumerate(self.extras)},
+        }
+        # served methods evict only: the bias is 0 or -inf
+        store = LayerStore.from_entries(
+            0, tensors, self.extra_fill, seen=max(computed), real_seen=torch.tensor(computed, device=like.device),
+            binary=True, headroom=self.method.interval,
+        )
+        kept = torch.tensor([self.kept(p) for p in prompts], device=like.device)
+        store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), kept)
         return store, positions
 
     def _write(self, kv_cache, table, layer: LayerStore, sizes: list[int], before: torch.Tensor | None) -> None:

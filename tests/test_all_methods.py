@@ -26,7 +26,7 @@ def test_memory_stays_within_budget_over_300_steps(method):
     input_ids, attention_mask = random_batch(length=40, pad=(0, 7))
     budget = 16
     cache = keepkv.CompressedCache(model.config, method, budget)
-    slack = cache.method.slack
+    slack = cache.method.interval - 1  # entries a layer holds above its budget between compressions
     for step, cache in enumerate(decode_loop(model, input_ids, attention_mask, cache, steps=300)):
         for layer in cache.layers:
             assert int(layer.live_counts().max()) <= int(layer.budget.max()) + slack, (step, layer.layer_idx)

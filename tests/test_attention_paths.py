@@ -152,7 +152,7 @@ def test_bias_stays_binary_until_a_method_writes_weights(mode):
         _, cache = run_generate(model, input_ids, attention_mask, "h2o", budget=8, new_tokens=6)
         assert all(layer.binary_bias() for layer in cache.layers)
         layer = cache.layers[0]
-        layer.bias[0, 0, 0] = 0.5  # in place, as zip_merge(in_place=True) writes
+        layer.write(torch.zeros(2, 2, 1, dtype=torch.long), bias=torch.full((2, 2, 1), 0.5))  # votes, in place
         assert not layer.binary_bias()
         layer.append(layer.keys[:, :, :1], layer.values[:, :, :1], torch.ones(2, 1, dtype=torch.bool))
         assert not layer.binary_bias()  # for good

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import keepkv
-from keepkv.cache import budget_floor, capacity_bound, row_budgets
+from keepkv.budgets import budget_floor, capacity_bound, row_budgets
 from keepkv.methods import METHODS
 
 from conftest import decode_loop, random_batch, run_generate, tiny_model

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keepkv
-from keepkv.cache import SCORED_FLOOR, budget_floor, capacity_bound, row_budgets
+from keepkv.budgets import SCORED_FLOOR, budget_floor, capacity_bound, row_budgets
 from keepkv.cli import build_parser
 from keepkv.methods import METHODS, get_method
 from keepkv.paged import SERVED_METHODS, PagedCompression

@@ -4,6 +4,8 @@ no method writes a store field."""
 import pytest
 import torch
 
+import keepkv
+
 from fixtures import contract_golden as golden
 
 
@@ -30,3 +32,38 @@ def test_logits_equal_the_reference(reference, kind, spec):
         got = golden.run(model, spec, budget)
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=f"{kind} {spec} budget={budget}")
+
+
+def test_the_store_tensors_are_read_only(gqa_model):
+    cache = keepkv.CompressedCache(gqa_model.config, "h2o", 8)
+    with keepkv.enabled(gqa_model), torch.no_grad():
+        gqa_model(torch.randint(3, 100, (1, 20)), past_key_values=cache)
+    layer = cache.layers[0]
+    for name in ("keys", "values", "bias", "positions", "extras", "extra_fill"):
+        with pytest.raises(AttributeError):
+            setattr(layer, name, getattr(layer, name))
+    with pytest.raises(TypeError):
+        layer.extras["score"] = torch.zeros_like(layer.bias)
+
+
+@pytest.mark.parametrize("spec", golden.VARIANTS)
+def test_no_method_assigns_a_store_attribute(spec, monkeypatch):
+    """Every method and variant runs with a guard on the store: an attribute assigned from a method's
+    (or the merge arithmetic's) code fails the test, whatever the attribute."""
+    import sys
+
+    from conftest import tiny_model
+    from keepkv.store import LayerStore
+
+    assigned = []
+    plain = object.__setattr__
+
+    def guarded(self, name, value):
+        module = sys._getframe(1).f_globals.get("__name__", "")
+        if module.startswith(("keepkv.methods", "keepkv.merging")):
+            assigned.append(f"{module} assigns layer.{name}")
+        plain(self, name, value)
+
+    monkeypatch.setattr(LayerStore, "__setattr__", guarded)
+    golden.run(tiny_model("llama-gqa", layers=2), spec, 24)
+    assert not assigned, assigned

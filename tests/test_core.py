@@ -40,7 +40,7 @@ def test_compressed_logits_equal_masked_full_cache(method, kind):
     for small, big in zip(compressed.layers, masked.layers):
         assert small.size < big.size
         kept = (big.positions[..., :, None] == small.positions[..., None, :]) & small.live()[..., None, :]
-        big.bias = big.bias.masked_fill(~kept.any(-1), float("-inf"))
+        big.drop(~kept.any(-1))
     token = torch.randint(3, 100, (2, 1), generator=torch.Generator().manual_seed(5))
     mask = torch.cat([attention_mask, torch.ones_like(token)], dim=-1)
     logits = model(input_ids=token, attention_mask=mask, past_key_values=compressed).logits
@@ -54,15 +54,13 @@ class _HeadSplit(ScoredEviction):
 
     name = "_head_split"
 
-    def allocate(self, cache, row_budget):
-        kv_heads = cache.layers[0].keys.shape[1]
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
         heads = torch.arange(1, kv_heads + 1)
-        layers = torch.arange(cache.num_layers)
         per_head = row_budget[None, :, None] * heads[None, None, :] // kv_heads
-        return per_head + layers[:, None, None]
+        return per_head + torch.arange(layers)[:, None, None]
 
     def observe(self, layer, stats):
-        layer.extras["score"] = layer.positions.float()
+        layer.update(score=layer.positions.float())
 
 
 @torch.no_grad()

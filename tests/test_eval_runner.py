@@ -19,7 +19,7 @@ from keepkv.eval.runner import (
 )
 from keepkv.eval.summary import read_summary
 from keepkv.generation import build_prompts, encode
-from keepkv.cache import budget_floor
+from keepkv.budgets import budget_floor
 from keepkv.methods import METHODS, get_method
 
 from conftest import VOCAB, tiny_model

@@ -19,7 +19,7 @@ def test_compiled_decode_matches_eager(monkeypatch):
     compile, compiled = torch.compile, []
     monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: compiled.append(fn.__name__) or compile(fn, **kw))
     compiled_logits, compiled_tokens, _ = greedy_decode(model, "keepkv+threshold=-1.0", 12, steps=6, compile=True)
-    assert set(compiled) == {"ema_log_scores", "merged_ema", "cosine_nearest", "zip_merge"}
+    assert set(compiled) == {"ema_log_scores", "merged_ema", "cosine_nearest", "zip_merge_rows"}
     assert torch.equal(eager_tokens, compiled_tokens)
     torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-4, atol=1e-4)
 

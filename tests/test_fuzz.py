@@ -22,7 +22,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import keepkv
-from keepkv.cache import capacity_bound
+from keepkv.budgets import capacity_bound
 from keepkv.methods import METHODS
 from keepkv.paged import SERVED_METHODS, PagedCompression
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import keepkv
-from keepkv.cache import LayerStore
+from keepkv.store import LayerStore
 from keepkv.methods import METHODS
 from keepkv.methods.base import slots_of
 

@@ -8,8 +8,8 @@ import torch
 
 import keepkv
 from keepkv.attention import StepStats
-from keepkv.cache import LayerStore
-from keepkv.merging import attention_mass, convex_merge, zip_merge
+from keepkv.store import LayerStore
+from keepkv.merging import attention_mass, convex_merge, convex_merge_rows, zip_merge
 from keepkv.methods.keepkv import KeepKV
 from keepkv.offload import FullKVCopy, offload_report
 from keepkv.perturbation import _attend, builtin_document, format_perturbation, perturbation, recompute_logits
@@ -38,7 +38,7 @@ class ConvexMerge(KeepKV):
 
     def merge_entries(self, layer, src, dst, merge, exact, ema=None):
         weights = torch.ones(src.shape, device=src.device)
-        layer.keys, layer.values = convex_merge(layer.keys, layer.values, src, dst, merge, weights)
+        layer.merge_into(convex_merge_rows(layer.keys, layer.values, src, dst, merge, weights))
 
 
 def prompt_ids(length=40, seed=3):
@@ -188,7 +188,7 @@ def test_lemma6_identical_entries_merge_without_error(zip_key):
     before = (layer.keys.clone(), layer.values.clone(), layer.bias.clone())
     src, dst = torch.full((batch, kv_heads, 1), 7), torch.full((batch, kv_heads, 1), 2)
     method.merge_entries(layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), exact=False)
-    layer.bias = layer.bias.index_fill(-1, torch.tensor([7]), float("-inf"))
+    layer.drop(torch.zeros_like(layer.live()).index_fill(-1, torch.tensor([7]), True))
     assert torch.allclose(layer.bias[:, :, 2].exp(), torch.tensor(2.0))
     for seed in range(5):  # any later query
         later = torch.randn(batch, kv_heads * group, dim, generator=torch.Generator().manual_seed(seed)) * 3
@@ -408,15 +408,13 @@ def test_2000_step_decode_stays_within_budget():
 def test_layer_budgets_follow_cosine_decay_with_mean_budget():
     model = tiny_model("llama-gqa", layers=6)
     method = KeepKV(selection="ema")
-    cache = keepkv.CompressedCache(model.config, method, 100)
-    for layer in cache.layers:
-        layer.keys = torch.zeros(1, 2, 0, 16)
-    budgets = method.allocate(cache, torch.tensor([100, 37]))[:, :, 0]
+    row_budget = torch.tensor([100, 37])
+    budgets = method.allocate(6, 2, row_budget, row_budget * 10)[:, :, 0]
     assert budgets.sum(0).tolist() == [600, 6 * 37]
     assert budgets[0, 0] > budgets[-1, 0]
     heavy = budgets[:, 0] - 4 - 19  # sinks 4, recent round(0.2 · 96) = 19
     assert abs(float(heavy[-1] / heavy[0]) - 0.8) < 0.03
-    assert cache.layers[0].state["recent"].tolist() == [[19, 19], [7, 7]]
+    assert method.recent_count(row_budget).tolist() == [19, 7]
 
 
 def test_perturbation_result_is_json_and_formats():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import keepkv
-from keepkv.cache import GROWTH_MIN, GROWTH_SHARE
+from keepkv.store import GROWTH_MIN, GROWTH_SHARE
 from keepkv.cli import memory_line
 from keepkv.methods import METHODS
 

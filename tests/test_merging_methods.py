@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 import keepkv
 from keepkv.attention import Needs, StepStats, attend
-from keepkv.cache import budget_floor, row_budgets
+from keepkv.budgets import budget_floor, row_budgets
 from keepkv.merging import attention_mass, momentum_merge
-from keepkv.methods.d2o import d2o_merge
-from keepkv.methods.kvmerger import KVMerger, kvmerger_merge
+from keepkv.methods.d2o import d2o_merge_rows
+from keepkv.methods.kvmerger import KVMerger, kvmerger_merge_rows
 from keepkv.methods.zeromerge import ZeroMerge, slot_bias
 
 from conftest import VOCAB, decode_loop, random_batch, run_generate, tiny_model
@@ -216,8 +216,11 @@ def test_convex_merges_sag_attention():
 
     similarity = (F.normalize(keys[..., 1:4, :], dim=-1) * F.normalize(keys[..., :1, :], dim=-1)).sum(-1)
     merges = {
-        "d2o": (*d2o_merge(keys, values, src, dst, merge, similarity, "paper"), bias),
-        "kvmerger": (*kvmerger_merge(keys, values, src, dst, merge, keys.norm(dim=-1).mean(-1)), bias),
+        "d2o": (*d2o_merge_rows(keys, values, src, dst, merge, similarity, "paper").applied(keys=keys, values=values), bias),
+        "kvmerger": (
+            *kvmerger_merge_rows(keys, values, src, dst, merge, keys.norm(dim=-1).mean(-1)).applied(keys=keys, values=values),
+            bias,
+        ),
     }
     counts = torch.ones(batch, kv_heads, size)
     zm_keys, zm_values, zm_counts = momentum_merge(keys, values, counts, src, dst, merge)

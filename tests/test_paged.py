@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from keepkv import CompressedCache
-from keepkv.cache import budget_floor, row_budgets
+from keepkv.budgets import budget_floor, row_budgets
 from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4

@@ -208,7 +208,7 @@ def test_every_docs_page_is_linked_and_every_link_resolves():
 
 def test_what_the_readme_says_about_the_code_is_true():
     """Supported architectures, protected tokens, the budget floor, and the options it names."""
-    from keepkv.cache import budget_floor
+    from keepkv.budgets import budget_floor
     from keepkv.models import SUPPORTED_ARCHITECTURES
 
     readme = " ".join(README.read_text().split())  # as read: line breaks are spaces

@@ -298,7 +298,7 @@ def run_bench(
     dtype = resolve_dtype(dtype, device)
     names = resolve_methods(methods)
     params = resolve_params(names, method_params)
-    from ..cache import validate_budget
+    from ..budgets import validate_budget
 
     validate_budget(budget)
     torch.manual_seed(seed)

@@ -182,7 +182,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attention import Needs
-from ..cache import CompressedCache, validate_budget
+from ..budgets import validate_budget
+from ..cache import CompressedCache
 from ..generation import build_prompts, encode
 from ..methods import METHODS, get_method
 from . import metrics

@@ -1,8 +1,9 @@
 """What every compression method is, and the selection machinery eviction methods share.
 
-A method never touches the model. The cache hands it a layer's store (see cache.py for the
-shapes) and the StepStats of each attention call; the method scores entries in ``observe``
-and rewrites the store in ``compress`` with tensor operations over all rows and heads at once.
+A method never touches the model. The cache hands it a layer's store (keepkv/store.py has the
+shapes) and the StepStats of each attention call; the method scores entries in ``observe`` and
+compresses in ``compress`` with tensor operations over all rows and heads at once, writing only
+through the store's methods. docs/architecture.md describes the contract.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -18,8 +20,8 @@ import torch
 
 from ..attention import Needs, StepStats
 from ..merging import compacts
+from ..store import NEG_INF, slots_of
 
-NEG_INF = float("-inf")
 METHODS: dict[str, type["Method"]] = {}
 
 
@@ -140,13 +142,7 @@ class Method:
 
     def __post_init__(self):
         check_field_types(self)
-        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"interval must be an int >= 1, got {self.interval!r}")
-
-    @property
-    def slack(self) -> int:
-        """Entries a layer may hold above its budget between compressions."""
-        return self.interval - 1
+        check_range("interval", self.interval, 1, math.inf)
 
     def needs(self, is_prefill: bool) -> Needs:
         """Statistics the attention path must compute for this method."""
@@ -178,10 +174,15 @@ class Method:
     def observe(self, layer, stats: StepStats) -> None:
         """Update scores after every attention call."""
 
-    def allocate(self, cache, row_budget: torch.Tensor) -> torch.Tensor | None:
-        """Budgets [L, B, H_kv] from each row's mean per-layer budget [B]; None = never compress."""
-        kv_heads = cache.layers[0].keys.shape[1]
-        return row_budget[None, :, None].expand(cache.num_layers, -1, kv_heads).clone()
+    def allocate(
+        self, layers: int, kv_heads: int, row_budget: torch.Tensor, prompt_lengths: torch.Tensor,
+        states: list[dict] | None = None,
+    ) -> torch.Tensor | None:
+        """Budgets [L, B, H_kv] from each row's mean per-layer budget [B]; None = never compress.
+
+        Pure: it reads its arguments only (``states``: each layer's method state after its prefill,
+        None when budgets are asked before the model runs, as ``capacity_bound`` does)."""
+        return row_budget[None, :, None].expand(layers, -1, kv_heads).clone()
 
     def compress(self, layer, stats: StepStats) -> None:
         """Bring every row and head of ``layer`` to at most its budget."""
@@ -267,31 +268,28 @@ class EvictionPlan:
         return self.keep_idx if compacts(self.slots, size) else None
 
 
-def plan_eviction(layer, priority: torch.Tensor) -> EvictionPlan:
+def plan_eviction(
+    layer, priority: torch.Tensor, budget: tuple[torch.Tensor, int, int] | None = None
+) -> EvictionPlan:
     """Keep the ``layer.budget`` live entries of highest ``priority`` [B, H_kv, S] per row and head.
 
     Each row and head drops its S - budget lowest slots (empty slots rank lowest): one top-k of
     the few that leave rather than of the many that stay, whose indices are the evicted slots.
     Applied with :meth:`LayerStore.keep`, a budget that keeps everything changes nothing, bit
-    for bit. No host sync: sizes come from the layer's host-side counters.
+    for bit. No host sync: sizes come from the layer's host-side counters. ``budget``: (budget
+    [B, H_kv], its max, its min) to use instead of the layer's (KVReviver's exact share).
     """
+    budget, capacity, min_budget = budget or (layer.budget, layer.capacity, layer.min_budget)
     live = layer.live()
     size = live.shape[-1]
-    most_dropped = max(0, size - layer.min_budget)
+    most_dropped = max(0, size - min_budget)
     lowest = priority.masked_fill(~live, NEG_INF).topk(most_dropped, dim=-1, largest=False).indices
-    drops = torch.arange(most_dropped, device=live.device) < (size - layer.budget)[..., None]
+    drops = torch.arange(most_dropped, device=live.device) < (size - budget)[..., None]
     kept = live & ~torch.zeros_like(live).scatter_(-1, lowest, drops)  # top-k indices are distinct
     evicted = drops & live.gather(-1, lowest)
     order = (lowest + (~evicted).long() * size).argsort(dim=-1)  # position order, evicted first
     evict_idx, evict_valid = lowest.gather(-1, order), evicted.gather(-1, order)
-    return EvictionPlan(kept, min(size, layer.capacity), evict_idx, evict_valid, priority)
-
-
-def slots_of(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``count`` slots of mask [B, H_kv, S] in position order, True slots first:
-    (index, index's slot is True), both [B, H_kv, count]."""
-    index = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]
-    return index, mask.gather(-1, index)
+    return EvictionPlan(kept, min(size, capacity), evict_idx, evict_valid, priority)
 
 
 def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:
@@ -322,22 +320,24 @@ def pool_group(probs: torch.Tensor, row_dim: int | None = None) -> torch.Tensor:
 class ScoredEviction(Method):
     """Keep sinks, a recent window and the highest-scoring of the rest.
 
-    Subclasses say how many recent tokens to protect (``recent_count``) and how scores are
-    accumulated (``observe``, into the per-entry extra ``"score"``).
+    Subclasses say how many recent tokens to protect (``recent_count``) and, if they rank by
+    score (``scored``), how scores are accumulated (``observe``, into the per-entry extra
+    ``"score"``); an unscored one (window, StreamingLLM) ranks every unprotected entry alike.
     """
 
+    scored: ClassVar[bool] = True
     sinks: int = 0
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+        check_range("sinks", self.sinks, 0, math.inf)
 
     def protected_entries(self) -> int:
         return self.sinks
 
     def setup_layer(self, layer) -> None:
-        layer.add_extra("score")
+        if self.scored:
+            layer.add_extra("score")
 
     def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
         """[B, H_kv] recent tokens always kept."""
@@ -346,7 +346,8 @@ class ScoredEviction(Method):
     def priority(self, layer) -> torch.Tensor:
         """[B, H_kv, S]: +inf for protected entries, else the score."""
         is_protected = protected(layer, self.sinks, self.recent_count(layer.budget))
-        return layer.extras["score"].masked_fill(is_protected, float("inf"))
+        score = layer.extras["score"] if self.scored else torch.zeros_like(layer.bias)
+        return score.masked_fill(is_protected, float("inf"))
 
     def compress(self, layer, stats: StepStats) -> None:
         if layer.size <= layer.min_budget:

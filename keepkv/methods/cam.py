@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Needs
-from ..merging import spread_values
+from ..merging import spread_values_rows
 from .base import Method, check_range, plan_eviction, register
 
 _MASK32 = 0xFFFFFFFF
@@ -100,12 +100,7 @@ class CaM(Method):
     def __post_init__(self):
         super().__post_init__()
         check_range("start_ratio", self.start_ratio, 0.0, 1.0)
-        if isinstance(self.merge_count, bool) or not isinstance(self.merge_count, int) or self.merge_count < 1:
-            raise ValueError(f"merge_count must be an int >= 1, got {self.merge_count!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if not isinstance(self.prefill_merge, bool):
-            raise ValueError(f"prefill_merge must be True or False, got {self.prefill_merge!r}")
+        check_range("merge_count", self.merge_count, 1, math.inf)  # types: check_field_types
 
     def needs(self, is_prefill):
         if is_prefill:
@@ -148,7 +143,9 @@ class CaM(Method):
         chunk = max(1, SPREAD_CHUNK_ELEMENTS // (kv_heads * self.merge_count * head_dim))
         for i in range(0, merge.shape[-1], chunk):
             part = slice(i, i + chunk)
-            layer.values = spread_values(
-                layer.values, plan.evict_idx[..., part], merge[..., part], self.merge_count, successors[..., part, :]
+            layer.merge_into(
+                spread_values_rows(
+                    layer.values, plan.evict_idx[..., part], merge[..., part], self.merge_count, successors[..., part, :]
+                )
             )
         layer.select(plan.keep_idx, plan.keep_valid)

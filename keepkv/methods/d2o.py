@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..merging import convex_merge, cosine_nearest
+from ..merging import MergedRows, _gather_entries, _group_plan, _group_sum, convex_merge_rows, cosine_nearest
 from .base import check_range, plan_eviction, register
 from .h2o import AccumulatedAttention
 
@@ -15,7 +15,7 @@ ALLOCATIONS = ("paper", "code")
 MERGE_RULES = ("paper", "code")
 
 
-def d2o_merge(keys, values, src, dst, merge, similarity, rule: str = "paper"):
+def d2o_merge_rows(keys, values, src, dst, merge, similarity, rule: str = "paper") -> MergedRows:
     """Merge evicted entries into their nearest kept entry with D2O's similarity weights.
 
     ``rule="paper"`` (eqs. 10-11): x_c <- (e·x_c + Σ exp(u_i) x_i) / (e + Σ exp(u_i)), u_i the
@@ -24,23 +24,22 @@ def d2o_merge(keys, values, src, dst, merge, similarity, rule: str = "paper"):
     ``rule="code"`` (the authors' ``scatter_reduce(..., 'mean', include_self=True)`` of u·x):
     x_c <- (x_c + Σ u_i x_i) / (1 + n). Not convex: the coefficients sum to (1 + Σu)/(1 + n) <= 1.
 
-    keys, values [B, H_kv, S, D]; src, dst, merge, similarity [B, H_kv, E]. Returns keys, values.
+    keys, values [B, H_kv, S, D]; src, dst, merge, similarity [B, H_kv, E]. Returns the merged
+    rows of "keys" and "values" (``LayerStore.merge_into`` writes them).
     """
     if rule == "paper":
         weights = (similarity.float() - 1.0).exp().masked_fill(~merge, 0.0)
-        return convex_merge(keys, values, src, dst, merge, weights)
-    src_idx, dst_idx = src.where(merge, 0), dst.where(merge, 0)
-    weights = similarity.float().where(merge, 0.0)  # [B, H_kv, E]
-    group = torch.ones(keys.shape[:-1], device=keys.device).scatter_add(-1, dst_idx, merge.float())  # 1 + n
-    is_target = (group > 1).unsqueeze(-1)
+        return convex_merge_rows(keys, values, src, dst, merge, weights)
+    groups = _group_plan(src, dst, merge, keys.shape[-2])
+    weights = similarity.float().where(merge, 0.0).unsqueeze(-1)  # [B, H_kv, E, 1]
+    count = _group_sum(torch.ones_like(weights), merge.float().unsqueeze(-1), groups.entry_group)  # 1 + n
 
     def merged(x):
-        x_f = x.float()
-        incoming = weights.unsqueeze(-1) * x_f.gather(-2, src_idx.unsqueeze(-1).expand(*src_idx.shape, x.shape[-1]))
-        total = x_f.scatter_add(-2, dst_idx.unsqueeze(-1).expand_as(incoming), incoming)
-        return torch.where(is_target, (total / group.unsqueeze(-1)).to(x.dtype), x)
+        own = _gather_entries(x, groups.slot).float()
+        incoming = weights * _gather_entries(x, groups.src).float()
+        return _group_sum(own, incoming, groups.entry_group) / count
 
-    return merged(keys), merged(values)
+    return MergedRows(groups, {"keys": merged(keys), "values": merged(values)})
 
 
 def masked_variance(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -152,11 +151,11 @@ class D2O(AccumulatedAttention):
             low, high = per_head.amin(-1, keepdim=True), per_head.amax(-1, keepdim=True)
             layer.state["variance_code"] = ((per_head - low) / (high - low + 1e-6)).mean(-1)  # [B]
 
-    def allocate(self, cache, row_budget):
-        layers = cache.num_layers
-        kv_heads = cache.layers[0].keys.shape[1]
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+        if states is None:
+            raise ValueError("d2o allocates from every layer's prefill statistics: pass the layers' states")
         key = "variance_paper" if self.allocation == "paper" else "variance_code"
-        variance = torch.stack([layer.state[key] for layer in cache.layers]).double()  # [L, B]
+        variance = torch.stack([state[key] for state in states]).double()  # [L, B]
         total = row_budget.double() * layers  # [B]
         if self.allocation == "paper":
             high = variance > self.gate
@@ -164,7 +163,7 @@ class D2O(AccumulatedAttention):
             shares = torch.where(high, unit[None], self.alpha * unit[None])
             budgets = largest_remainder(shares, total)
         else:
-            prompt = cache.prompt_lengths.double()
+            prompt = prompt_lengths.double()
             ratio = (torch.softmax(-variance, dim=0) * layers * (row_budget.double() / prompt)[None]).clamp(0.01, 1.0)
             budgets = (ratio * prompt[None]).floor().long()
         return budgets.clamp(min=1)[:, :, None].expand(layers, -1, kv_heads).clone()
@@ -179,9 +178,7 @@ class D2O(AccumulatedAttention):
         candidate = plan.evict_valid & torch.isfinite(similarity)
         tau = self.update_threshold(layer, similarity, candidate)
         merge = candidate & (similarity >= tau.unsqueeze(-1))
-        layer.keys, layer.values = d2o_merge(
-            layer.keys, layer.values, plan.evict_idx, target, merge, similarity, self.merge_rule
-        )
+        layer.merge_into(d2o_merge_rows(layer.keys, layer.values, plan.evict_idx, target, merge, similarity, self.merge_rule))
         layer.keep(plan.kept, plan.slots)
 
     def update_threshold(self, layer, similarity: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:

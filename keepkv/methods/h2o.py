@@ -22,9 +22,9 @@ class AccumulatedAttention(ScoredEviction):
 
     def observe(self, layer, stats):
         if stats.is_prefill:
-            layer.extras["score"] += pool_group(stats.colsum)
+            layer.add_to("score", pool_group(stats.colsum))
         else:
-            layer.extras["score"] += pool_group(stats.probs, row_dim=3)
+            layer.add_to("score", pool_group(stats.probs, row_dim=3))
 
     def recent_count(self, budget):
         return (budget * self.recent_ratio).round().long()

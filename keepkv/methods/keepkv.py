@@ -12,17 +12,14 @@ from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
 from ..fused import fusable
 from ..merging import cosine_nearest
 from ..offload import FullKVCopy, offload_report
-from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register, slots_of
+from ..store import slots_of
+from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register
 from .zip_merging import ZipMerging, pool_log_scores, zip_into
 
 NEG_INF = float("-inf")
 SCORE_MODES = ("ema", "exact")
 SCORE_NORMS = ("none", "row")
 PREFILL_ORDERS = ("merge_first", "evict_first")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _group_logsumexp(own: torch.Tensor, incoming: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -256,24 +253,19 @@ class KeepKV(ZipMerging, ScoredEviction):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("alpha", "recent_ratio", "last_layer_share"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-                raise ValueError(f"{name} must be a number, got {value!r}")
         check_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=True)
         check_range("recent_ratio", self.recent_ratio, 0.0, 1.0)
         check_range("last_layer_share", self.last_layer_share, 0.0, 1.0, low_open=True)
-        if not _is_int(self.window) or self.window < 1:
-            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
-        if not _is_int(self.kernel) or self.kernel < 1 or self.kernel % 2 == 0:
+        check_range("window", self.window, 1, math.inf)  # types: check_field_types
+        if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd int >= 1, got {self.kernel!r}")
         self._selector = None if self.selection == "ema" else self._build_selector()
         if self.score_norm not in SCORE_NORMS:
             raise ValueError(f"score_norm must be one of {', '.join(map(repr, SCORE_NORMS))}, got {self.score_norm!r}")
         if self._selector is not None and self.refresh_interval is not None:
             raise ValueError("refresh_interval re-ranks entries by the EMA: use it with selection='ema'")
-        if self.refresh_interval is not None and (not _is_int(self.refresh_interval) or self.refresh_interval < 1):
-            raise ValueError(f"refresh_interval must be None or an int >= 1, got {self.refresh_interval!r}")
+        if self.refresh_interval is not None:
+            check_range("refresh_interval", self.refresh_interval, 1, math.inf)
         choices = {
             "scores": SCORE_MODES,
             "prefill_scores": SCORE_MODES,
@@ -310,7 +302,7 @@ class KeepKV(ZipMerging, ScoredEviction):
         sinks = budget.clamp(max=self.sinks)
         return ((budget - sinks).double() * self.recent_ratio).round().long()
 
-    def allocate(self, cache, row_budget: torch.Tensor) -> torch.Tensor:
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None) -> torch.Tensor:
         """The selector's budgets, or (``selection="ema"``) PyramidInfer's cosine decay.
 
         PyramidInfer cosine decay of the heavy share; sinks and recent equal in every layer.
@@ -320,9 +312,7 @@ class KeepKV(ZipMerging, ScoredEviction):
         Layer budgets are rounded cumulatively, so they sum to exactly L·b.
         """
         if self._selector is not None:
-            return self._selector.allocate(cache, row_budget)
-        layers = cache.num_layers
-        kv_heads = cache.layers[0].keys.shape[1]
+            return self._selector.allocate(layers, kv_heads, row_budget, prompt_lengths, states)
         budget = row_budget.double()
         recent = self.recent_count(row_budget)
         fixed = budget.clamp(max=self.sinks) + recent
@@ -333,8 +323,6 @@ class KeepKV(ZipMerging, ScoredEviction):
         per_layer = fixed[None] + (budget - fixed)[None] * (share / share.mean())[:, None]  # [L, B]
         cumulative = per_layer.cumsum(0).round()
         budgets = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1])).long().clamp(min=1)
-        for layer in cache.layers:
-            layer.state["recent"] = recent[:, None].expand(-1, kv_heads).clone()
         return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
 
     def observe(self, layer, stats: StepStats) -> None:
@@ -365,8 +353,7 @@ class KeepKV(ZipMerging, ScoredEviction):
         if not stats.is_prefill and layer.budget is not None:
             steps = layer.state["steps"]
             if steps // self.refresh_interval > (steps - rows) // self.refresh_interval:
-                self.refresh(layer)
-                layer.pending = 0
+                self.refresh(layer)  # a compression: the store has nothing pending after it
 
     def compress(self, layer, stats: StepStats) -> None:
         if layer.size <= layer.min_budget:
@@ -470,9 +457,11 @@ class KeepKV(ZipMerging, ScoredEviction):
         """
         if self._selector is not None:
             return self._selector.priority(layer)
+        # Recent tokens are a share of the row's mean budget, alike in every layer (see allocate).
         recent = layer.state.get("recent")
         if recent is None:
-            recent = self.recent_count(layer.budget)
+            recent = self.recent_count(layer.row_budget)[:, None].expand_as(layer.budget).clone()
+            layer.state["recent"] = recent
         if pooled is None:
             pooled = self._ema(layer)[1]
         mass = layer.bias + pooled
@@ -494,9 +483,11 @@ class KeepKV(ZipMerging, ScoredEviction):
         heads_ema = (ema if ema is not None else self._ema(layer))[0]
         heads = layer.state["exact_logits"] if exact else heads_ema
         # The targets' EMA from the votes before the merge.
-        layer.extras["ema_log_s"] = merged_ema(
-            layer.extras["ema_log_s"], layer.extras["ema_log_n"], layer.bias, heads_ema, src, dst, merge,
-            self._log_scale(layer),
+        layer.update(
+            ema_log_s=merged_ema(
+                layer.extras["ema_log_s"], layer.extras["ema_log_n"], layer.bias, heads_ema, src, dst, merge,
+                self._log_scale(layer),
+            )
         )
         zip_into(layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key)
 
@@ -542,7 +533,7 @@ class KeepKV(ZipMerging, ScoredEviction):
             return
         self.merge_entries(layer, src, dst, merge, exact, ema)
         merged = torch.zeros_like(live).scatter_(-1, src, merge)  # src slots are distinct
-        layer.bias = layer.bias.masked_fill(merged, NEG_INF)
+        layer.drop(merged)
         if exact:  # the merged keys changed: the query's exact logits of the new store
             logits = scaled_logits(layer.state["query"][:, :, :, None], layer.keys, layer.state["scaling"])[:, :, :, 0]
             layer.state["exact_logits"] = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
@@ -586,14 +577,8 @@ class KeepKV(ZipMerging, ScoredEviction):
         exact logits of the newest query, so the rebuilt store is lossless for it on MHA.
         """
         keys, values, is_real = layer.state["offload"].load(layer.device)
-        batch, kv_heads, size = keys.shape[:3]
-        positions = (is_real.long().cumsum(-1) - 1).masked_fill(~is_real, -1)
-        layer.keys, layer.values = keys, values
-        bias = torch.zeros(batch, size, device=layer.device).masked_fill(~is_real, NEG_INF)
-        layer.bias = bias[:, None].expand(-1, kv_heads, -1).contiguous()
-        layer.positions = positions[:, None].expand(-1, kv_heads, -1).contiguous()
-        for name, extra in layer.extras.items():
-            layer.extras[name] = extra.new_full((batch, kv_heads, size, *extra.shape[3:]), layer.extra_fill[name])
+        size = keys.shape[2]
+        layer.reload(keys, values, is_real)
         layer.state["lost_votes"] = torch.zeros_like(layer.state["lost_votes"])
         self._absorb(layer, layer.state["query_window"], layer.state["query_window_pos"])
         if size > layer.min_budget:

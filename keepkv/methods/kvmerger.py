@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..merging import convex_merge
+from ..merging import MergedRows, convex_merge_rows
 from .base import check_range, plan_eviction, register
 from .h2o import AccumulatedAttention
 
@@ -21,12 +21,12 @@ def gaussian_weights(keys: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, s
     return (-(k_src - k_dst).square().sum(-1) / (2.0 * sigma.float().square()[..., None])).exp()
 
 
-def kvmerger_merge(keys, values, src, dst, merge, sigma):
+def kvmerger_merge_rows(keys, values, src, dst, merge, sigma) -> MergedRows:
     """Gaussian-kernel convex merge toward the pivot (KeepKV eq. 12): the pivot weighs exp(0) = 1.
 
     keys, values [B, H_kv, S, D]; src, dst, merge [B, H_kv, E]; sigma [B, H_kv]. No votes.
     """
-    return convex_merge(keys, values, src, dst, merge, gaussian_weights(keys, src, dst, sigma))
+    return convex_merge_rows(keys, values, src, dst, merge, gaussian_weights(keys, src, dst, sigma))
 
 
 @register
@@ -86,8 +86,8 @@ class KVMerger(AccumulatedAttention):
         pivot, has_pivot = self.pivots(layer, kept)
         src = plan.evict_idx
         merge = plan.evict_valid & has_pivot.gather(-1, src)
-        layer.keys, layer.values = kvmerger_merge(
-            layer.keys, layer.values, src, pivot.gather(-1, src), merge, self.kernel_width(layer)
+        layer.merge_into(
+            kvmerger_merge_rows(layer.keys, layer.values, src, pivot.gather(-1, src), merge, self.kernel_width(layer))
         )
         layer.select(plan.keep_idx, plan.keep_valid)
 

@@ -221,8 +221,6 @@ def swap_counts(cand_sorted: torch.Tensor, vague_sorted: torch.Tensor, rate: flo
 
 # ------------------------------------------------------------------------------ Fisher
 
-_FISHER_BY_CONFIG: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-
 
 def _kv_projections(model):
     """(k_proj weights, v_proj weights), one per layer, in layer order."""
@@ -236,19 +234,15 @@ def _kv_projections(model):
     return [m.k_proj.weight for m in ordered], [m.v_proj.weight for m in ordered]
 
 
-def fisher_scores(model, calibration_ids: torch.Tensor | None = None, refresh: bool = False) -> torch.Tensor:
-    """Per-layer Fisher scores [L] of ``model``'s K/V projections, computed once and cached.
+def fisher_scores(model, calibration_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-layer Fisher scores [L] of ``model``'s K/V projections.
 
     Without ``calibration_ids``: squared Frobenius norms ||W_k||^2 + ||W_v||^2 (see
     :func:`keepkv.sketch.fisher_layer_scores`). With ``calibration_ids`` [B, T]: the
     empirical diagonal Fisher, sum over W_k and W_v entries of (dL/dW)^2 for the LM loss
-    on those tokens. The scores are cached under the model's config, where
-    ``KVReviver(allocation="fisher")`` finds them for any cache built from that config.
+    on those tokens.
     """
     config = model.config
-    cached = _FISHER_BY_CONFIG.get(id(config))
-    if cached is not None and cached[0]() is config and not refresh:
-        return cached[1]
     k_weights, v_weights = _kv_projections(model)
     if calibration_ids is None:
         scores = fisher_layer_scores(k_weights, v_weights)
@@ -275,28 +269,11 @@ def fisher_scores(model, calibration_ids: torch.Tensor | None = None, refresh: b
                 model.set_attn_implementation("keepkv")
         half = len(k_weights)
         scores = fisher_layer_scores(k_weights, v_weights, k_fisher=grads[:half], v_fisher=grads[half:])
-    _FISHER_BY_CONFIG[id(config)] = (weakref.ref(config), scores)
     return scores
-
-
-def _registered_scores(config) -> torch.Tensor | None:
-    cached = _FISHER_BY_CONFIG.get(id(config))
-    if cached is not None and cached[0]() is config:
-        return cached[1]
-    return None
 
 
 # ------------------------------------------------------------------------------- method
 
-
-class _ExactView:
-    """The layer as ``plan_eviction`` sees it, with the exact part's budget."""
-
-    def __init__(self, layer, exact, exact_max, exact_min):
-        self.live = layer.live
-        self.budget = exact
-        self.capacity = exact_max
-        self.min_budget = exact_min
 
 
 @register
@@ -330,8 +307,8 @@ class KVReviver(Method):
     allocation : str
         ``"fisher"`` (paper) or ``"uniform"`` layer budgets.
     layer_scores : tuple of float or None
-        Per-layer Fisher scores for ``"fisher"``; None: those registered by
-        :func:`fisher_scores` / :meth:`prepare` for the cache's model config.
+        Per-layer Fisher scores for ``"fisher"``; None: those :meth:`prepare` computed from the
+        model (keepkv.generate and the eval call it), else uniform budgets with a warning.
     seed : int
         Seed of the sketch's hash functions (deterministic per seed).
     interval : int
@@ -363,16 +340,11 @@ class KVReviver(Method):
                 f"recent_share + candidate_share + vague_share must sum to 1, got "
                 f"{self.recent_share} + {self.candidate_share} + {self.vague_share} = {total:g}"
             )
-        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1:
-            raise ValueError(f"rows (r) must be an int >= 1, got {self.rows!r}")
-        if self.buckets is not None and (
-            isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1
-        ):
-            raise ValueError(f"buckets (b) must be an int >= 1 or None, got {self.buckets!r}")
-        if not isinstance(self.replace_rate, (int, float)) or not self.replace_rate >= 1.0:
-            raise ValueError(f"replace_rate must be >= 1, got {self.replace_rate!r}")
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+        check_range("rows", self.rows, 1, math.inf)  # types: check_field_types
+        if self.buckets is not None:
+            check_range("buckets", self.buckets, 1, math.inf)
+        check_range("replace_rate", self.replace_rate, 1.0, math.inf)
+        check_range("sinks", self.sinks, 0, math.inf)
         if self.estimate not in ("sum", "mean"):
             raise ValueError(f"estimate must be 'sum' or 'mean', got {self.estimate!r}")
         if self.allocation not in ("fisher", "uniform"):
@@ -382,9 +354,8 @@ class KVReviver(Method):
             if not scores or any(not math.isfinite(s) or s < 0 for s in scores):
                 raise ValueError(f"layer_scores must be finite and >= 0, got {self.layer_scores!r}")
             self.layer_scores = scores
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
         self._warned_uniform = False
+        self._model_scores = None  # Fisher layer scores of the model, set by prepare()
 
     # -- budgets -------------------------------------------------------------------------
     def sketch_buckets(self, budget):
@@ -415,16 +386,14 @@ class KVReviver(Method):
         if isinstance(cache.budget, int):
             self._check_mean_budget(cache.budget)
 
-    def allocate(self, cache, row_budget):
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
         self._check_mean_budget(int(row_budget.min()))
-        layers = cache.num_layers
-        kv_heads = cache.layers[0].keys.shape[1]
         scores = None
         if self.allocation == "fisher":
             if self.layer_scores is not None:
                 scores = torch.tensor(self.layer_scores, dtype=torch.float64)
             else:
-                scores = _registered_scores(cache.config)
+                scores = self._model_scores
             if scores is None and not self._warned_uniform:
                 warnings.warn(
                     "kvreviver: no Fisher layer scores for this model (call "
@@ -441,9 +410,9 @@ class KVReviver(Method):
         return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
 
     def prepare(self, model, calibration_ids=None) -> None:
-        """Compute (once per model) and register the Fisher layer scores of ``model``."""
+        """Compute the Fisher layer scores of ``model`` (see :func:`fisher_scores`) for ``allocate``."""
         if self.allocation == "fisher" and self.layer_scores is None:
-            fisher_scores(model, calibration_ids)
+            self._model_scores = fisher_scores(model, calibration_ids)
 
     # -- hooks -----------------------------------------------------------------------------
     def needs(self, is_prefill):
@@ -556,7 +525,7 @@ class KVReviver(Method):
         count = scores.shape[-1] - layer.size  # vague tokens prepended by attention_entries
         if count:
             layer.state["vague_score"] += scores[..., :count]
-        layer.extras["score"] += scores[..., count:]
+        layer.add_to("score", scores[..., count:])
 
     # -- compression -------------------------------------------------------------------------
     def _setup_split(self, layer) -> dict:
@@ -627,8 +596,7 @@ class KVReviver(Method):
             fits = layer.seen <= state["fits_while_seen"]
             exact = torch.where(fits, layer.budget, state["exact"])
             capacity = layer.capacity if layer.seen <= state["last_fit_seen"] else state["exact_max"]
-            view = _ExactView(layer, exact, capacity, state["exact_min"])
-            plan = plan_eviction(view, priority)
+            plan = plan_eviction(layer, priority, (exact, capacity, state["exact_min"]))
             if sketch is not None and plan.evict_idx.shape[-1]:
                 self._to_vague(layer, plan.evict_idx, plan.evict_valid)
             layer.keep(plan.kept, plan.slots)
@@ -692,12 +660,14 @@ class KVReviver(Method):
         sketch.insert(out_pos, out_keys, out_values, mask=swap)
         self._count(state, out_pos, swap, 1.0)
 
-        expand = cand_idx[..., None].expand(*cand_idx.shape, layer.keys.shape[-1])
         flag = swap[..., None]
-        layer.keys = layer.keys.scatter(2, expand, torch.where(flag, in_keys, out_keys))
-        layer.values = layer.values.scatter(2, expand, torch.where(flag, in_values, out_values))
-        layer.positions = layer.positions.scatter(-1, cand_idx, torch.where(swap, in_pos.long(), out_pos))
-        layer.extras["score"] = score.scatter(-1, cand_idx, torch.where(swap, in_score, cand_score))
+        layer.write(
+            cand_idx,
+            keys=torch.where(flag, in_keys, out_keys),
+            values=torch.where(flag, in_values, out_values),
+            positions=torch.where(swap, in_pos.long(), out_pos),
+            score=torch.where(swap, in_score, cand_score),
+        )
         state["vague_pos"] = vague_pos.scatter(-1, vague_idx, torch.where(swap, out_pos.to(torch.int32), in_pos))
         state["vague_score"] = vague_score.scatter(-1, vague_idx, torch.where(swap, cand_score, in_score))
         state["swaps"] = state.get("swaps", 0) + swap.sum()  # a tensor: no host sync per step

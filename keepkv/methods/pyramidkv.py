@@ -34,14 +34,15 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         check_range("beta", self.beta, 1.0, float("inf"))
 
-    def allocate(self, cache, row_budget):
-        layers = cache.num_layers
-        kv_heads = cache.layers[0].keys.shape[1]
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
         window = row_budget.clamp(max=self.window).double()
         spare = row_budget.double() - window
         smallest = spare / self.beta
         largest = 2 * spare - smallest
-        depth = torch.linspace(0, 1, layers, dtype=torch.float64, device=row_budget.device)
+        # One layer: the middle of the pyramid, whose budget is the mean (linspace(0, 1, 1) is the bottom).
+        depth = torch.linspace(0, 1, layers, dtype=torch.float64, device=row_budget.device) if layers > 1 else torch.full(
+            (1,), 0.5, dtype=torch.float64, device=row_budget.device
+        )
         per_layer = largest[None] - depth[:, None] * (largest - smallest)[None] + window[None]
         budgets = per_layer.round().long().clamp(min=1)
         return budgets[:, :, None].expand(layers, -1, kv_heads).clone()

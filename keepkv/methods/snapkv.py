@@ -35,9 +35,9 @@ class ObservationWindow(ScoredEviction):
                 votes[..., :prefix] = F.max_pool1d(
                     votes[..., :prefix].reshape(-1, 1, prefix), self.kernel, stride=1, padding=self.kernel // 2
                 ).view(batch, kv_heads, prefix)
-            layer.extras["score"] += votes
+            layer.add_to("score", votes)
         else:
-            layer.extras["score"] += pool_group(stats.probs, row_dim=3)
+            layer.add_to("score", pool_group(stats.probs, row_dim=3))
 
     def recent_count(self, budget):
         return torch.full_like(budget, self.window)

@@ -27,6 +27,7 @@ class StreamingLLM(ZipMerging, ScoredEviction):
 
     name = "streamingllm"
     paper = "Xiao et al. 2024, arXiv 2309.17453"
+    scored = False  # sinks and recency alone: no per-entry score is kept
     sinks: int = 4
 
     def recent_count(self, budget):

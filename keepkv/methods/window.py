@@ -22,6 +22,7 @@ class Window(ZipMerging, ScoredEviction):
 
     name = "window"
     paper = "local window attention (baseline)"
+    scored = False  # recency alone: no per-entry score is kept
 
     def recent_count(self, budget):
         return budget

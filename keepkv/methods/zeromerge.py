@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Needs
-from ..merging import momentum_merge
-from .base import Method, check_range, register, slots_of
+from ..merging import momentum_merge_rows
+from .base import Method, check_range, register
 
 def slot_bias(counts: torch.Tensor, alpha: float) -> torch.Tensor:
     """The attention-logit compensation α·ln w of an entry that fused w tokens (eq. 8)."""
@@ -79,10 +79,8 @@ class ZeroMerge(Method):
         check_range("alpha", self.alpha, 0.0, 1.0)
         check_range("decay", self.decay, 0.0, 1.0, low_open=True)
         check_range("recent_ratio", self.recent_ratio, 0.0, 1.0)
-        for field in ("min_recent", "merge_slots"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{field} must be an int >= 0, got {value!r}")
+        check_range("min_recent", self.min_recent, 0, math.inf)
+        check_range("merge_slots", self.merge_slots, 0, math.inf)
 
     def needs(self, is_prefill):
         return Needs(decays=(self.decay,))  # Σ_i λ^(q-1-i) a_i over the block's rows (eq. 5)
@@ -97,7 +95,7 @@ class ZeroMerge(Method):
         if "dropped" not in layer.state:
             layer.state["dropped"] = torch.zeros(layer.bias.shape[:2], dtype=torch.long, device=layer.bias.device)
         rows = stats.query.shape[3]
-        layer.extras["score"] = layer.extras["score"] * self.decay**rows + stats.decayed[self.decay].sum(2)
+        layer.update(score=layer.extras["score"] * self.decay**rows + stats.decayed[self.decay].sum(2))
 
     def protected_entries(self):
         return self.merge_slots + self.min_recent
@@ -148,13 +146,13 @@ class ZeroMerge(Method):
         merge = src_valid & slot_valid.any(-1, keepdim=True)
         layer.state["dropped"] = layer.state["dropped"] + (src_valid & ~merge).sum(-1)
 
-        counts = layer.extras["count"]
-        layer.keys, layer.values, counts = momentum_merge(layer.keys, layer.values, counts, src, dst, merge)
-        layer.extras["count"] = counts
+        layer.merge_into(momentum_merge_rows(layer.keys, layer.values, layer.extras["count"], src, dst, merge))
         incoming = score.gather(-1, src).masked_fill(~merge, -math.inf)
-        layer.extras["score"] = score.scatter_reduce(-1, dst.where(merge, 0), incoming, "amax", include_self=True)
-        layer.extras["slot"] = is_slot
-        layer.bias = torch.where(is_slot, slot_bias(counts, self.alpha), layer.bias)
+        layer.update(
+            score=score.scatter_reduce(-1, dst.where(merge, 0), incoming, "amax", include_self=True),
+            slot=is_slot,
+            bias=torch.where(is_slot, slot_bias(layer.extras["count"], self.alpha), layer.bias),
+        )
 
         kept = is_slot | is_recent | keep_context
         layer.keep(kept, min(size, layer.capacity))

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Needs, scaled_logits
-from ..merging import KEY_RULES, cosine_nearest, gate_merges, zip_merge
+from ..merging import KEY_RULES, cosine_nearest, gate_merges, zip_merge_rows
+from ..store import NEG_INF
 from .base import EvictionPlan, check_range
 
-NEG_INF = float("-inf")
 MERGE_RULES = ("none", "zip")
 
 
@@ -70,7 +70,7 @@ def zip_into(
     layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, head_log_scores: torch.Tensor,
     query: torch.Tensor, scaling: float, zip_key: str,
 ) -> None:
-    """ZIP-merge ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]) in the layer's store, in place.
+    """ZIP-merge ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]) in the layer's store (in place).
 
     head_log_scores [B, H_kv, g, S]: ln s^h per query head (-inf on empty slots), pooled over the
     group by :func:`pool_log_scores` for the merge weights; query [B, H_kv, g, D]: the queries the
@@ -79,7 +79,7 @@ def zip_into(
     group = zip_key == "group"
     pooled = pool_log_scores(head_log_scores, layer.bias)
     # Empty slots never take part in a merge; zero them so no 0·(-inf) can reach a scatter.
-    keys, values, bias = zip_merge(
+    merged = zip_merge_rows(
         layer.keys,
         layer.values,
         layer.bias,
@@ -91,9 +91,8 @@ def zip_into(
         queries=query if group else query.mean(2),
         scaling=scaling,
         group_log_scores=head_log_scores.where(torch.isfinite(head_log_scores), 0.0) if group else None,
-        in_place=True,
     )
-    layer.keys, layer.values, layer.bias = keys, values, bias
+    layer.merge_into(merged)
 
 
 @dataclass
@@ -132,15 +131,9 @@ class ZipMerging:
         super().__post_init__()
         if self.merge not in MERGE_RULES:
             raise ValueError(f"merge must be one of {', '.join(map(repr, MERGE_RULES))}, got {self.merge!r}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or math.isnan(self.threshold):
-            raise ValueError(f"threshold must be a number, got {self.threshold!r}")
-        check_range("threshold", self.threshold, -1.0, 1.0)
+        check_range("threshold", self.threshold, -1.0, 1.0)  # types: check_field_types
         if self.zip_key not in KEY_RULES:
             raise ValueError(f"zip_key must be one of {', '.join(map(repr, KEY_RULES))}, got {self.zip_key!r}")
-        for name in ("protect", "max_share") + (("max_value_change",) if self.max_value_change is not None else ()):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-                raise ValueError(f"{name} must be a number, got {value!r}")
         check_range("protect", self.protect, 0.0, 1.0)
         check_range("max_share", self.max_share, 0.0, 1.0)
         if self.max_value_change is not None:

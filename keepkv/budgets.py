@@ -1,0 +1,126 @@
+"""Budget arithmetic, in one place: how a budget becomes entry counts per layer, row and head, and
+how many entries a layer holds while it decodes.
+
+- :func:`row_budgets`: each row's mean budget per layer and head (a fraction of its prompt, with
+  the floor of :func:`budget_floor`, or a count);
+- :func:`layer_budgets`: the method's allocation over layers and heads, fitted to the prompt
+  (:func:`fit_to_prompt`);
+- the decode schedule: a layer keeps its budget and takes ``interval`` new tokens before it
+  compresses again (:func:`held_entries`, :func:`capacity_bound`).
+
+The cache (keepkv.cache), a serving scheduler (``capacity_bound``) and the paged adapter
+(keepkv.paged) all read these functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The budget floor: a fractional budget keeps at least the method's protected tokens plus this
+# many scored entries per layer and head. A fraction of a short prompt (a chat template around a
+# one-line question is ~40 tokens) would otherwise leave fewer entries than the method always
+# keeps (keepkv, snapkv, pyramidkv: 32), and the answer is garbage; with the floor, a prompt no
+# longer than it is not compressed at all (as PyramidKV's code, which compresses only prompts
+# longer than its capacity). An int budget is an exact entry count and has no floor.
+SCORED_FLOOR = 32
+
+
+def validate_budget(budget) -> None:
+    """Raise ValueError unless budget is a float in (0, 1] or an int >= 1."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget must be a float in (0, 1] or an int >= 1, got {budget!r}")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"an integer budget is an entry count and must be >= 1, got {budget}")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"a float budget is a fraction of the prompt and must be in (0, 1], got {budget}")
+
+
+def budget_floor(method) -> int:
+    """Fewest entries per layer and head a fractional budget gives a row (see ``SCORED_FLOOR``)."""
+    return method.protected_entries() + SCORED_FLOOR
+
+
+def row_budgets(budget: int | float, prompt_lengths: torch.Tensor, floor: int = 0) -> torch.Tensor:
+    """[B] entries per layer and head each row may keep: a fraction of its prompt, but at least
+    ``floor`` (:func:`budget_floor`) and 1; or a count. A row whose prompt is no longer than its
+    budget is not compressed, and keeps up to its budget while it decodes."""
+    if isinstance(budget, float):
+        return (prompt_lengths.double() * budget).round().long().clamp(min=max(1, floor))
+    return torch.full_like(prompt_lengths, budget)
+
+
+def fit_to_prompt(budgets: torch.Tensor, mean_budget: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
+    """Layer budgets [L, B, H_kv] that never exceed their row's prompt, with the same mean.
+
+    A budget above the prompt would keep nothing more than the whole prompt, and its excess would
+    be lost (PyramidKV's largest layers, at high budgets). Each row's budgets are pulled towards
+    its uniform ``mean_budget`` [B], b + λ (a - b), with the largest λ <= 1 that fits the prompt
+    [B]: the shape of the allocation is kept, only flattened, and the mean stays b (KVCache-Factory
+    instead falls back to uniform budgets when its pyramid does not fit). Cumulative rounding over
+    layers keeps the total.
+    """
+    mean = mean_budget.double()[None, :, None]
+    cap = prompt_lengths.double()[None, :, None]
+    deviation = budgets.double() - mean
+    room = torch.where(deviation > 0, (cap - mean).clamp(min=0) / deviation, torch.inf)
+    shrink = room.amin(dim=(0, 2), keepdim=True).clamp(max=1.0)  # λ per row
+    fitted = mean + shrink * deviation
+    cumulative = fitted.cumsum(0).round()
+    rounded = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1]))
+    return torch.where(shrink < 1, rounded.clamp(min=1).minimum(cap), budgets.double()).long()
+
+
+def layer_budgets(
+    method, layers: int, kv_heads: int, budget: int | float, prompt_lengths: torch.Tensor,
+    states: list[dict] | None = None,
+) -> torch.Tensor | None:
+    """[L, B, H_kv] entries each layer, row and head keeps: the method's allocation, fitted to the
+    prompt; None when the method never compresses. ``states``: each layer's method state after its
+    prefill, for a method that allocates from them (D2O)."""
+    per_row = row_budgets(budget, prompt_lengths, budget_floor(method))
+    budgets = method.allocate(layers, kv_heads, per_row, prompt_lengths, states)
+    if budgets is None:
+        return None
+    budgets = fit_to_prompt(budgets, per_row, prompt_lengths)
+    # A prompt that fits its mean budget is not compressed in any layer (as PyramidKV's code).
+    fits = (prompt_lengths <= per_row)[None, :, None]
+    return torch.where(fits, per_row[None, :, None], budgets)
+
+
+def held_entries(kept: int, prompt_length: int, computed: int, interval: int) -> int:
+    """Entries a layer of budget ``kept`` holds per head after ``computed`` tokens (prompt
+    included), between attention calls: min(P + t, kept + t mod interval) after t decode steps
+    (it compresses back to ``kept`` every ``interval`` steps)."""
+    decoded = computed - prompt_length
+    return min(computed, kept + decoded % interval)
+
+
+def capacity_bound(method, prompt_length: int, budget: int | float, config) -> list[int] | None:
+    """The most entries each layer of one request holds per KV head while it decodes, known before
+    the model runs: what a serving scheduler must reserve (``docs/serving.md``).
+
+    A layer keeps its budget and takes ``interval`` new tokens before it compresses again:
+    budget + interval at the attention call that triggers a compression. The prefill holds the
+    layer's whole prompt once; that peak is the prefill's reservation, not this bound. Layer
+    budgets drawn from the prompt's attention (D2O) are bounded by the prompt. None: the method
+    never compresses (``full``), and the request grows with every token.
+
+    method: a Method or a registered name; config: the model's HF config (depth, KV heads).
+    """
+    if isinstance(method, str):
+        from .methods import get_method  # the registry, imported when a name is given
+
+        method = get_method(method)
+    validate_budget(budget)
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 1:
+        raise ValueError(f"prompt_length must be an int >= 1, got {prompt_length!r}")
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    lengths = torch.tensor([prompt_length])
+    if method.allocates_from_all_layers:
+        per_row = row_budgets(budget, lengths, budget_floor(method))
+        budgets = torch.maximum(per_row, lengths).expand(layers, 1, kv_heads)
+    else:
+        budgets = layer_budgets(method, layers, kv_heads, budget, lengths)
+        if budgets is None:
+            return None
+    return (budgets.amax(dim=(1, 2)) + method.interval).tolist()

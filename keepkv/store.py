@@ -1,0 +1,556 @@
+"""LayerStore: the kept KV entries of one layer, and the only code that writes them.
+
+One storage layout serves every method (DESIGN.md, "Storage"). Per layer, for B rows and H_kv
+KV heads:
+
+    keys, values : [B, H_kv, S, D]  the kept entries; S is the layer's size, the most any
+                                    row or head keeps
+    bias         : [B, H_kv, S]     fp32, added to every query's logit for that entry:
+                                    0 plain token, log p for p Electoral Votes, -inf empty slot
+    positions    : [B, H_kv, S]     int64 original position of the entry within its row
+                                    (first real token = 0), -1 for an empty slot
+    extras[name] : [B, H_kv, S,...] per-entry state of the method (scores, counts), kept
+                                    aligned with the entries through every append and select
+
+Each is the prefix view of a contiguous buffer with spare slots (an eighth of its length while
+the layer is uncompressed, one compression interval's worth once it is compressed), so a decode
+step appends in place, and a decode-time compression that sheds at most that spare room moves
+the kept new entries into the freed slots (``keep``). The tensors really shrink when a method
+compresses: nothing is masked in place.
+
+The store owns its tensors: they are read-only attributes, and a method changes them only
+through the methods below (``keep``, ``select``, ``drop``, ``write``, ``merge_into``, ``update``,
+``add_to``, ``reload``), which write into the buffers in place. So the store always knows whether
+its bias is still binary (0 or -inf: attention may then pass it as a bool mask), and no write
+reallocates a layer behind its back.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+NEG_INF = float("-inf")
+# An uncompressed layer's buffers grow by an eighth of their length, at least GROWTH_MIN slots:
+# reallocations stay rare on long sequences and spare slots stay a small share of short ones.
+# A compressed layer keeps room for one interval's appends instead (LayerStore.headroom).
+GROWTH_MIN = 8
+GROWTH_SHARE = 8
+CORE = ("keys", "values", "bias", "positions")
+
+
+def _move(tensor: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Copy the entries at ``source`` [B, H_kv, n] onto ``target`` slots of tensor [B, H_kv, S, ...],
+    in place (all sources are read before any target is written)."""
+    shape = (*source.shape, *tensor.shape[3:])
+    source = source.view(*source.shape, *(1,) * (tensor.dim() - 3)).expand(shape)
+    target = target.view(*target.shape, *(1,) * (tensor.dim() - 3)).expand(shape)
+    return tensor.scatter_(2, target, tensor.gather(2, source))
+
+
+def slots_of(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``count`` slots of mask [B, H_kv, S] in position order, True slots first:
+    (index, index's slot is True), both [B, H_kv, count]."""
+    index = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]
+    return index, mask.gather(-1, index)
+
+
+def split_evenly(total: int, rows: int) -> torch.Tensor:
+    """[rows] int64 shares of ``total`` that differ by at most 1 and add up to it."""
+    share, left = divmod(total, rows)
+    return torch.full((rows,), share, dtype=torch.long) + (torch.arange(rows) < left).long()
+
+
+class LayerStore(CacheLayerMixin):
+    """The kept entries of one layer (shapes in the module docstring).
+
+    Beside the tensors it tracks
+    ``seen``: tokens fed so far, padding included (the logical length HF sees);
+    ``real_seen`` [B]: real tokens fed so far per row;
+    ``budget`` [B, H_kv]: entries each row and head may keep after compression (None: unlimited),
+    with ``capacity`` and ``min_budget`` its largest and smallest entry (``set_budget``);
+    ``row_budget`` [B]: each row's mean budget over the layers (what a method's recent window is
+    a share of);
+    ``pending``: tokens appended since the last compression;
+    ``state``: the method's per-layer state that is not per entry (the method's own dict).
+    """
+
+    is_sliding = False
+
+    def __init__(self, layer_idx: int, shared: dict | None = None):
+        # Not CacheLayerMixin.__init__: it assigns keys and values, which are read-only here.
+        self.is_initialized = False
+        self.layer_idx = layer_idx
+        # The method's per-cache objects, one dict shared by every layer of a cache (KVReviver's
+        # rebuild tracker): not per row, not per layer, and not counted as cache bytes.
+        self.shared = {} if shared is None else shared
+        self._tensors: dict[str, torch.Tensor] = {}  # buffer name ("keys", "extras.score") -> prefix view
+        self._extra_fill: dict[str, float] = {}
+        self.state: dict = {}
+        self.seen = 0
+        self.real_seen: torch.Tensor | None = None
+        self.budget: torch.Tensor | None = None
+        self.row_budget: torch.Tensor | None = None
+        self.capacity = 0
+        self.min_budget = 0
+        self.pending = 0
+        self.prefill_stats = None
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.headroom: int | None = None  # spare slots of a compressed layer; None: grow in proportion
+        self._binary = True  # the bias holds only 0 and -inf
+
+    # -- the tensors, read-only ------------------------------------------------------------
+    keys = property(lambda self: self._tensors.get("keys"), doc="[B, H_kv, S, D] kept keys.")
+    values = property(lambda self: self._tensors.get("values"), doc="[B, H_kv, S, D] kept values.")
+    bias = property(lambda self: self._tensors.get("bias"), doc="[B, H_kv, S] fp32 ln p, -inf on empty slots.")
+    positions = property(lambda self: self._tensors.get("positions"), doc="[B, H_kv, S] int64, -1 on empty slots.")
+
+    @property
+    def extras(self) -> types.MappingProxyType:
+        """Read-only {name: [B, H_kv, S, ...]} per-entry method state."""
+        return types.MappingProxyType({name[7:]: t for name, t in self._tensors.items() if name.startswith("extras.")})
+
+    @property
+    def extra_fill(self) -> types.MappingProxyType:
+        """Read-only {name: value a new token's entry starts at}."""
+        return types.MappingProxyType(self._extra_fill)
+
+    def _name(self, name: str) -> str:
+        """The buffer name of a core tensor or an extra."""
+        if name in CORE:
+            return name
+        if f"extras.{name}" in self._tensors:
+            return f"extras.{name}"
+        raise KeyError(f"the layer store has no tensor {name!r}")
+
+    # -- CacheLayerMixin -------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, kv_heads, _, head_dim = key_states.shape
+        device = key_states.device
+        self.dtype, self.device = key_states.dtype, device
+        self._tensors = {
+            "keys": key_states.new_zeros(batch, kv_heads, 0, head_dim),
+            "values": value_states.new_zeros(batch, kv_heads, 0, value_states.shape[-1]),
+            "bias": torch.zeros(batch, kv_heads, 0, device=device),
+            "positions": torch.zeros(batch, kv_heads, 0, dtype=torch.long, device=device),
+        }
+        self.real_seen = torch.zeros(batch, dtype=torch.long, device=device)
+        self._binary = True
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # The attention function appends (it needs the padding mask); see CompressedCache.update.
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.shared.clear()
+        self.__init__(self.layer_idx, self.shared)
+
+    # The layer-level row hooks of CacheLayerMixin would move keys and values only: the
+    # CompressedCache's hooks move every per-row tensor, the method's state included.
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        raise ValueError("reorder_cache: call it on the CompressedCache, which also moves the method's state")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError("batch_repeat_interleave: call it on the CompressedCache, which also moves the method's state")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError("batch_select_indices: call it on the CompressedCache, which also moves the method's state")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("crop: call it on the CompressedCache")
+
+    # -- sizes and budgets -----------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Physical capacity S."""
+        bias = self.bias
+        return 0 if bias is None else bias.shape[-1]
+
+    def set_budget(self, budget: torch.Tensor | None, row_budget: torch.Tensor | None = None) -> None:
+        """Entries each row and head may keep [B, H_kv] (None: unlimited), and each row's mean
+        budget [B]; ``capacity`` and ``min_budget`` are derived here (one host sync, at the end of a
+        prefill or when rows move)."""
+        self.budget = budget
+        self.row_budget = row_budget
+        if budget is None:
+            self.capacity = self.min_budget = 0
+        else:
+            self.capacity, self.min_budget = int(budget.max()), int(budget.min())
+
+    def binary_bias(self) -> bool:
+        """True if the bias holds only 0 and -inf: only appends, selections and drops wrote it."""
+        return self._binary
+
+    def live(self) -> torch.Tensor:
+        """[B, H_kv, S] bool: slots holding an entry."""
+        return self.bias > NEG_INF
+
+    def live_counts(self) -> torch.Tensor:
+        """[B, H_kv] entries kept per row and head."""
+        return self.live().sum(-1)
+
+    def add_extra(self, name: str, fill: float = 0.0, dtype=torch.float32, trailing=()) -> None:
+        """Register a per-entry tensor that follows the entries; new tokens get ``fill``."""
+        if f"extras.{name}" in self._tensors:
+            return
+        batch, kv_heads, size = self.bias.shape
+        with torch.inference_mode(False):  # written in place, as the buffers (see _new_buffer)
+            self._tensors[f"extras.{name}"] = torch.full(
+                (batch, kv_heads, size, *trailing), fill, dtype=dtype, device=self.device
+            )
+        self._extra_fill[name] = fill
+
+    # -- writes of the cache: appends and row moves ----------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, is_real: torch.Tensor) -> None:
+        """Append a block of q new tokens, in place when the buffers have room.
+
+        keys, values: [B, H_kv, q, D]; is_real: [B, q] bool, False for left padding.
+        """
+        batch, kv_heads, block = keys.shape[:3]
+        block_pos = self.real_seen[:, None] + is_real.long().cumsum(-1) - 1
+        block_pos = block_pos.masked_fill(~is_real, -1)
+        block_bias = torch.zeros(batch, block, device=self.device).masked_fill(~is_real, NEG_INF)
+        fresh = {
+            "keys": keys,
+            "values": values,
+            "bias": block_bias[:, None].expand(batch, kv_heads, block),
+            "positions": block_pos[:, None].expand(batch, kv_heads, block),
+        }
+        for name, current in self._tensors.items():
+            block_of = fresh[name] if name in fresh else self._extra_fill[name[7:]]
+            self._tensors[name] = self._extend(name, current, block_of, block)
+        self.seen += block
+        self.real_seen = self.real_seen + is_real.sum(-1)
+        self.pending += block
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] (int64, repeats allowed) of every per-row tensor, in that order:
+        keys, values, bias, positions, extras (their buffers' spare slots too), ``real_seen`` and
+        the budgets. The method's per-layer state is the method's to move (``Method.select_rows``)."""
+        if not self.is_initialized:
+            return
+        index = index.to(self.device)
+        for name, current in self._tensors.items():
+            buffer = self._buffer_of(name, current)
+            if buffer is None:
+                self._tensors[name] = current.index_select(0, index)
+            else:
+                self.buffers[name] = buffer.index_select(0, index)
+                self._tensors[name] = self.buffers[name].narrow(2, 0, current.shape[2])
+        self.real_seen = self.real_seen.index_select(0, index)
+        if self.budget is not None:
+            row_budget = None if self.row_budget is None else self.row_budget.index_select(0, index)
+            self.set_budget(self.budget.index_select(0, index), row_budget)
+        if self.prefill_stats is not None:
+            self.prefill_stats = self.prefill_stats.rows(index)
+
+    # -- writes of a compression -----------------------------------------------------------
+    def select(self, index: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep only the entries at ``index`` [B, H_kv, K]; slots where ``valid`` is False become empty."""
+        kept = index.shape[2]
+        # The spare slots copy any kept entry; appends overwrite them.
+        index = torch.cat([index, index[..., :1].expand(-1, -1, self.spare_slots(kept))], dim=-1)
+        rows = {}  # source slots -> flat row index, shared by the tensors whose buffers match
+        for name, current in self._tensors.items():
+            self._tensors[name] = self._gather(name, current, index, kept, rows)
+        self.bias.masked_fill_(~valid, NEG_INF)
+        self.positions.masked_fill_(~valid, -1)
+
+    def keep(self, kept: torch.Tensor, slots: int) -> None:
+        """Keep the entries where ``kept`` [B, H_kv, S] and shrink the layer to ``slots`` (>= the most
+        any row and head keeps).
+
+        A decode step sheds only the few slots past ``slots`` (one per interval step): the kept
+        entries among them move into the freed slots below, in place, and the rest stays where it
+        is, since positions are stored and attention does not depend on order. Any larger shrink
+        (the end of a prefill) copies the kept entries into a new buffer (:meth:`select`).
+        """
+        tail = self.size - slots
+        if tail > (self.headroom or 0):
+            self.select(*slots_of(kept, slots))
+            return
+        self.drop(~kept)
+        if tail > 0:
+            # Pair the j-th kept entry of the tail with the j-th free slot below ``slots``: a prefix
+            # that keeps at most ``slots`` entries has at least as many free slots as the tail has
+            # kept entries (so at most min(tail, slots) move). Unpaired moves go from the tail to the
+            # tail, where they are dropped.
+            count = min(tail, slots)
+            movers, moves = slots_of(kept[..., slots:], count)
+            free = (~kept[..., :slots]).to(torch.uint8).topk(count, dim=-1).indices
+            unpaired = slots + torch.arange(count, device=kept.device).expand_as(free)
+            source, target = slots + movers, free.where(moves, unpaired)
+            for name, current in self._tensors.items():
+                self._tensors[name] = _move(current, source, target).narrow(2, 0, slots)
+
+    def drop(self, mask: torch.Tensor) -> None:
+        """Empty the slots where ``mask`` [B, H_kv, S] (bias -inf, position -1), in place."""
+        self.bias.masked_fill_(mask, NEG_INF)
+        self.positions.masked_fill_(mask, -1)
+
+    def write(self, index: torch.Tensor, **rows: torch.Tensor) -> None:
+        """Overwrite the entries at slots ``index`` [B, H_kv, E] (distinct per row and head) with
+        ``rows``: name (keys, values, bias, positions or an extra) -> [B, H_kv, E, ...], in place."""
+        for name, row in rows.items():
+            current = self._tensors[self._name(name)]
+            slot = index.view(*index.shape, *(1,) * (current.dim() - 3)).expand(*index.shape, *current.shape[3:])
+            current.scatter_(2, slot, row.to(current.dtype))
+        self._binary &= "bias" not in rows
+
+    def merge_into(self, merged) -> None:
+        """Write a merge's rows (:class:`keepkv.merging.MergedRows`: each target slot's merged row per
+        tensor name) into the store, in place; every slot that is no target stays bit-identical."""
+        for name in merged.rows:
+            merged.write_into(self._tensors[self._name(name)], name)
+        self._binary &= "bias" not in merged.rows
+
+    def update(self, **tensors: torch.Tensor) -> None:
+        """Overwrite whole tensors (name -> [B, H_kv, S, ...] of the stored shape), in place."""
+        for name, tensor in tensors.items():
+            self._tensors[self._name(name)].copy_(tensor)
+        self._binary &= "bias" not in tensors
+
+    def add_to(self, name: str, delta: torch.Tensor) -> None:
+        """Add ``delta`` [B, H_kv, S, ...] to a stored tensor (a method's accumulated scores), in place."""
+        self._tensors[self._name(name)].add_(delta)
+        self._binary &= name != "bias"
+
+    def reload(self, keys: torch.Tensor, values: torch.Tensor, is_real: torch.Tensor) -> None:
+        """Replace every entry by ``keys``, ``values`` [B, H_kv, S, D] of S tokens seen from the start
+        (is_real [B, S]: False for padding; the store takes the two tensors over): one vote each,
+        positions renumbered, every extra back to its fill value, nothing pending (KeepKV's
+        periodic refresh)."""
+        batch, kv_heads, size = keys.shape[:3]
+        positions = (is_real.long().cumsum(-1) - 1).masked_fill(~is_real, -1)
+        bias = torch.zeros(batch, size, device=self.device).masked_fill(~is_real, NEG_INF)
+        fresh = {
+            "keys": keys,
+            "values": values,
+            "bias": bias[:, None].expand(-1, kv_heads, -1),
+            "positions": positions[:, None].expand(-1, kv_heads, -1),
+        }
+        # Plain tensors, not buffers: the compression that follows a reload gathers the kept
+        # entries into new buffers anyway (the loaded keys and values are not copied twice).
+        with torch.inference_mode(False):
+            for name, current in self._tensors.items():
+                if name in ("keys", "values"):
+                    self._tensors[name] = fresh[name]
+                elif name in fresh:
+                    self._tensors[name] = fresh[name].contiguous()
+                else:
+                    trailing = current.shape[3:]
+                    self._tensors[name] = current.new_full((batch, kv_heads, size, *trailing), self._extra_fill[name[7:]])
+        self.pending = 0
+        self._binary = True
+
+    def spare_slots(self, slots: int) -> int:
+        """Spare slots a buffer of ``slots`` in-use slots gets when it is (re)allocated."""
+        return self.headroom if self.headroom is not None else max(GROWTH_MIN, slots // GROWTH_SHARE)
+
+    # Every per-entry tensor is the prefix [:, :, :S] of a contiguous buffer [B, H_kv, S + spare, ...],
+    # so appends write in place instead of copying the layer (torch.cat) at every step.
+    def _buffer_of(self, name: str, current: torch.Tensor) -> torch.Tensor | None:
+        """The named buffer if ``current`` is its prefix view, else None."""
+        buffer = self.buffers.get(name)
+        if (
+            buffer is None
+            or buffer.data_ptr() != current.data_ptr()
+            or buffer.stride() != current.stride()
+            or buffer.shape[:2] + buffer.shape[3:] != current.shape[:2] + current.shape[3:]
+        ):
+            return None
+        return buffer
+
+    def _new_buffer(self, name: str, like: torch.Tensor, slots: int) -> torch.Tensor:
+        # A normal tensor even under torch.inference_mode: its in-place writes must also work
+        # when a later step runs outside it.
+        with torch.inference_mode(False):
+            buffer = like.new_empty(*like.shape[:2], slots, *like.shape[3:])
+        self.buffers[name] = buffer
+        return buffer
+
+    def _extend(self, name: str, current: torch.Tensor, block: torch.Tensor | float, length: int):
+        """``current`` [B, H_kv, S, ...] followed by ``block`` (a tensor of ``length`` entries, or a
+        fill value), as a prefix view of the named buffer."""
+        size = current.shape[2]
+        buffer = self._buffer_of(name, current)
+        if buffer is None or buffer.shape[2] < size + length:
+            buffer = self._new_buffer(name, current, size + length + self.spare_slots(size + length))
+            buffer.narrow(2, 0, size).copy_(current)
+        fresh = buffer.narrow(2, size, length)
+        if isinstance(block, torch.Tensor):
+            fresh.copy_(block)
+        else:
+            fresh.fill_(block)
+        return buffer.narrow(2, 0, size + length)
+
+    def _gather(self, name: str, current: torch.Tensor, index: torch.Tensor, kept: int, rows: dict) -> torch.Tensor:
+        """current[index] along the entry axis (index [B, H_kv, N]) as the first ``kept`` slots of a
+        new buffer of N. One index_select over flattened rows: several times faster than
+        torch.gather on CPU, which walks an expanded index element by element."""
+        source = self._buffer_of(name, current)
+        source = current.contiguous() if source is None else source  # [B, H_kv, C, ...]
+        batch, kv_heads, slots = source.shape[:3]
+        if slots not in rows:
+            row_start = torch.arange(batch * kv_heads, device=index.device).view(batch, kv_heads, 1) * slots
+            rows[slots] = (row_start + index).view(-1)
+        buffer = self._new_buffer(name, source, index.shape[2])
+        torch.index_select(source.view(-1, *source.shape[3:]), 0, rows[slots], out=buffer.view(-1, *source.shape[3:]))
+        return buffer.narrow(2, 0, kept)
+
+    # -- building a store from tensors -----------------------------------------------------
+    @classmethod
+    def from_entries(
+        cls, layer_idx: int, tensors: dict[str, torch.Tensor], extra_fill: dict[str, float], *, seen: int,
+        real_seen: torch.Tensor, binary: bool, headroom: int | None = None, shared: dict | None = None,
+    ) -> "LayerStore":
+        """A store holding copies of ``tensors`` (buffer name -> [B, H_kv, S, ...]: the four core
+        tensors and one "extras.NAME" per key of ``extra_fill``), each the prefix of a buffer with
+        spare slots: a stacked batch, a fork, a paged request's gathered slots."""
+        store = cls(layer_idx, shared)
+        store.headroom = headroom
+        keys = tensors["keys"]
+        store.dtype, store.device = keys.dtype, keys.device
+        size = keys.shape[2]
+        for name, tensor in tensors.items():
+            buffer = store._new_buffer(name, tensor, size + store.spare_slots(size)).narrow(2, 0, size)
+            store._tensors[name] = buffer.copy_(tensor)
+        store._extra_fill = dict(extra_fill)
+        store.seen, store.real_seen = seen, real_seen
+        store._binary = binary
+        store.is_initialized = True
+        return store
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """{buffer name: tensor} of every per-entry tensor (a copy of the dict, not of the tensors)."""
+        return dict(self._tensors)
+
+    @staticmethod
+    def check_stackable(layers: list["LayerStore"]) -> dict[str, str]:
+        """Raise ValueError unless ``layers`` can be stacked; returns how each method state joins."""
+        if not all(layer.is_initialized for layer in layers):
+            raise ValueError("stack: every cache must have seen its prompt")
+        for name in ("seen", "pending", "headroom"):
+            if len({getattr(layer, name) for layer in layers}) > 1:
+                raise ValueError(f"stack: the caches' layers differ in {name!r}: {[getattr(l, name) for l in layers]}")
+        if len({(layer.budget is None, tuple(layer.extras)) for layer in layers}) > 1:
+            raise ValueError("stack: the caches do not compress alike (budgets or per-entry extras differ)")
+        return _state_joins([layer.state for layer in layers], [layer.keys.shape[0] for layer in layers])
+
+    @classmethod
+    def stack(cls, layers: list["LayerStore"], shared: dict | None = None) -> "LayerStore":
+        """One layer whose rows are the rows of ``layers`` in order, each padded with empty slots to
+        the largest; see :meth:`CompressedCache.stack`. Raises ValueError where they cannot join.
+        ``shared``: the per-cache dict of the cache it joins."""
+        joins = cls.check_stackable(layers)
+        first = layers[0]
+        slots = max(layer.size for layer in layers)
+        fills = {"keys": 0.0, "values": 0.0, "bias": NEG_INF, "positions": -1}
+        fills.update({f"extras.{name}": fill for name, fill in first.extra_fill.items()})
+
+        def stacked(tensors: list[torch.Tensor], fill: float) -> torch.Tensor:
+            padded = [tensor.new_full((*tensor.shape[:2], slots, *tensor.shape[3:]), fill) for tensor in tensors]
+            for tensor, grown in zip(tensors, padded):
+                grown.narrow(2, 0, tensor.shape[2]).copy_(tensor)
+            return torch.cat(padded)
+
+        tensors = {name: stacked([layer._tensors[name] for layer in layers], fill) for name, fill in fills.items()}
+        out = cls.from_entries(
+            first.layer_idx, tensors, dict(first.extra_fill), seen=first.seen,
+            real_seen=torch.cat([layer.real_seen for layer in layers]),
+            binary=all(layer.binary_bias() for layer in layers), headroom=first.headroom, shared=shared,
+        )
+        out.state = {
+            name: torch.cat([layer.state[name] for layer in layers]) if how == "cat" else first.state[name]
+            for name, how in joins.items()
+        }
+        out.pending = first.pending
+        if first.budget is not None:
+            row_budgets = [layer.row_budget for layer in layers]
+            out.set_budget(
+                torch.cat([layer.budget for layer in layers]),
+                None if any(b is None for b in row_budgets) else torch.cat(row_budgets),
+            )
+        return out
+
+    # -- memory ----------------------------------------------------------------------------
+    def entry_nbytes(self) -> int:
+        """Bytes one entry of one row takes over the KV heads: keys, values, bias, positions, extras."""
+        return sum(t[0, :, 0].numel() * t.element_size() for t in self._tensors.values())
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer: the buffers behind its entries (spare slots included), bias,
+        positions, per-entry and per-layer method state (tensors, and objects with an ``nbytes()``
+        such as KVReviver's sketch; a host-side copy that declares ``in_cache = False`` is reported
+        on its own)."""
+        if not self.is_initialized:
+            return 0
+        tensors = [*self._tensors.values()]
+        tensors += [value for value in self.state.values() if isinstance(value, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        owned = sum(
+            value.nbytes()
+            for value in self.state.values()
+            if callable(getattr(value, "nbytes", None)) and getattr(value, "in_cache", True)
+        )
+        return owned + sum(storages.values())
+
+    def row_nbytes(self) -> dict[str, torch.Tensor]:
+        """[B] int64 bytes per row, in four parts that add up to ``nbytes()`` over the rows.
+
+        ``entries``: the row's live entries (keys, values, bias, positions, extras);
+        ``padding``: its empty slots below the layer's size S (left padding, or slots that
+        another row or head of the batch fills); ``spare``: slots past S kept for the next
+        appends; ``state``: per-layer method state (every such tensor is laid out per row, so
+        each row holds an even share of it).
+        """
+        batch, kv_heads, size = self.bias.shape
+        storages = {}  # storage -> bytes of one slot of one head, over the tensors it backs
+        for tensor in self._tensors.values():
+            storage = tensor.untyped_storage()
+            storages.setdefault(storage.data_ptr(), [storage.nbytes(), 0])[1] += (
+                tensor[0, 0, 0].numel() * tensor.element_size()
+            )
+        slot_bytes = sum(per_slot for _, per_slot in storages.values())
+        buffer_bytes = sum(total for total, _ in storages.values())
+        live = self.live_counts().sum(-1).cpu()  # [B] over the heads
+        return {
+            "entries": live * slot_bytes,
+            "padding": (kv_heads * size - live) * slot_bytes,
+            "spare": split_evenly(buffer_bytes - batch * kv_heads * size * slot_bytes, batch),
+            "state": split_evenly(self.nbytes() - buffer_bytes, batch),
+        }
+
+
+def _state_joins(states: list[dict], rows: list[int]) -> dict[str, str]:
+    """How a method's per-layer states of several caches join: "cat" for per-row tensors (first
+    dimension the cache's rows, the rest alike), "same" for anything equal in all of them."""
+    if len({tuple(sorted(state)) for state in states}) > 1:
+        raise ValueError("stack: the caches' method states hold different entries")
+    joins = {}
+    for name in states[0]:
+        values = [state[name] for state in states]
+        tensors = all(isinstance(v, torch.Tensor) for v in values)
+        if tensors and all(v.dim() > 0 and v.shape[0] == n for v, n in zip(values, rows)):
+            if len({tuple(v.shape[1:]) for v in values}) > 1:
+                raise ValueError(f"stack: the caches' method state {name!r} differs in shape")
+            joins[name] = "cat"
+        elif tensors and all(torch.equal(values[0], v) for v in values):
+            joins[name] = "same"
+        elif not any(isinstance(v, torch.Tensor) for v in values) and all(values[0] == v for v in values):
+            joins[name] = "same"
+        else:
+            raise ValueError(f"stack: the caches' method state {name!r} cannot be joined")
+    return joins
