@@ -66,9 +66,8 @@ class CaM(Method):
     ``prefill_merge=True`` also merges the prompt tokens evicted at the end of prefill, in one
     batched step, with the last prompt query's attention: each spreads over the next m *kept*
     values, i.e. the start of the window, with no cascade. This matches none of the three
-    variants exactly and piles the evicted mass onto the window's first m values (on
-    SmolLM2-135M, 400-token prompt, budget 0.3, it raised the next-token logit error from 0.14
-    to 0.53), hence off by default. Several tokens leaving at once while decoding
+    variants exactly and piles the evicted mass onto the window's first m values (docs/methods.md
+    has the measured error), hence off by default. Several tokens leaving at once while decoding
     (``interval`` > 1) are spread in one step too.
 
     The Bernoulli draws use a counter-based generator keyed by (``seed``, layer, KV head, token

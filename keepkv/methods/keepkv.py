@@ -89,79 +89,8 @@ class KeepKV(ZipMerging, ScoredEviction):
     Every entry carries Electoral Votes p (1 for a token; a merge adds them), stored as ln p in
     the cache's bias, so attention computes Σ p s v / Σ p s.
 
-    Scores
-    ------
-    s_i^h = exp(scaling q_h·k_i) is the unnormalised per-vote score of query head h (eq. 3).
-    Per entry and query head the cache keeps, as per-entry extras that follow every select,
-
-    - ``ema_log_s`` [B, H_kv, S, g]: ln S_i^h, the log of the EMA numerator of eq. 8,
-      S ← α S + (1 - α) s, updated with logaddexp so no score is ever exponentiated;
-    - ``ema_log_n`` [B, H_kv, S]: ln N_i, the log of the same EMA applied to the constant 1
-      over the queries that have seen the entry, N = 1 - α^n after n queries.
-
-    The bias-corrected EMA score is ln ŝ = ln S - ln N (eq. 8's 1 / (1 - α^t), with t counted
-    per entry as the number of queries that saw it: an entry born during decoding is corrected
-    for its own age, and ŝ is always a weighted mean of observed scores). At the end of
-    prefill the EMA is initialised over the last ``window`` query rows (eq. 8, t = L; causal:
-    a row only scores the entries it can see) and then updated at every decode step. A merged
-    entry's EMA is set to the per-vote group mean ŝ_r = Σ p ŝ / Σ p, so p_r ŝ_r = Σ p ŝ
-    (eq. 27) and the votes and the scores stay consistent.
-
-    Which scores merges use
-    -----------------------
-    - prefill (``prefill_scores``): "exact" (default) uses the logits of the last prompt query:
-      Theorem 3 holds for it, so the compression step itself is lossless for that query on an
-      MHA model (up to entries evicted below the threshold); "ema" uses the window-initialised
-      ŝ^L (Algorithm 1 read literally).
-    - decoding (``scores``): "ema" (default, the paper) uses ŝ; "exact" uses the current step's
-      query logits, so every decode merge is lossless for the query of its step.
-    The key rules "projection" and the "paper" fallback move the key along the current query
-    (the last prompt query at prefill, the newest query during decoding).
-
-    GQA
-    ---
-    The g query heads of a KV head are pooled by :func:`pool_log_scores` (mean of normalised
-    attention, on the logit scale) for ranking and for the merge weights of values and the
-    mean key. ``zip_key="projection"``/``"paper"`` use one query direction per KV head, the mean
-    of the group's current queries; ``zip_key="group"`` keeps per-head scores and applies the
-    min-norm key correction in the span of the group's queries, so the key condition (each
-    head's attention mass of the merged entry) holds for every head at once. The value
-    condition cannot hold for all heads in general, so on GQA models no rule is lossless.
-
-    Periodic refresh
-    ----------------
-    With ``refresh_interval=N`` a bit-exact copy of every appended K/V is kept off the cache
-    (:class:`keepkv.offload.FullKVCopy`, host memory, pinned and copied asynchronously on CUDA),
-    together with the last ``window`` queries. Every N decode steps the layer's store is rebuilt
-    from that copy exactly as at the end of prefill, as if the whole sequence so far were the
-    prompt: votes reset to 1, the EMA re-initialised over the last ``window`` queries, and
-    the prefill compression (``prefill_order``) with the exact scores of the current query, so that step is
-    lossless on MHA (Theorem 3) and the error accumulated since the last refresh is gone.
-    The copy is kept only when ``refresh_interval`` is set; see :meth:`offload_report`.
-
-    Selection and merging are separate choices
-    -------------------------------------------
-    ``selection="ema"`` is the ranking above. Any scored eviction method's name (``"snapkv"``,
-    ``"h2o"``, ``"pyramidkv"``, ``"streamingllm"``, ``"window"``) hands the ranking, the
-    protected tokens and the layer budgets to that method (with its defaults), as the paper
-    combines KeepKV with H2O and PyramidInfer (Figure 5); the merges stay KeepKV's (EMA scores,
-    ``prefill_order``). ``merge="none"`` keeps the selection and evicts instead of merging.
-    The other direction, an eviction method with KeepKV's merge, is ``snapkv+merge=zip``
-    (:mod:`keepkv.methods.zip_merging`).
-
-    Exact budgets
-    -------------
-    Every compression leaves each row and head exactly min(budget, its tokens) entries. Merge-first
-    prefill merges at most the entries a row and head must shed (the most similar first), so a
-    row that fits its budget is never merged; eviction with merging sheds the rest.
-
-    Why evict-first is the default
-    ------------------------------
-    Merge-first (the paper's order) decides by key similarity, not importance: an entry the
-    selection would keep is merged away whenever a more important entry's key is T-similar,
-    and key cosine >= 0.8 is common. A needle's tokens go that way: on the dev seed's needle
-    suite (1k tokens, 24 prompts) merge-first answers 2/24 at budget 0.2 where evict-first, with
-    the same selection, answers 21/24 (docs/keepkv.md, "KeepKV ablation").
+    How the scores, merges, GQA pooling, refresh and prefill orders work: docs/keepkv.md, "How the
+    implementation works"; the measured choices of the defaults: docs/keepkv.md.
 
     Parameters
     ----------
@@ -193,9 +122,8 @@ class KeepKV(ZipMerging, ScoredEviction):
         this at the last layer (Appendix B.3: 0.8), rescaled so the mean budget is the budget.
     zip_key : str
         ZIP key rule, see :func:`keepkv.merging.zip_merge`: "paper" (eq. 25 with a gain
-        safeguard), "projection" (singularity-free, the default: it ties "group" on the dev
-        seed's ppl and fidelity, and "paper" is clearly worse there), "group" (GQA min-norm) or
-        "mean" (the weighted mean key of the authors' released code).
+        safeguard), "projection" (singularity-free, the default; docs/keepkv.md compares them),
+        "group" (GQA min-norm) or "mean" (the weighted mean key of the authors' released code).
     score_norm : str
         "none" (the paper: the EMA of the unnormalised scores s, eq. 8, so a query whose logits
         are large outweighs the others) or "row" (each query's scores divided by its partition
@@ -223,11 +151,6 @@ class KeepKV(ZipMerging, ScoredEviction):
         Leading tokens always kept (4).
     interval : int
         Compress every ``interval`` decode steps.
-
-    Notes
-    -----
-    Merge-first prefill compares every key with every other key (O(S²) per head, chunked), at
-    prefill and at each refresh; evict-first compares evicted keys with kept ones only.
     """
 
     name = "keepkv"

@@ -38,20 +38,8 @@ What is reversible and what is not
 * In a bf16/fp16 cache the sketch accumulates in that dtype (it costs exactly r*b
   entries of the cache's dtype), so insert/delete also add rounding error.
 
-How good the paper's estimate is (measured, SmolLM2-135M, 760-token prompt, attention
-output of the last query vs the full cache, relative L2 error averaged over the 30
-layers, same Recent/Candidate selection): at budgets 10% / 25% / 50%, evicting the vague
-tokens gives 0.82 / 0.65 / 0.45; rebuilding them with the paper's sketch (``estimate="sum"``)
-gives 2.1 / 4.6 / 4.3 - worse than dropping them. With b = 2..12 buckets per row for
-~400-700 vague tokens, tens to hundreds of tokens share each slot, every vague token of a
-head is rebuilt from a handful of slot vectors, and a key estimate is the *sum* of its
-slot's keys (the paper's error bound, Var ~ a*pi/N * sigma^2 for a tokens in N = r*b
-slots, says as much: a/N is 30-100 here). Signing the keys too is worse still
-(25 / 14 / 9). ``estimate="mean"``
-(slot / occupancy, not in the paper) gives 0.76 / 0.63 / 0.45, slightly better than
-eviction. So ``"mean"`` is the default: with the paper's estimate the embedded model's
-perplexity reaches the millions at 10-25% budgets (docs/methods.md, "KVReviver"). The paper's estimate
-is ``kvreviver+estimate=sum``.
+How the paper's estimate and the ``"mean"`` default compare on the embedded model: docs/methods.md,
+"KVReviver" (the paper's estimate is ``kvreviver+estimate=sum``).
 
 Algorithm 3 (compress), per row and head, vectorised over all rows and heads
 ----------------------------------------------------------------------------
