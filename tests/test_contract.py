@@ -67,3 +67,17 @@ def test_no_method_assigns_a_store_attribute(spec, monkeypatch):
     monkeypatch.setattr(LayerStore, "__setattr__", guarded)
     golden.run(tiny_model("llama-gqa", layers=2), spec, 24)
     assert not assigned, assigned
+
+
+def test_a_method_is_a_selection_plus_a_merge():
+    from keepkv.methods.base import EVICT, Merge
+    from keepkv.methods.zip_merging import ZipMerge
+
+    assert keepkv.get_method("snapkv").merging is EVICT
+    zipped = keepkv.get_method("snapkv+merge=zip+threshold=0.5+protect=0.25")
+    assert zipped.merging == ZipMerge(threshold=0.5, protect=0.25)
+    assert zipped.needs(False).logits and not keepkv.get_method("snapkv").needs(False).logits
+    assert zipped.needs(True).window == 32  # the selection's own needs stay
+    assert isinstance(keepkv.get_method("keepkv").zip, Merge)
+    with pytest.raises(ValueError, match="threshold must be in"):
+        keepkv.get_method("h2o+threshold=2.0")

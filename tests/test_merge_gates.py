@@ -1,5 +1,5 @@
 """Merges that cannot corrupt an important entry: the value gate, the weight cap and protected
-targets of ZIP-merging (keepkv.merging.gate_merges, ZipMerging.protect)."""
+targets of ZIP-merging (keepkv.merging.gate_merges, ZipMerge.protect)."""
 
 import math
 

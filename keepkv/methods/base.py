@@ -224,6 +224,24 @@ def select_state_rows(state: dict, index: torch.Tensor, rows: int, owner: str) -
     return picked
 
 
+@dataclass(frozen=True)
+class Merge:
+    """What becomes of the entries an eviction plan evicts. This base evicts them: it keeps the
+    plan's entries and nothing else (``layer.keep``). A merging rule (``ZipMerge``) first folds
+    the evicted entries into kept ones through ``layer.merge_into``."""
+
+    def needs(self, is_prefill: bool) -> Needs:
+        """Statistics the merge reads from the attention call (beyond the selection's)."""
+        return Needs()
+
+    def apply(self, layer, plan: "EvictionPlan", stats: StepStats) -> None:
+        """Rewrite the layer's store from ``plan``."""
+        layer.keep(plan.kept, plan.slots)
+
+
+EVICT = Merge()
+
+
 @dataclass
 class EvictionPlan:
     """Which entries stay and which leave, per row and head.
@@ -318,7 +336,8 @@ def pool_group(probs: torch.Tensor, row_dim: int | None = None) -> torch.Tensor:
 
 @dataclass
 class ScoredEviction(Method):
-    """Keep sinks, a recent window and the highest-scoring of the rest.
+    """A selection: keep sinks, a recent window and the highest-scoring of the rest; what
+    becomes of the rest is its ``merging`` (a :class:`Merge`; eviction by default).
 
     Subclasses say how many recent tokens to protect (``recent_count``) and, if they rank by
     score (``scored``), how scores are accumulated (``observe``, into the per-entry extra
@@ -349,12 +368,20 @@ class ScoredEviction(Method):
         score = layer.extras["score"] if self.scored else torch.zeros_like(layer.bias)
         return score.masked_fill(is_protected, float("inf"))
 
+    @property
+    def merging(self) -> Merge:
+        """What becomes of the entries the selection evicts (``EVICT``: nothing)."""
+        return EVICT
+
+    def selection_needs(self, is_prefill: bool) -> Needs:
+        """Statistics the selection's scores read."""
+        return Needs()
+
+    def needs(self, is_prefill: bool) -> Needs:
+        return Needs.union([self.selection_needs(is_prefill), self.merging.needs(is_prefill)])
+
     def compress(self, layer, stats: StepStats) -> None:
+        """The selection's plan, then the merge's rewrite of the store."""
         if layer.size <= layer.min_budget:
             return
-        plan = plan_eviction(layer, self.priority(layer))
-        self.apply(layer, plan, stats)
-
-    def apply(self, layer, plan: EvictionPlan, stats: StepStats) -> None:
-        """Rewrite the store from a plan. Eviction keeps; merging methods merge first."""
-        layer.keep(plan.kept, plan.slots)
+        self.merging.apply(layer, plan_eviction(layer, self.priority(layer)), stats)

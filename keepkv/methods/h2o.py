@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from ..attention import Needs
 from .base import ScoredEviction, check_range, pool_group, register
-from .zip_merging import ZipMerging
+from .zip_merging import ZipChoice
 
 
 @dataclass
@@ -17,7 +17,7 @@ class AccumulatedAttention(ScoredEviction):
         super().__post_init__()
         check_range("recent_ratio", self.recent_ratio, 0.0, 1.0)
 
-    def needs(self, is_prefill):
+    def selection_needs(self, is_prefill):
         return Needs(colsum=True) if is_prefill else Needs(probs=True)
 
     def observe(self, layer, stats):
@@ -32,7 +32,7 @@ class AccumulatedAttention(ScoredEviction):
 
 @register
 @dataclass
-class H2O(ZipMerging, AccumulatedAttention):
+class H2O(ZipChoice, AccumulatedAttention):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference", NeurIPS 2023).
 
     Each entry's score is the attention it has received, summed over every query so far
@@ -48,7 +48,7 @@ class H2O(ZipMerging, AccumulatedAttention):
         Leading tokens always kept (0 in the paper).
     merge, threshold, zip_key
         ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
-        (:class:`keepkv.methods.zip_merging.ZipMerging`); the paper evicts ("none").
+        (:class:`keepkv.methods.zip_merging.ZipChoice`); the paper evicts ("none").
     interval : int
         Compress every ``interval`` decode steps.
     """

@@ -14,7 +14,7 @@ from ..merging import cosine_nearest
 from ..offload import FullKVCopy, offload_report
 from ..store import slots_of
 from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register
-from .zip_merging import ZipMerging, pool_log_scores, zip_into
+from .zip_merging import ZipChoice, pool_log_scores, zip_into
 
 NEG_INF = float("-inf")
 SCORE_MODES = ("ema", "exact")
@@ -74,7 +74,7 @@ def merged_ema(
 
 @register
 @dataclass
-class KeepKV(ZipMerging, ScoredEviction):
+class KeepKV(ZipChoice, ScoredEviction):
     """KeepKV (Tian et al., "KeepKV: Achieving Periodic Lossless KV Cache Compression for
     Efficient LLM Inference", arXiv 2504.09936).
 
@@ -144,7 +144,7 @@ class KeepKV(ZipMerging, ScoredEviction):
         N >= 1: rebuild every layer from the full copy every N decode steps. None: never, and no
         full copy is kept.
     protect, max_value_change, max_share : float
-        Merge gates of evict-then-merge (:class:`ZipMerging`); here 0.75, 1.0 and 1.0: the top
+        Merge gates of evict-then-merge (:class:`ZipMerge`); here 0.75, 1.0 and 1.0: the top
         3/4 of the entries kept by score take no merges, the others move by at most their norm
         (docs/keepkv.md, "Merge gates"). ``protect=0+max_value_change=None``: the paper's merge.
     sinks : int
@@ -170,7 +170,7 @@ class KeepKV(ZipMerging, ScoredEviction):
     refresh_interval: int | None = None
     # Merges that cannot corrupt an important entry (docs/keepkv.md, "Merge gates"): the top 3/4
     # of the entries the selection keeps by score take no merges, the others move by at most
-    # their own norm. ZipMerging's defaults (0, None) are the paper's: every kept entry merges.
+    # their own norm. ZipChoice's defaults (0, None) are the paper's: every kept entry merges.
     protect: float = 0.75
     max_value_change: float | None = 1.0
 
@@ -200,7 +200,7 @@ class KeepKV(ZipMerging, ScoredEviction):
 
     def _build_selector(self) -> ScoredEviction:
         selectors = sorted(
-            name for name, cls in METHODS.items() if issubclass(cls, ZipMerging) and cls is not KeepKV
+            name for name, cls in METHODS.items() if issubclass(cls, ZipChoice) and cls is not KeepKV
         )
         if self.selection not in selectors:
             raise ValueError(f"selection must be 'ema' or one of {', '.join(selectors)}, got {self.selection!r}")
@@ -472,7 +472,7 @@ class KeepKV(ZipMerging, ScoredEviction):
                 if ema is None and not exact and (self.max_value_change is not None or self.max_share < 1.0):
                     ema = self._ema(layer, live)  # the gate weighs with the scores the merge uses
                 scores = (lambda: layer.state["exact_logits"]) if exact else (lambda: ema[0])
-                dst, merge = self.merge_targets(layer, plan, scores)
+                dst, merge = self.zip.targets(layer, plan, scores)
             else:
                 dst, merge = plan.evict_idx, torch.zeros_like(plan.evict_valid)
             dropped = plan.evict_valid & ~merge

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..attention import Needs
 from .base import ScoredEviction, check_range, pool_group, register
-from .zip_merging import ZipMerging
+from .zip_merging import ZipChoice
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ObservationWindow(ScoredEviction):
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd int >= 1, got {self.kernel!r}")
 
-    def needs(self, is_prefill):
+    def selection_needs(self, is_prefill):
         return Needs(window=self.window) if is_prefill else Needs(probs=True)
 
     def observe(self, layer, stats):
@@ -48,7 +48,7 @@ class ObservationWindow(ScoredEviction):
 
 @register
 @dataclass
-class SnapKV(ZipMerging, ObservationWindow):
+class SnapKV(ZipChoice, ObservationWindow):
     """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024).
 
     At the end of prefill, the attention of the last ``window`` queries (the observation
@@ -67,7 +67,7 @@ class SnapKV(ZipMerging, ObservationWindow):
         Max-pool kernel size (paper: 7; odd).
     merge, threshold, zip_key
         ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
-        (:class:`keepkv.methods.zip_merging.ZipMerging`); the paper evicts ("none").
+        (:class:`keepkv.methods.zip_merging.ZipChoice`); the paper evicts ("none").
     interval : int
         Compress every ``interval`` decode steps.
     """

@@ -3,12 +3,12 @@
 from dataclasses import dataclass
 
 from .base import ScoredEviction, register
-from .zip_merging import ZipMerging
+from .zip_merging import ZipChoice
 
 
 @register
 @dataclass
-class StreamingLLM(ZipMerging, ScoredEviction):
+class StreamingLLM(ZipChoice, ScoredEviction):
     """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024).
 
     Keeps the first ``sinks`` tokens of each row and fills the rest of the budget with the
@@ -20,7 +20,7 @@ class StreamingLLM(ZipMerging, ScoredEviction):
         Attention-sink tokens always kept (paper: 4).
     merge, threshold, zip_key
         ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
-        (:class:`keepkv.methods.zip_merging.ZipMerging`); default "none" (evict).
+        (:class:`keepkv.methods.zip_merging.ZipChoice`); default "none" (evict).
     interval : int
         Compress every ``interval`` decode steps.
     """

@@ -3,19 +3,19 @@
 from dataclasses import dataclass
 
 from .base import ScoredEviction, register
-from .zip_merging import ZipMerging
+from .zip_merging import ZipChoice
 
 
 @register
 @dataclass
-class Window(ZipMerging, ScoredEviction):
+class Window(ZipChoice, ScoredEviction):
     """Keep the ``budget`` most recent tokens of each row (a sliding window).
 
     Parameters
     ----------
     merge, threshold, zip_key
         ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
-        (:class:`keepkv.methods.zip_merging.ZipMerging`); default "none" (evict).
+        (:class:`keepkv.methods.zip_merging.ZipChoice`); default "none" (evict).
     interval : int
         Compress every ``interval`` decode steps.
     """

@@ -3,9 +3,10 @@
 KeepKV's paper says its merging "imposes no specific constraints on cache allocation or token
 selection" and combines it with H2O and PyramidInfer (its Figure 5). Here selection (which
 entries leave: a method's scores, protected tokens and layer budgets) and merging (what
-happens to the entries that leave) are separate: :class:`ZipMerging` adds ``merge``,
-``threshold`` and ``zip_key`` to an eviction method, so ``snapkv+merge=zip`` is SnapKV's
-selection whose evicted entries are ZIP-merged (eq. 7 / 25) into their most cosine-similar
+happens to the entries that leave) are separate objects: :class:`ZipMerge` is a
+:class:`~keepkv.methods.base.Merge`, and :class:`ZipChoice` gives an eviction method the
+parameters that pick it (``merge``, ``threshold``, ``zip_key`` and the gates), so
+``snapkv+merge=zip`` is SnapKV's selection whose evicted entries are ZIP-merged (eq. 7 / 25) into their most cosine-similar
 kept entry (similarity >= ``threshold``), the merged entry carrying the summed votes as ln p
 in the cache's bias. KeepKV itself is EMA selection with the same merge (``keepkv+merge=none``
 is its selection alone).
@@ -25,7 +26,7 @@ import torch
 from ..attention import Needs, scaled_logits
 from ..merging import KEY_RULES, cosine_nearest, gate_merges, zip_merge_rows
 from ..store import NEG_INF
-from .base import EvictionPlan, check_range
+from .base import EVICT, EvictionPlan, Merge, check_range
 
 MERGE_RULES = ("none", "zip")
 
@@ -95,9 +96,72 @@ def zip_into(
     layer.merge_into(merged)
 
 
+@dataclass(frozen=True)
+class ZipMerge(Merge):
+    """ZIP-merging with Electoral Votes (KeepKV eq. 7 / 25) of what a plan evicts, with the exact
+    logits of the current query, then the plan's entries kept (see the module docstring).
+
+    threshold: key cosine similarity a target needs, in [-1, 1] (KeepKV's T, paper 0.8); -1
+    merges every evicted entry. zip_key: the key rule of :func:`keepkv.merging.zip_merge`.
+    protect, max_value_change, max_share: the merge gates (:meth:`targets`).
+    """
+
+    threshold: float = 0.8
+    zip_key: str = "projection"
+    protect: float = 0.0
+    max_value_change: float | None = None
+    max_share: float = 1.0
+
+    def __post_init__(self):
+        check_range("threshold", self.threshold, -1.0, 1.0)
+        if self.zip_key not in KEY_RULES:
+            raise ValueError(f"zip_key must be one of {', '.join(map(repr, KEY_RULES))}, got {self.zip_key!r}")
+        check_range("protect", self.protect, 0.0, 1.0)
+        check_range("max_share", self.max_share, 0.0, 1.0)
+        if self.max_value_change is not None:
+            check_range("max_value_change", self.max_value_change, 0.0, math.inf)
+
+    def targets(self, layer, plan: EvictionPlan, head_log_scores) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dst, merge) [B, H_kv, E]: each evicted entry's most similar kept entry that may take
+        merges (``protect``: the share of the kept scored entries, the selection's highest-ranked
+        first, that take none), if at least ``threshold`` similar, and only where the targets pass
+        the value gate (a target's value moves by at most ``max_value_change`` relative) and the
+        weight cap (merges bring at most ``max_share`` of its weight).
+
+        head_log_scores: a function returning the per-query-head log-scores [B, H_kv, g, S] the
+        merge weights come from (called only if a gate is on).
+        """
+        candidates = plan.kept & ~plan.top_kept(self.protect) if self.protect > 0 else None
+        dst, merge = nearest_kept(layer, plan, self.threshold, candidates)
+        if self.max_value_change is not None or self.max_share < 1.0:
+            pooled = pool_log_scores(head_log_scores(), layer.bias)
+            merge = gate_merges(
+                layer.values, layer.bias, pooled, plan.evict_idx, dst, merge,
+                math.inf if self.max_value_change is None else self.max_value_change, self.max_share,
+            )
+        return dst, merge
+
+    def needs(self, is_prefill: bool) -> Needs:
+        # While decoding, the merges read the logits the attention computed.
+        return Needs(logits=not is_prefill)
+
+    def apply(self, layer, plan: EvictionPlan, stats) -> None:
+        if plan.evict_idx.shape[-1] > 0:
+            query = stats.query[:, :, :, -1]  # [B, H_kv, g, D]
+            if stats.logits is None:  # prefill: only the last query's row is needed
+                logits = scaled_logits(query[:, :, :, None], layer.keys, stats.scaling)[:, :, :, 0]
+            else:
+                logits = stats.logits[:, :, :, -1]
+            logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
+            dst, merge = self.targets(layer, plan, lambda: logits)
+            zip_into(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key)
+        layer.keep(plan.kept, plan.slots)
+
+
 @dataclass
-class ZipMerging:
-    """Mixin of a scored eviction method: ZIP-merge what it evicts (see the module docstring).
+class ZipChoice:
+    """The parameters of a scored eviction method that may ZIP-merge what it evicts: its
+    ``merging`` is :class:`ZipMerge` built from them when ``merge="zip"``, else eviction.
 
     Parameters
     ----------
@@ -110,8 +174,7 @@ class ZipMerging:
         Key rule of :func:`keepkv.merging.zip_merge`: "projection", "group", "paper" or "mean".
     protect : float
         Share in [0, 1] of the kept entries, the selection's highest-ranked first, that take no
-        merges (its own protected sinks and window not counted): an evicted entry goes to its
-        most similar unprotected kept entry, else is evicted. 0: every kept entry may take merges.
+        merges (its own protected sinks and window not counted). 0: every kept entry may.
     max_value_change : float or None
         Value gate ε >= 0: a target takes its merges only if they move its value by at most ε
         relative, ‖v_r - v_t‖ <= ε ‖v_t‖ (else they are evicted). None: no gate.
@@ -131,47 +194,13 @@ class ZipMerging:
         super().__post_init__()
         if self.merge not in MERGE_RULES:
             raise ValueError(f"merge must be one of {', '.join(map(repr, MERGE_RULES))}, got {self.merge!r}")
-        check_range("threshold", self.threshold, -1.0, 1.0)  # types: check_field_types
-        if self.zip_key not in KEY_RULES:
-            raise ValueError(f"zip_key must be one of {', '.join(map(repr, KEY_RULES))}, got {self.zip_key!r}")
-        check_range("protect", self.protect, 0.0, 1.0)
-        check_range("max_share", self.max_share, 0.0, 1.0)
-        if self.max_value_change is not None:
-            check_range("max_value_change", self.max_value_change, 0.0, math.inf)
+        self.zip  # the merge's own checks, whatever ``merge`` is
 
-    def merge_targets(self, layer, plan: EvictionPlan, head_log_scores) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dst, merge) [B, H_kv, E]: each evicted entry's most similar kept entry that may take
-        merges (``protect``), if at least ``threshold`` similar, and only where the targets pass
-        the value gate and the weight cap.
+    @property
+    def zip(self) -> ZipMerge:
+        """The ZIP merge these parameters describe."""
+        return ZipMerge(self.threshold, self.zip_key, self.protect, self.max_value_change, self.max_share)
 
-        head_log_scores: a function returning the per-query-head log-scores [B, H_kv, g, S] the
-        merge weights come from (called only if a gate is on).
-        """
-        candidates = plan.kept & ~plan.top_kept(self.protect) if self.protect > 0 else None
-        dst, merge = nearest_kept(layer, plan, self.threshold, candidates)
-        if self.max_value_change is not None or self.max_share < 1.0:
-            pooled = pool_log_scores(head_log_scores(), layer.bias)
-            merge = gate_merges(
-                layer.values, layer.bias, pooled, plan.evict_idx, dst, merge,
-                math.inf if self.max_value_change is None else self.max_value_change, self.max_share,
-            )
-        return dst, merge
-
-    def needs(self, is_prefill: bool) -> Needs:
-        # While decoding, the merges read the logits the attention computed.
-        own = Needs(logits=self.merge == "zip" and not is_prefill)
-        return Needs.union([super().needs(is_prefill), own])
-
-    def apply(self, layer, plan: EvictionPlan, stats) -> None:
-        """Merge the evicted entries into their nearest kept ones with the current query's exact
-        logits, then keep the plan's entries."""
-        if self.merge == "zip" and plan.evict_idx.shape[-1] > 0:
-            query = stats.query[:, :, :, -1]  # [B, H_kv, g, D]
-            if stats.logits is None:  # prefill: only the last query's row is needed
-                logits = scaled_logits(query[:, :, :, None], layer.keys, stats.scaling)[:, :, :, 0]
-            else:
-                logits = stats.logits[:, :, :, -1]
-            logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
-            dst, merge = self.merge_targets(layer, plan, lambda: logits)
-            zip_into(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key)
-        layer.keep(plan.kept, plan.slots)
+    @property
+    def merging(self) -> Merge:
+        return self.zip if self.merge == "zip" else EVICT
