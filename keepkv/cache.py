@@ -288,11 +288,9 @@ class CompressedCache(Cache):
 
     def _allocate(self) -> torch.Tensor | None:
         """[L, B, H_kv] budgets from the method, or None when it never compresses."""
-        first = self.layers[0]
         states = [layer.state for layer in self.layers]
-        budgets = layer_budgets(
-            self.method, self.num_layers, first.keys.shape[1], self.budget, self.prompt_lengths, states
-        )
+        kv_heads = self.config.num_key_value_heads
+        budgets = layer_budgets(self.method, self.num_layers, kv_heads, self.budget, self.prompt_lengths, states)
         if budgets is not None:
             self._warn_budget(self.row_budgets)
         return budgets

@@ -29,11 +29,10 @@ import torch
 
 from .budgets import budget_floor, capacity_bound, held_entries, row_budgets, validate_budget
 from .cache import CompressedCache
-from .store import LayerStore
 from .methods import get_method
+from .store import NEG_INF, LayerStore
 from .methods.base import ScoredEviction, slots_of
 
-NEG_INF = float("-inf")
 # Methods the paged adapter serves: eviction with one budget for every layer, no per-layer state.
 SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o")
 

@@ -19,7 +19,7 @@ the kept new entries into the freed slots (``keep``). The tensors really shrink 
 compresses: nothing is masked in place.
 
 The store owns its tensors: they are read-only attributes, and a method changes them only
-through the methods below (``keep``, ``select``, ``drop``, ``write``, ``merge_into``, ``update``,
+through the methods below (``keep``, ``select``, ``drop``, ``write``, ``merge_into``, ``overwrite``,
 ``add_to``, ``reload``), which write into the buffers in place. So the store always knows whether
 its bias is still binary (0 or -inf: attention may then pass it as a bool mask), and no write
 reallocates a layer behind its back.
@@ -32,7 +32,7 @@ import types
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-NEG_INF = float("-inf")
+from .attention import NEG_INF
 # An uncompressed layer's buffers grow by an eighth of their length, at least GROWTH_MIN slots:
 # reallocations stay rare on long sequences and spare slots stay a small share of short ones.
 # A compressed layer keeps room for one interval's appends instead (LayerStore.headroom).
@@ -316,7 +316,7 @@ class LayerStore(CacheLayerMixin):
             merged.write_into(self._tensors[self._name(name)], name)
         self._binary &= "bias" not in merged.rows
 
-    def update(self, **tensors: torch.Tensor) -> None:
+    def overwrite(self, **tensors: torch.Tensor) -> None:
         """Overwrite whole tensors (name -> [B, H_kv, S, ...] of the stored shape), in place."""
         for name, tensor in tensors.items():
             self._tensors[self._name(name)].copy_(tensor)

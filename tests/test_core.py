@@ -60,7 +60,7 @@ class _HeadSplit(ScoredEviction):
         return per_head + torch.arange(layers)[:, None, None]
 
     def observe(self, layer, stats):
-        layer.update(score=layer.positions.float())
+        layer.overwrite(score=layer.positions.float())
 
 
 @torch.no_grad()

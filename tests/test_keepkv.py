@@ -9,7 +9,9 @@ import torch
 import keepkv
 from keepkv.attention import StepStats
 from keepkv.store import LayerStore
-from keepkv.merging import attention_mass, convex_merge, convex_merge_rows, zip_merge
+from keepkv.merging import convex_merge, convex_merge_rows, zip_merge
+
+from reference import attention_mass
 from keepkv.methods.keepkv import KeepKV
 from keepkv.offload import FullKVCopy, offload_report
 from keepkv.perturbation import _attend, builtin_document, format_perturbation, perturbation, recompute_logits
@@ -363,8 +365,7 @@ def test_refresh_equals_rebuild_and_full_copy_is_bit_exact():
             fresh = LayerStore(layer.layer_idx)
             fresh.lazy_initialization(keys, values)
             fresh.append(keys, values, is_real)
-            fresh.budget, fresh.capacity, fresh.min_budget = layer.budget, layer.capacity, layer.min_budget
-            fresh.state["recent"] = layer.state["recent"]
+            fresh.set_budget(layer.budget, layer.row_budget)
             window = StepStats(query=layer.state["query_window"], scaling=layer.state["scaling"], is_prefill=True)
             cache.method.observe(fresh, window)
             cache.method.compress(fresh, window)
@@ -406,7 +407,6 @@ def test_2000_step_decode_stays_within_budget():
 
 
 def test_layer_budgets_follow_cosine_decay_with_mean_budget():
-    model = tiny_model("llama-gqa", layers=6)
     method = KeepKV(selection="ema")
     row_budget = torch.tensor([100, 37])
     budgets = method.allocate(6, 2, row_budget, row_budget * 10)[:, :, 0]

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 import keepkv
 from keepkv.attention import Needs, StepStats, attend
 from keepkv.budgets import budget_floor, row_budgets
-from keepkv.merging import attention_mass, momentum_merge
+from keepkv.merging import momentum_merge
+
+from reference import attention_mass
 from keepkv.methods.d2o import d2o_merge_rows
 from keepkv.methods.kvmerger import KVMerger, kvmerger_merge_rows
 from keepkv.methods.zeromerge import ZeroMerge, slot_bias

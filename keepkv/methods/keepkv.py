@@ -12,18 +12,18 @@ from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
 from ..fused import fusable
 from ..merging import cosine_nearest
 from ..offload import FullKVCopy, offload_report
-from ..store import slots_of
+from ..store import NEG_INF, slots_of
 from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register
 from .zip_merging import ZipChoice, pool_log_scores, zip_into
 
-NEG_INF = float("-inf")
 SCORE_MODES = ("ema", "exact")
 SCORE_NORMS = ("none", "row")
 PREFILL_ORDERS = ("merge_first", "evict_first")
 
 
-def _group_logsumexp(own: torch.Tensor, incoming: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """Per-slot logsumexp over its merge group, overflow-free.
+def _slot_logsumexp(own: torch.Tensor, incoming: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Per-slot logsumexp over its merge group, overflow-free, in slot space [..., S] (the merge
+    arithmetic's ``merging._group_logsumexp`` works in the plan's compact group space instead).
 
     own [..., S] the slot's own log-value; incoming [..., E] log-values of the merged entries
     (-inf where an entry does not merge); dst [..., E] their target slots (any valid index where
@@ -65,8 +65,8 @@ def merged_ema(
     head_dst = dst_idx[:, :, None].expand(-1, -1, group, -1)
     incoming_w = log_w.gather(-1, head_src).masked_fill(~merge[:, :, None], NEG_INF)
     incoming_p = bias.gather(-1, src_idx).masked_fill(~merge, NEG_INF)
-    votes = _group_logsumexp(bias, incoming_p, dst_idx)
-    mean_score = _group_logsumexp(log_w, incoming_w, head_dst) - votes[:, :, None]
+    votes = _slot_logsumexp(bias, incoming_p, dst_idx)
+    mean_score = _slot_logsumexp(log_w, incoming_w, head_dst) - votes[:, :, None]
     is_target = torch.zeros_like(bias, dtype=torch.int32).scatter_add(-1, dst_idx, merge.int()) > 0
     log_s = (mean_score - log_scale + ema_log_n[:, :, None]).permute(0, 1, 3, 2)
     return torch.where(is_target[..., None], log_s, ema_log_s)
@@ -381,10 +381,7 @@ class KeepKV(ZipChoice, ScoredEviction):
         if self._selector is not None:
             return self._selector.priority(layer)
         # Recent tokens are a share of the row's mean budget, alike in every layer (see allocate).
-        recent = layer.state.get("recent")
-        if recent is None:
-            recent = self.recent_count(layer.row_budget)[:, None].expand_as(layer.budget).clone()
-            layer.state["recent"] = recent
+        recent = self.recent_count(layer.row_budget)[:, None].expand_as(layer.budget)
         if pooled is None:
             pooled = self._ema(layer)[1]
         mass = layer.bias + pooled
@@ -406,7 +403,7 @@ class KeepKV(ZipChoice, ScoredEviction):
         heads_ema = (ema if ema is not None else self._ema(layer))[0]
         heads = layer.state["exact_logits"] if exact else heads_ema
         # The targets' EMA from the votes before the merge.
-        layer.update(
+        layer.overwrite(
             ema_log_s=merged_ema(
                 layer.extras["ema_log_s"], layer.extras["ema_log_n"], layer.bias, heads_ema, src, dst, merge,
                 self._log_scale(layer),

@@ -128,9 +128,9 @@ import torch
 
 from ..attention import Needs
 from ..sketch import CountSketch, fisher_layer_scores, median_rows, proportional_budgets
+from ..store import NEG_INF
 from .base import Method, check_range, plan_eviction, pool_group, register
 
-NEG_INF = float("-inf")
 # Rebuilding vague tokens: the per-row sketch estimates of one chunk ([B, H_kv, c, r, D] for
 # keys and values) stay within this fraction of the rebuilt layer, with chunks of at least
 # QUERY_CHUNK_MIN tokens (see KVReviver.rebuild_vague).

@@ -95,7 +95,7 @@ class ZeroMerge(Method):
         if "dropped" not in layer.state:
             layer.state["dropped"] = torch.zeros(layer.bias.shape[:2], dtype=torch.long, device=layer.bias.device)
         rows = stats.query.shape[3]
-        layer.update(score=layer.extras["score"] * self.decay**rows + stats.decayed[self.decay].sum(2))
+        layer.overwrite(score=layer.extras["score"] * self.decay**rows + stats.decayed[self.decay].sum(2))
 
     def protected_entries(self):
         return self.merge_slots + self.min_recent
@@ -148,7 +148,7 @@ class ZeroMerge(Method):
 
         layer.merge_into(momentum_merge_rows(layer.keys, layer.values, layer.extras["count"], src, dst, merge))
         incoming = score.gather(-1, src).masked_fill(~merge, -math.inf)
-        layer.update(
+        layer.overwrite(
             score=score.scatter_reduce(-1, dst.where(merge, 0), incoming, "amax", include_self=True),
             slot=is_slot,
             bias=torch.where(is_slot, slot_bias(layer.extras["count"], self.alpha), layer.bias),
