@@ -145,8 +145,18 @@ class Method:
         check_range("interval", self.interval, 1, math.inf)
 
     def needs(self, is_prefill: bool) -> Needs:
-        """Statistics the attention path must compute for this method."""
+        """Statistics the attention path must compute for this method: its selection's and its
+        merge's."""
+        return Needs.union([self.selection_needs(is_prefill), self.merging.needs(is_prefill)])
+
+    def selection_needs(self, is_prefill: bool) -> Needs:
+        """Statistics the selection's scores read."""
         return Needs()
+
+    @property
+    def merging(self) -> "Merge":
+        """What becomes of the entries the selection evicts (:class:`Merge`; ``EVICT``: nothing)."""
+        return EVICT
 
     def prepare(self, model) -> None:
         """Derive model-specific constants once, before generation (KVReviver's Fisher layer
@@ -184,9 +194,16 @@ class Method:
         None when budgets are asked before the model runs, as ``capacity_bound`` does)."""
         return row_budget[None, :, None].expand(layers, -1, kv_heads).clone()
 
-    def compress(self, layer, stats: StepStats) -> None:
-        """Bring every row and head of ``layer`` to at most its budget."""
+    def priority(self, layer) -> torch.Tensor:
+        """[B, H_kv, S] the selection's ranking: the lowest-ranked entries leave (+inf: always kept)."""
         raise NotImplementedError
+
+    def compress(self, layer, stats: StepStats) -> None:
+        """Bring every row and head of ``layer`` to at most its budget: the selection's plan, then
+        the merge's rewrite of the store."""
+        if layer.size <= layer.min_budget:
+            return
+        self.merging.apply(layer, plan_eviction(layer, self.priority(layer)), stats)
 
     def select_rows(self, layer, index: torch.Tensor) -> dict:
         """The layer's method state for rows ``index`` [B'] of its B rows (beam search and the other
@@ -367,21 +384,3 @@ class ScoredEviction(Method):
         is_protected = protected(layer, self.sinks, self.recent_count(layer.budget))
         score = layer.extras["score"] if self.scored else torch.zeros_like(layer.bias)
         return score.masked_fill(is_protected, float("inf"))
-
-    @property
-    def merging(self) -> Merge:
-        """What becomes of the entries the selection evicts (``EVICT``: nothing)."""
-        return EVICT
-
-    def selection_needs(self, is_prefill: bool) -> Needs:
-        """Statistics the selection's scores read."""
-        return Needs()
-
-    def needs(self, is_prefill: bool) -> Needs:
-        return Needs.union([self.selection_needs(is_prefill), self.merging.needs(is_prefill)])
-
-    def compress(self, layer, stats: StepStats) -> None:
-        """The selection's plan, then the merge's rewrite of the store."""
-        if layer.size <= layer.min_budget:
-            return
-        self.merging.apply(layer, plan_eviction(layer, self.priority(layer)), stats)

@@ -9,7 +9,7 @@ import torch
 
 from ..attention import Needs
 from ..merging import spread_values_rows
-from .base import Method, check_range, plan_eviction, register
+from .base import Merge, Method, check_range, register
 
 _MASK32 = 0xFFFFFFFF
 # Floats per batch row in one chunk of spread shares (evicted entries × m successors × head dim).
@@ -101,37 +101,52 @@ class CaM(Method):
         check_range("start_ratio", self.start_ratio, 0.0, 1.0)
         check_range("merge_count", self.merge_count, 1, math.inf)  # types: check_field_types
 
-    def needs(self, is_prefill):
+    def priority(self, layer) -> torch.Tensor:
+        """[B, H_kv, S]: the leading ``start_ratio`` of the budget (+inf), then the newest."""
+        start = (layer.budget.double() * self.start_ratio).round().long()  # [B, H_kv]
+        positions = layer.positions
+        is_start = layer.live() & (positions >= 0) & (positions < start[..., None])
+        return positions.float().masked_fill(is_start, math.inf)
+
+    @property
+    def merging(self) -> Merge:
+        return SpreadMerge(self.merge_count, self.seed, self.prefill_merge)
+
+
+@dataclass(frozen=True)
+class SpreadMerge(Merge):
+    """CaM's merge of a plan (see :class:`CaM`): an evicted entry of the local window spreads v/m
+    over the next m kept values with probability clamp(a_e / mean(a_window), 0, 1), drawn by
+    :func:`keyed_uniform`; the kept entries are then gathered in position order. At the end of the
+    prefill it merges only with ``prefill_merge``."""
+
+    merge_count: int = 32
+    seed: int = 0
+    prefill_merge: bool = False
+
+    def needs(self, is_prefill: bool) -> Needs:
         if is_prefill:
             return Needs(window=1) if self.prefill_merge else Needs()
         return Needs(probs=True)
 
-    def compress(self, layer, stats):
-        if layer.size <= layer.min_budget:
-            return
-        live = layer.live()
-        start = (layer.budget.double() * self.start_ratio).round().long()  # [B, H_kv]
-        positions = layer.positions
-        is_start = live & (positions >= 0) & (positions < start[..., None])
-        priority = positions.float().masked_fill(is_start, math.inf)  # leading tokens, then the newest
-        plan = plan_eviction(layer, priority)
-        kept = plan.kept
+    def apply(self, layer, plan, stats) -> None:
         if stats.is_prefill and not self.prefill_merge:
             layer.select(plan.keep_idx, plan.keep_valid)
             return
-
+        kept = plan.kept
+        is_start = plan.priority == math.inf
         probs = stats.window_probs if stats.is_prefill else stats.probs
         attention = probs[:, :, :, -1].float().mean(2)  # [B, H_kv, S], the newest query
         window = kept & ~is_start
         reference = (attention * window).sum(-1) / window.sum(-1).clamp_min(1)  # mean over the window
         ratio = attention.gather(-1, plan.evict_idx) / reference[..., None]
         probability = ratio.nan_to_num(nan=0.0, posinf=1.0).clamp(0.0, 1.0)
-        draw = keyed_uniform(self.seed, layer.layer_idx, positions.gather(-1, plan.evict_idx))
+        draw = keyed_uniform(self.seed, layer.layer_idx, layer.positions.gather(-1, plan.evict_idx))
         merge = plan.evict_valid & (draw < probability)
 
         # The next m kept entries after each evicted one (kept entries are in position order).
         kept_before = kept.long().cumsum(-1).gather(-1, plan.evict_idx)  # kept entries before it
-        successor_rank = kept_before[..., None] + torch.arange(self.merge_count, device=live.device)
+        successor_rank = kept_before[..., None] + torch.arange(self.merge_count, device=kept.device)
         exists = successor_rank < plan.keep_valid.sum(-1)[..., None, None]
         rank_index = successor_rank.clamp(max=plan.keep_idx.shape[-1] - 1).flatten(-2)
         successors = plan.keep_idx.gather(-1, rank_index).view_as(successor_rank).where(exists, -1)

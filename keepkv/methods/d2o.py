@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..merging import MergedRows, _gather_entries, _group_plan, _group_sum, convex_merge_rows, cosine_nearest
-from .base import check_range, plan_eviction, register
+from .base import Merge, check_range, register
 from .h2o import AccumulatedAttention
 
 ALLOCATIONS = ("paper", "code")
@@ -169,16 +169,27 @@ class D2O(AccumulatedAttention):
         return budgets.clamp(min=1)[:, :, None].expand(layers, -1, kv_heads).clone()
 
     # -- token level -----------------------------------------------------------------
-    def compress(self, layer, stats):
-        if layer.size <= layer.min_budget:
-            return
-        plan = plan_eviction(layer, self.priority(layer))
-        kept = plan.kept
-        target, similarity = cosine_nearest(layer.keys, plan.evict_idx, kept, plan.candidate_idx(layer.size))
+    @property
+    def merging(self) -> "D2OMerge":
+        return D2OMerge(self.beta, self.merge_rule)
+
+
+@dataclass(frozen=True)
+class D2OMerge(Merge):
+    """D2O's token-level merge (Sec. 4.2): each evicted entry's nearest kept entry by key cosine
+    (eq. 8) takes it if their similarity reaches the EMA threshold τ (eq. 9, one per row and KV
+    head in ``layer.state["tau"]``), by the weights of ``rule`` (:func:`d2o_merge_rows`); the
+    others are dropped."""
+
+    beta: float = 0.5
+    rule: str = "paper"
+
+    def apply(self, layer, plan, stats) -> None:
+        target, similarity = cosine_nearest(layer.keys, plan.evict_idx, plan.kept, plan.candidate_idx(layer.size))
         candidate = plan.evict_valid & torch.isfinite(similarity)
         tau = self.update_threshold(layer, similarity, candidate)
         merge = candidate & (similarity >= tau.unsqueeze(-1))
-        layer.merge_into(d2o_merge_rows(layer.keys, layer.values, plan.evict_idx, target, merge, similarity, self.merge_rule))
+        layer.merge_into(d2o_merge_rows(layer.keys, layer.values, plan.evict_idx, target, merge, similarity, self.rule))
         layer.keep(plan.kept, plan.slots)
 
     def update_threshold(self, layer, similarity: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:

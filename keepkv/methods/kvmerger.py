@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..merging import MergedRows, convex_merge_rows
-from .base import check_range, plan_eviction, register
+from .base import Merge, check_range, register
 from .h2o import AccumulatedAttention
 
 
@@ -78,17 +78,27 @@ class KVMerger(AccumulatedAttention):
         if self.sigma is not None:
             check_range("sigma", self.sigma, 0.0, math.inf, low_open=True)
 
-    def compress(self, layer, stats):
-        if layer.size <= layer.min_budget:
-            return
-        plan = plan_eviction(layer, self.priority(layer))
-        kept = plan.kept
-        pivot, has_pivot = self.pivots(layer, kept)
+    @property
+    def merging(self) -> Merge:
+        return PivotMerge(self.threshold, self.sigma)
+
+
+@dataclass(frozen=True)
+class PivotMerge(Merge):
+    """KVMerger's merge of a plan (see :class:`KVMerger`): evicted members of a merging set (a run
+    of adjacent live entries whose consecutive keys are at least ``threshold`` cosine-similar) go
+    into its pivot, by Gaussian kernel weights of width ``sigma`` (None: the mean key norm); the
+    kept entries are then gathered in position order, since sets are runs of adjacent slots."""
+
+    threshold: float = 0.8
+    sigma: float | None = None
+
+    def apply(self, layer, plan, stats) -> None:
+        pivot, has_pivot = self.pivots(layer, plan.kept)
         src = plan.evict_idx
         merge = plan.evict_valid & has_pivot.gather(-1, src)
-        layer.merge_into(
-            kvmerger_merge_rows(layer.keys, layer.values, src, pivot.gather(-1, src), merge, self.kernel_width(layer))
-        )
+        sigma = self.kernel_width(layer)
+        layer.merge_into(kvmerger_merge_rows(layer.keys, layer.values, src, pivot.gather(-1, src), merge, sigma))
         layer.select(plan.keep_idx, plan.keep_valid)
 
     def kernel_width(self, layer) -> torch.Tensor:
