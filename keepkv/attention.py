@@ -113,14 +113,39 @@ def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return query.view(batch, kv_heads, heads // kv_heads, length, head_dim)
 
 
+def half_gemm_to_fp32(device) -> bool:
+    """Whether a bf16/fp16 batched GEMM on ``device`` can write fp32 results (``torch.bmm(...,
+    out_dtype=torch.float32)``: CUDA, torch >= 2.8). Elsewhere the keys are upcast once per call."""
+    return torch.device(device).type == "cuda" and hasattr(torch.ops.aten.bmm, "dtype")
+
+
+def logit_keys(keys: torch.Tensor) -> torch.Tensor:
+    """The keys as :func:`scaled_logits` reads them: unchanged where the GEMM takes them as they
+    are (fp32, or bf16/fp16 with an fp32-output GEMM), else one fp32 copy, made once per
+    attention call and sliced by every row chunk (never converted again per chunk)."""
+    if keys.dtype == torch.float32 or half_gemm_to_fp32(keys.device):
+        return keys
+    return keys.float()
+
+
 def scaled_logits(query_g, keys, scaling) -> torch.Tensor:
     """fp32 q·k·scaling [B, H_kv, g, r, S] of query_g [B, H_kv, g, r, D] against keys [B, H_kv, S, D]."""
-    # Fold the group into the rows: a broadcast over g would copy the keys g times. The product is
-    # taken in fp32 (a bf16/fp16 q·k would round the logits before the methods' fp32 scores see them).
+    # Fold the group into the rows: a broadcast over g would copy the keys g times. The logits are
+    # fp32 (a bf16/fp16 result would round them before the methods' fp32 scores see them). Half
+    # inputs on CUDA: a tensor-core GEMM in their dtype with fp32 accumulation and fp32 output (the
+    # product of two bf16/fp16 numbers is exact in fp32, so this equals the upcast GEMM up to the
+    # order of the fp32 sums); elsewhere both operands are fp32 (already, for logit_keys()' keys).
     batch, kv_heads, group, rows, head_dim = query_g.shape
-    flat = query_g.reshape(batch, kv_heads, group * rows, head_dim).float()
-    logits = torch.matmul(flat, keys.float().transpose(-1, -2)).view(batch, kv_heads, group, rows, -1)
-    return logits.mul_(scaling)
+    flat = query_g.reshape(batch, kv_heads, group * rows, head_dim)
+    if keys.dtype != torch.float32 and flat.dtype == keys.dtype and half_gemm_to_fp32(keys.device):
+        # B and H_kv merge into one batch dim without a copy, also for a slice along S.
+        logits = torch.bmm(
+            flat.reshape(batch * kv_heads, group * rows, head_dim),
+            keys.reshape(batch * kv_heads, -1, head_dim).transpose(1, 2), out_dtype=torch.float32,
+        )
+    else:
+        logits = torch.matmul(flat.float(), keys.float().transpose(-1, -2))
+    return logits.view(batch, kv_heads, group, rows, -1).mul_(scaling)
 
 
 def entry_logits(query_g, keys, bias, scaling, block_mask_rows=None, scaled=None) -> torch.Tensor:
@@ -167,6 +192,7 @@ def attend(
     if needs.logits:  # a decode step: one product serves the attention and the method
         stats.logits = scaled_logits(query_g, keys, scaling)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, batch * kv_heads * group * size))
+    keys_for_logits = None  # made on the first row chunk that needs it, then sliced by the others
 
     def row_probs(start: int, stop: int) -> torch.Tensor:
         """[B, H_kv, g, stop-start, S'] probabilities of query rows start..stop over the first
@@ -174,8 +200,12 @@ def attend(
         visible = size - block + stop
         rows = query_g[:, :, :, start:stop]
         block_rows = block_mask[:, 0, start:stop, :stop]
+        nonlocal keys_for_logits
         scaled = None if stats.logits is None else stats.logits[:, :, :, start:stop, :visible]
-        return softmax_probs(entry_logits(rows, keys[:, :, :visible], bias[:, :, :visible], scaling, block_rows, scaled))
+        if scaled is None and keys_for_logits is None:
+            keys_for_logits = logit_keys(keys)
+        visible_keys = None if scaled is not None else keys_for_logits[:, :, :visible]
+        return softmax_probs(entry_logits(rows, visible_keys, bias[:, :, :visible], scaling, block_rows, scaled))
 
     if needs.probs or needs.colsum or needs.decays or needs.logits or not (
         size == block or binary_bias or query.dtype == torch.float32
@@ -187,15 +217,31 @@ def attend(
         # Nothing stored before this block, so the bias only marks padding, which the mask holds;
         # without padding the mask is plain causal and SDPA needs none (a mask forces a slower kernel).
         unpadded = bool(block_mask[:, 0, -1].all())
-        output = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=None if unpadded else block_mask, is_causal=unpadded, scale=scaling,
-            enable_gqa=True,
-        ).transpose(1, 2)
+        output = prefill_sdpa(query, keys, values, None if unpadded else block_mask, scaling).transpose(1, 2)
     else:
         output = grouped_sdpa(query_g, keys, values, bias, block_mask, scaling, binary_bias)
     if needs.window:
         stats.window_probs = row_probs(max(0, block - needs.window), block)
     return output.contiguous(), stats
+
+
+def prefill_sdpa(query, keys, values, mask, scaling: float) -> torch.Tensor:
+    """Causal SDPA of a first block, [B, H, q, D]; ``mask`` [B, 1, q, q] bool or None (causal).
+
+    As HF's ``use_gqa_in_sdpa``: GQA inside SDPA only without a mask (and head dim <= 256). CUDA
+    has no fused kernel for a mask together with ``enable_gqa``, so that pair would fall back to
+    the math kernel and materialise [B, H, q, q] logits; with a mask the KV heads are expanded to
+    the query heads instead (HF's ``repeat_kv``: a prefill-only copy of [B, H, q, D])."""
+    kv_heads, heads = keys.shape[1], query.shape[1]
+    if mask is None and keys.shape[-1] <= 256:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=None, is_causal=True, scale=scaling,
+                                              enable_gqa=True)
+    if heads != kv_heads:
+        keys, values = (
+            x[:, :, None].expand(-1, -1, heads // kv_heads, -1, -1).reshape(x.shape[0], heads, *x.shape[2:])
+            for x in (keys, values)
+        )
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling)
 
 
 def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: int, needs: Needs):
@@ -230,10 +276,26 @@ def grouped_sdpa(query_g, keys, values, bias, block_mask, scaling: float, binary
     repeated). The bias goes in as a bool mask when ``binary_bias``, else as a float mask, which
     needs fp32 queries: a bf16/fp16 mask would round ln p of merged entries.
 
+    A decode step (q = 1) passes a [B, H_kv, 1, S] mask that SDPA broadcasts over the g heads of
+    each group: no dense [B, H_kv, g·q, S] mask is built. A longer block needs its causal rows,
+    so its mask is [B, H_kv, g·q, S].
+
     query_g [B, H_kv, g, q, D]; keys, values [B, H_kv, S, D]; bias [B, H_kv, S];
     block_mask [B, 1, q, q] bool. Returns [B, q, H, D].
     """
     batch, kv_heads, group, block, head_dim = query_g.shape
+    if block == 1:
+        # The new entry always sees itself (as below), so no row is empty.
+        if binary_bias:
+            mask = bias > NEG_INF
+            mask[..., -1] = True
+        else:
+            mask = bias.clone()
+            mask[..., -1:].nan_to_num_(neginf=0.0)
+        output = F.scaled_dot_product_attention(
+            query_g.reshape(batch, kv_heads, group, head_dim), keys, values, attn_mask=mask[:, :, None], scale=scaling,
+        )
+        return output.reshape(batch, 1, kv_heads * group, head_dim)
     stored = (bias > NEG_INF if binary_bias else bias)[:, :, None, None, :]  # [B, H_kv, 1, 1, S]
     mask = stored.expand(-1, -1, 1, block, -1).clone()  # [B, H_kv, 1, q, S], the same for the g heads
     # Within the new block: causal, and every query sees itself even when it is padding (as in a
@@ -316,7 +378,15 @@ def new_block_mask(attention_mask, batch: int, block: int, device) -> torch.Tens
 
 def keepkv_mask(*args, **kwargs):
     """Mask builder registered for ``"keepkv"``: the standard SDPA mask [B, 1, q, kv] (or None for
-    a plain causal one). The keepkv path reads only its last q columns (see module doc)."""
+    a plain causal one). The keepkv path reads only its last q columns (see module doc).
+
+    For a one-token block the mask is always built: HF would otherwise test the padding mask on
+    the host (``fast_all``) to skip it, a host sync in every decode step; a [B, 1, 1, kv] mask
+    costs one small kernel and gives the same attention."""
+    cache_position = kwargs.get("cache_position")
+    q_length = kwargs.get("q_length", None if cache_position is None else cache_position.shape[0])
+    if q_length == 1:
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
