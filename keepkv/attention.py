@@ -341,6 +341,19 @@ def join_prefill_stats(earlier: StepStats, later: StepStats, window: int) -> Ste
     return joined
 
 
+def decode_kernel(device):
+    """The one-pass Triton decode kernel (:func:`keepkv.kernels.decode_attention`) where it can run
+    natively (CUDA with Triton installed: ``pip install -e ".[gpu]"``), else None: the torch path
+    above stays the reference and the default. Not yet called by the cache; a decode step can
+    hand it query_g [B, H_kv, g, D] and the layer's entries to get the output, probabilities and
+    logits in one pass over the keys and values."""
+    if torch.device(device).type != "cuda":
+        return None
+    from .kernels import decode
+
+    return decode.decode_attention if decode.triton_available() else None
+
+
 def keepkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function transformers calls for ``attn_implementation="keepkv"``.
 
