@@ -639,6 +639,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "for every registered method unless --methods names others (default model: the smollm2-135m shape, "
              "random weights, --layers 4; --prompt-len 512, --batch 2, --budget 0.1)")
     add(modes, "--ops-steps", type=int, default=1, metavar="N", help="decode steps counted by --ops (averaged)")
+    add(modes, "--cuda-suite", action="store_true",
+        help="on a CUDA machine: the CUDA tests, the op count and the GPU bench in one run (under 10 min on one "
+             "H100), writing cuda.json and cuda.log into --out (default: runs/cuda); see .ci/cuda")
     add(modes, "--soak-steps", type=int, default=20_000, metavar="N", help="decode steps of --soak")
     out = parser.add_argument_group("output")
     add(out, "--json", nargs="?", const="-", metavar="PATH",
@@ -660,6 +663,10 @@ def main(args: argparse.Namespace) -> int:
         json_to = None
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
+    if getattr(args, "cuda_suite", False):
+        from .cuda_suite import main as cuda_main
+
+        return cuda_main(["--out", args.out or "runs/cuda"])
     if getattr(args, "soak", False) and getattr(args, "ops", False):
         print("keepkv bench: pass either --soak or --ops, not both", file=sys.stderr)
         return 2
