@@ -186,6 +186,7 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
     ids = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=generator).to(device)
     mask = torch.ones_like(ids)
     cache = CompressedCache(config, method, budget, **params)
+    cache.method.prepare(model)  # as keepkv.generate and the bench do (KVReviver's Fisher scores)
 
     def forward(tokens):
         nonlocal mask
