@@ -199,7 +199,9 @@ def attend(
         S' = S - q + stop entries: the later block columns are causally masked for these rows."""
         visible = size - block + stop
         rows = query_g[:, :, :, start:stop]
-        block_rows = block_mask[:, 0, start:stop, :stop]
+        # A one-token block's only column is the query itself, which the block mask always shows
+        # (new_block_mask): no mask to apply, two operations fewer per decode step.
+        block_rows = None if block == 1 else block_mask[:, 0, start:stop, :stop]
         nonlocal keys_for_logits
         scaled = None if stats.logits is None else stats.logits[:, :, :, start:stop, :visible]
         if scaled is None and keys_for_logits is None:
@@ -254,21 +256,25 @@ def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: in
     output_chunks, prob_chunks = [], []
     colsum = values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) if needs.colsum else None
     decayed = {decay: values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) for decay in needs.decays}
-    age = torch.arange(block - 1, -1, -1, device=values.device, dtype=torch.float32)  # rows after each row
+    if needs.decays:
+        age = torch.arange(block - 1, -1, -1, device=values.device, dtype=torch.float32)  # rows after each row
     for start in range(0, block, rows_per_chunk):
         probs = row_probs(start, min(block, start + rows_per_chunk))
         rows, visible = probs.shape[3:]
         flat = probs.to(values.dtype).reshape(batch, kv_heads, group * rows, visible)
         output_chunks.append(torch.matmul(flat, values[:, :, :visible]).view(batch, kv_heads, group, rows, -1))
         if needs.probs:
-            prob_chunks.append(F.pad(probs, (0, size - visible)))
+            prob_chunks.append(probs if visible == size else F.pad(probs, (0, size - visible)))
         if needs.colsum:
             colsum[..., :visible] += probs.sum(3)
         for decay, total in decayed.items():
             weights = decay ** age[start : start + rows]
             total[..., :visible] += (probs * weights[:, None]).sum(3)
-    output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
-    return output, torch.cat(prob_chunks, dim=3) if needs.probs else None, colsum, decayed
+    def joined(chunks: list[torch.Tensor]) -> torch.Tensor:  # one chunk (every decode step): no copy
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=3)
+
+    output = joined(output_chunks).reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
+    return output, joined(prob_chunks) if needs.probs else None, colsum, decayed
 
 
 def grouped_sdpa(query_g, keys, values, bias, block_mask, scaling: float, binary_bias: bool) -> torch.Tensor:

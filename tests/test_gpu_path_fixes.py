@@ -201,3 +201,35 @@ def test_sketch_on_cuda_is_deterministic_and_matches_cpu():
     cpu = CountSketch.empty(2, 2, 3, 16, 64)
     cpu.insert(ids, keys, values)
     torch.testing.assert_close(tables[0][0], cpu.keys, rtol=1e-5, atol=1e-4)
+
+
+# -- fewer launches in a decode step's explicit pass ---------------------------------------------
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name.removeprefix("aten::"))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("needs", [Needs(probs=True), Needs(probs=True, logits=True)])
+def test_decode_explicit_pass_copies_nothing_it_does_not_need(needs, monkeypatch):
+    """One query row, one chunk: no block mask to apply (the query always sees itself), no
+    concatenation or padding of a single chunk, no decay weights; the same numbers as a pass
+    that splits the same call into chunks of the group's rows."""
+    query, keys, values, bias = random_layer(block=1, stored=30, group=3)
+    bias[0, 1, 3:9] = NEG_INF
+    mask = block_causal_mask(2, 1, None, "cpu")
+    with OpNames() as seen:
+        output, stats = attend(query, keys, values, bias, mask, 0.25, needs)
+    assert not {"cat", "constant_pad_nd", "arange", "masked_fill_", "bitwise_not"} & set(seen.names), seen.names
+    explicit = torch.softmax(
+        torch.einsum("bhgd,bhsd->bhgs", attention.group_queries(query, 2)[:, :, :, 0], keys) * 0.25 + bias[:, :, None], -1
+    )
+    torch.testing.assert_close(stats.probs[:, :, :, 0], explicit, rtol=1e-6, atol=1e-6)
+    reference = torch.einsum("bhgs,bhsd->bhgd", explicit, values).reshape(2, 1, 6, 16)
+    torch.testing.assert_close(output, reference, rtol=1e-5, atol=1e-6)
