@@ -270,6 +270,7 @@ def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: in
         for decay, total in decayed.items():
             weights = decay ** age[start : start + rows]
             total[..., :visible] += (probs * weights[:, None]).sum(3)
+
     def joined(chunks: list[torch.Tensor]) -> torch.Tensor:  # one chunk (every decode step): no copy
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=3)
 

@@ -97,6 +97,7 @@ def test_decode_step_counts_full_below_h2o_and_repeatable():
     assert [r["ops_per_layer_step"] for r in again["methods"]] == [r["ops_per_layer_step"] for r in result["methods"]]
     assert [r["syncs"] for r in again["methods"]] == [r["syncs"] for r in result["methods"]]
     assert by["h2o"]["kept_entries"] <= 8 < by["full"]["kept_entries"]
+    assert sum(by["h2o"]["method_op_names"].values()) == by["h2o"]["method_ops"] and not by["full"]["method_op_names"]
     assert "| h2o |" in format_ops(result)
 
 

@@ -29,7 +29,8 @@ JSON (``--json``): ``{"ops": {...}}`` with ``settings``, ``model`` and ``methods
 ``ops_per_layer_step`` (total), ``method``/``append``/``attention``/``model`` ops per layer-step,
 ``extra_vs_full`` (total minus full's), ``syncs_per_layer_step``, ``syncs`` (operation name →
 count per step, all layers), ``sync_sites`` ("operation at file:line" of the innermost caller
-outside torch → count per step) and ``kept_entries``.
+outside torch → count per step), ``kept_entries`` and ``method_op_names`` (the method's own
+operations by name → count per layer-step, most frequent first: where to cut).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class OpCounter(TorchDispatchMode):
         self.syncs: Counter = Counter()
         self.sync_names: Counter = Counter()
         self.sync_sites: Counter = Counter()  # "operation at file:line" of the innermost frame outside torch
+        self.names: Counter = Counter()  # (part, operation name) -> count
         self._stack = ["model"]
         self._patched: list[tuple[str, object]] = []
 
@@ -116,6 +118,7 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view and torch.Tag.view_copy not in func.tags:
             self.ops[self._stack[-1]] += 1
+            self.names[self._stack[-1], func._schema.name.removeprefix("aten::")] += 1
             if is_sync(func, args):
                 self._sync(func._schema.name.removeprefix("aten::"))
         return func(*args, **(kwargs or {}))
@@ -214,6 +217,11 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
         "syncs": {name: count / steps for name, count in sorted(counter.sync_names.items())},
         "sync_sites": {site: count / steps for site, count in sorted(counter.sync_sites.items())},
         "kept_entries": round(float(kept), 2),
+        "method_op_names": {
+            name: count / per
+            for (part, name), count in sorted(counter.names.items(), key=lambda item: (-item[1], item[0][1]))
+            if part == "method"
+        },
     }
 
 
