@@ -36,23 +36,39 @@ def on_device(kind: str, dtype: torch.dtype, layers: int = 2):
 
 @torch.no_grad()
 def greedy(model, input_ids, attention_mask, method, budget, new_tokens=8):
+    """(tokens [B, n], fp32 scores [n, B, V]) of a greedy generate with a CompressedCache."""
     cache = keepkv.CompressedCache(model.config, method, budget)
     out = model.generate(
         input_ids=input_ids.to(DEVICE), attention_mask=attention_mask.to(DEVICE), past_key_values=cache,
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        output_scores=True, return_dict_in_generate=True,
     )
-    return out[:, input_ids.shape[1]:].cpu()
+    return out.sequences[:, input_ids.shape[1]:].cpu(), torch.stack(out.scores).float().cpu()
+
+
+def assert_same_greedy_tokens(batched, alone, scores):
+    """Token by token, until the prompt-alone run meets a near tie: in bf16 a batch and a lone
+    prompt may take different kernels (padding changes the GEMM and SDPA shapes), whose rounding
+    can flip a choice whose top-2 margin is within it; past a flip the runs are no longer
+    comparable. The first token must be clear of a tie and equal."""
+    top2 = scores.topk(2, dim=-1).values
+    margins = (top2[..., 0] - top2[..., 1]) / top2[..., 0].abs().clamp(min=1.0)
+    assert margins[0] > 2e-2, "the first token is a near tie: choose another seed"
+    for step in range(len(alone)):
+        if margins[step] <= 2e-2:
+            break
+        assert batched[step] == alone[step], step
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_bf16_batch_row_equals_its_prompt_alone(method):
     model = on_device("llama-gqa", torch.bfloat16)
     input_ids, attention_mask = random_batch(length=40, pad=(0, 11))
-    batched = greedy(model, input_ids, attention_mask, method, 0.5)
+    batched, _ = greedy(model, input_ids, attention_mask, method, 0.5)
     for row in range(2):
         real = attention_mask[row].bool()
-        alone = greedy(model, input_ids[row : row + 1, real], attention_mask[row : row + 1, real], method, 0.5)
-        assert torch.equal(batched[row], alone[0]), (method, row)
+        alone, scores = greedy(model, input_ids[row : row + 1, real], attention_mask[row : row + 1, real], method, 0.5)
+        assert_same_greedy_tokens(batched[row], alone[0], scores[:, 0])
 
 
 @pytest.mark.parametrize("method", ["h2o", "snapkv", "streamingllm"])
