@@ -89,6 +89,8 @@ def test_bad_input_is_refused_in_one_line(monkeypatch):
         decode_attention(query_g, keys, values, bias.double(), 0.3)
     with pytest.raises(ValueError, match="share one of"):
         decode_attention(query_g, keys.bfloat16(), values, bias, 0.3)
+    with pytest.raises(ValueError, match="block_s must be"):
+        decode_attention(query_g, keys, values, bias, 0.3, block_s=24)
     with pytest.raises(ValueError, match="lengths must be"):
         decode_attention(query_g, keys, values, bias, 0.3, lengths=torch.ones(2, dtype=torch.long))
     if DEVICE == "cpu":

@@ -178,6 +178,8 @@ def decode_attention(query_g, keys, values, bias, scaling: float, lengths=None, 
     if triton is None:
         raise ImportError('decode_attention needs Triton: pip install -e ".[gpu]"')
     _check(query_g, keys, values, bias, lengths)
+    if isinstance(block_s, bool) or not isinstance(block_s, int) or block_s < 16 or block_s & (block_s - 1):
+        raise ValueError(f"block_s must be a power of 2 >= 16 (tl.dot's smallest tile), got {block_s!r}")
     interpret = _interpreting()
     if query_g.device.type != "cuda" and not interpret:
         raise RuntimeError(f"decode_attention runs on CUDA (or with TRITON_INTERPRET=1); got {query_g.device}")
