@@ -13,6 +13,7 @@ Grouped-query attention: the g = H / H_kv query heads of KV head h are heads h·
 from __future__ import annotations
 
 import contextvars
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -189,6 +190,14 @@ def attend(
     batch, _, group, block, head_dim = query_g.shape
     size = keys.shape[2]
     stats = StepStats(query=query_g, scaling=scaling, is_prefill=is_prefill)
+    if block == 1 and (needs.probs or needs.logits) and not (needs.colsum or needs.decays or needs.window):
+        kernel = opted_in_decode_kernel(query.device)
+        if kernel is not None:  # one pass over the entries: output, probabilities and logits
+            output, probs, logits = kernel(query_g[:, :, :, 0], keys, values, bias, scaling,
+                                           probs=needs.probs, logits=needs.logits)
+            stats.probs = None if probs is None else probs[:, :, :, None]
+            stats.logits = None if logits is None else logits[:, :, :, None]
+            return output.reshape(batch, 1, kv_heads * group, head_dim), stats
     if needs.logits:  # a decode step: one product serves the attention and the method
         stats.logits = scaled_logits(query_g, keys, scaling)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, batch * kv_heads * group * size))
@@ -350,15 +359,36 @@ def join_prefill_stats(earlier: StepStats, later: StepStats, window: int) -> Ste
 
 def decode_kernel(device):
     """The one-pass Triton decode kernel (:func:`keepkv.kernels.decode_attention`) where it can run
-    natively (CUDA with Triton installed: ``pip install -e ".[gpu]"``), else None: the torch path
-    above stays the reference and the default. Not yet called by the cache; a decode step can
-    hand it query_g [B, H_kv, g, D] and the layer's entries to get the output, probabilities and
-    logits in one pass over the keys and values."""
-    if torch.device(device).type != "cuda":
-        return None
+    (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``; Triton installed: ``pip install -e
+    ".[gpu]"``), else None. The torch path above stays the reference and the default:
+    :func:`attend` calls the kernel only when ``KEEPKV_DECODE_KERNEL=triton`` opts in."""
     from .kernels import decode
 
-    return decode.decode_attention if decode.triton_available() else None
+    if not decode.triton_available():
+        return None
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return None
+    return decode.decode_attention
+
+
+DECODE_KERNEL_ENV = "KEEPKV_DECODE_KERNEL"  # "triton": decode steps that need probabilities use the kernel
+
+
+def opted_in_decode_kernel(device):
+    """The decode kernel when ``KEEPKV_DECODE_KERNEL=triton`` (unset or ``torch``: None). Opting in
+    where the kernel cannot run is refused in one line, never silently ignored."""
+    choice = os.environ.get(DECODE_KERNEL_ENV, "torch")
+    if choice == "torch":
+        return None
+    if choice != "triton":
+        raise ValueError(f"{DECODE_KERNEL_ENV} must be 'torch' or 'triton', got {choice!r}")
+    kernel = decode_kernel(device)
+    if kernel is None:
+        raise ValueError(
+            f"{DECODE_KERNEL_ENV}=triton needs Triton (pip install -e \".[gpu]\") and a CUDA device (or "
+            f"TRITON_INTERPRET=1); this decode step runs on {torch.device(device)}"
+        )
+    return kernel
 
 
 def keepkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -12,6 +12,27 @@ from keepkv import attention  # noqa: E402
 from keepkv.kernels import decode  # noqa: E402
 from keepkv.kernels import decode_attention, decode_attention_reference  # noqa: E402
 
+import keepkv  # noqa: E402
+
+from conftest import random_batch, tiny_model  # noqa: E402
+
+
+@torch.no_grad()
+def greedy_decode(model, method, budget, steps):
+    """conftest's greedy_decode on DEVICE: (logits [steps, B, V], tokens [steps, B], cache)."""
+    input_ids, attention_mask = (t.to(DEVICE) for t in random_batch(batch=3, length=30, pad=(0, 9, 20)))
+    cache = keepkv.CompressedCache(model.config, method, budget)
+    keepkv.enable(model)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits[:, -1]
+    mask, all_logits, tokens = attention_mask, [], []
+    for _ in range(steps):
+        token = logits.argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+        logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits[:, -1]
+        all_logits.append(logits)
+        tokens.append(token[:, 0])
+    return torch.stack(all_logits), torch.stack(tokens), cache
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}
 
@@ -103,9 +124,39 @@ def test_bad_input_is_refused_in_one_line(monkeypatch):
 
 
 def test_dispatch_point_names_the_kernel_only_where_it_runs(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert attention.decode_kernel("cpu") is decode_attention  # in the interpreter
+    monkeypatch.delenv("TRITON_INTERPRET")
     assert attention.decode_kernel("cpu") is None  # the torch path stays the CPU default
     if torch.cuda.is_available():
         assert attention.decode_kernel("cuda") is decode_attention
     monkeypatch.setattr(decode, "triton", None)
     assert attention.decode_kernel("cuda") is None
+
+
+@pytest.mark.parametrize("method", ["h2o", "keepkv", "d2o"])
+def test_opted_in_kernel_decodes_as_the_torch_path(method, monkeypatch):
+    """KEEPKV_DECODE_KERNEL=triton: every decode step that needs probabilities or logits goes
+    through the kernel (counted), and a greedy decode gives the torch path's logits (fp32)."""
+    model = tiny_model("llama-gqa").to(DEVICE)
+    reference, ref_tokens, _ = greedy_decode(model, method, 0.5, steps=6)
+    calls = []
+    counting = lambda *args, **kwargs: calls.append(1) or decode_attention(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(decode, "decode_attention", counting)
+    monkeypatch.setenv(attention.DECODE_KERNEL_ENV, "triton")
+    logits, tokens, _ = greedy_decode(model, method, 0.5, steps=6)
+    assert len(calls) == 6 * model.config.num_hidden_layers
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_opting_in_where_the_kernel_cannot_run_is_refused(monkeypatch):
+    model = tiny_model("llama-gqa")
+    monkeypatch.setenv(attention.DECODE_KERNEL_ENV, "cuda-please")
+    with pytest.raises(ValueError, match="must be 'torch' or 'triton'"):
+        greedy_decode(model, "h2o", 0.5, steps=1)
+    monkeypatch.setenv(attention.DECODE_KERNEL_ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs Triton .* and a CUDA device"):
+            greedy_decode(model, "h2o", 0.5, steps=1)

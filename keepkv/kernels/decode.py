@@ -19,7 +19,8 @@ Ragged lengths: with ``lengths`` [B, H_kv], row b and KV head h read only their 
 loaded.
 
 The torch path (:func:`decode_attention_reference`, which is keepkv's
-:func:`keepkv.attention.attend`) is the reference and the CPU default. The kernel runs on CUDA,
+:func:`keepkv.attention.attend`) is the reference and the default; ``KEEPKV_DECODE_KERNEL=triton``
+opts a cache's decode steps in (see :func:`keepkv.attention.opted_in_decode_kernel`). The kernel runs on CUDA,
 or anywhere in Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use on CPU.
 Measured speed: none yet (no GPU was available; see docs/performance.md).
 """
