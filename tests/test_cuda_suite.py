@@ -15,8 +15,9 @@ def test_suite_records_every_phase_and_stops_at_the_time_budget(tmp_path):
     phases = [
         {"name": "tests", "argv": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
                                    "--junitxml", str(tmp_path / "t.xml")], "junit": str(tmp_path / "t.xml")},
-        {"name": "bench", "argv": [sys.executable, "-c", f"import json; json.dump({{'x': 1}}, open({str(result_json)!r}, 'w'))"],
-         "json": str(result_json)},
+        {"name": "bench", "argv": [sys.executable, "-c", f"import json, os; json.dump({{'x': os.environ['SUITE_X']}}, "
+                                                         f"open({str(result_json)!r}, 'w'))"],
+         "json": str(result_json), "env": {"SUITE_X": "1"}},
     ]
     result = run_suite(str(tmp_path / "out"), time_budget=300, phases=phases, require_cuda=False)
     status = {p["name"]: p["status"] for p in result["phases"]}
@@ -24,7 +25,7 @@ def test_suite_records_every_phase_and_stops_at_the_time_budget(tmp_path):
     tests_phase = result["phases"][0]
     assert tests_phase["tests"]["passed"] == 1 and tests_phase["tests"]["failed"] == 1
     assert tests_phase["tests"]["failures"] == ["test_standin::test_bad"]
-    assert result["phases"][1]["result"] == {"x": 1}
+    assert result["phases"][1]["result"] == {"x": "1"} and result["phases"][1]["command"].startswith("SUITE_X=1 ")
     assert result["ok"] is False
     written = json.loads((tmp_path / "out" / "cuda.json").read_text())
     assert written["phases"] == result["phases"] and written["schema"] == "keepkv-cuda-suite/1"
@@ -44,9 +45,11 @@ def test_a_phase_past_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
 
 def test_default_phases_are_the_cuda_tests_then_the_gpu_bench(tmp_path):
     names = [p["name"] for p in default_phases(str(tmp_path))]
-    assert names == ["tests", "ops", "bench", "memory_cap"]
+    assert names == ["tests", "ops", "bench", "memory_cap", "bench_kernel"]
     bench = " ".join(default_phases(str(tmp_path))[2]["argv"])
     assert "--config llama2-7b --dtype bfloat16" in bench and "--prompt-len 4096 --gen-len 1024 --batch 8" in bench
+    kernel = default_phases(str(tmp_path))[4]
+    assert "--gen-len 256 --batch 8" in " ".join(kernel["argv"]) and kernel["env"] == {"KEEPKV_DECODE_KERNEL": "triton"}
     # every phase's command line parses as a keepkv bench / pytest invocation
     for phase in default_phases(str(tmp_path))[1:]:
         build_parser().parse_args(phase["argv"][3:])

@@ -14,6 +14,8 @@ the time budget (default 570 s, under the 10 minutes of one H100 session):
    4096-token prompts + 1024 generated, batch 8, budget 0.2, full/h2o/keepkv, with ``--overhead``.
 4. ``memory_cap``: the same under an 80 GB cap (``--memory-cap 80``), 256 generated tokens
    (shorter than the target's 1024, to fit the budget; the JSON says so).
+5. ``bench_kernel``: phase 3's shapes with 256 generated tokens and ``KEEPKV_DECODE_KERNEL=triton``
+   (the scoring methods' decode attention through the Triton kernel).
 
 A phase that runs out of time is stopped and recorded as timed out; the phases after it are
 recorded as skipped. Output: ``OUT/cuda.json`` (below) and ``OUT/cuda.log`` (every phase's
@@ -51,6 +53,8 @@ MEMORY_CAP = [
     "--prompt-len", "4096", "--gen-len", "256", "--repeats", "1", "--warmup", "1", "--memory-cap", "80",
 ]
 
+KERNEL_BENCH = [*BENCH[: BENCH.index("--gen-len") + 1], "256", *BENCH[BENCH.index("--gen-len") + 2 :]]
+
 
 def default_phases(out: str) -> list[dict]:
     """The suite's phases: name, argv (after ``python -m``), and where its JSON lands."""
@@ -63,6 +67,9 @@ def default_phases(out: str) -> list[dict]:
          "json": os.path.join(out, "bench.json")},
         {"name": "memory_cap", "argv": [*bench, *MEMORY_CAP, "--json", os.path.join(out, "memory_cap.json")],
          "json": os.path.join(out, "memory_cap.json"), "note": "256 generated tokens, not the target's 1024 (time budget)"},
+        {"name": "bench_kernel", "argv": [*bench, *KERNEL_BENCH, "--json", os.path.join(out, "bench_kernel.json")],
+         "json": os.path.join(out, "bench_kernel.json"), "env": {"KEEPKV_DECODE_KERNEL": "triton"},
+         "note": "KEEPKV_DECODE_KERNEL=triton, 256 generated tokens"},
     ]
 
 
@@ -97,14 +104,19 @@ def _junit_counts(path: str) -> dict:
 
 def run_phase(phase: dict, remaining: float, log) -> dict:
     """Run one phase with ``remaining`` seconds; its output goes to ``log``."""
-    record = {"name": phase["name"], "command": " ".join(phase["argv"]), **({"note": phase["note"]} if "note" in phase else {})}
+    env = " ".join(f"{key}={value}" for key, value in phase.get("env", {}).items())
+    record = {"name": phase["name"], "command": " ".join(filter(None, [env, *phase["argv"]])),
+              **({"note": phase["note"]} if "note" in phase else {})}
     if remaining <= 5:
         return {**record, "status": "skipped", "seconds": 0.0, "returncode": None, "reason": "no time left"}
     log.write(f"\n===== {phase['name']}: {record['command']}\n")
     log.flush()
     began = time.perf_counter()
     try:
-        returncode = subprocess.run(phase["argv"], stdout=log, stderr=subprocess.STDOUT, timeout=remaining).returncode
+        env = {**os.environ, **phase.get("env", {})}
+        returncode = subprocess.run(
+            phase["argv"], stdout=log, stderr=subprocess.STDOUT, timeout=remaining, env=env
+        ).returncode
         status = "passed" if returncode == 0 else "failed"
     except subprocess.TimeoutExpired:
         returncode, status = None, "timed_out"
