@@ -37,7 +37,7 @@ def test_a_phase_past_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
         {"name": "slow", "argv": [sys.executable, "-c", "import time; time.sleep(60)"]},
         {"name": "after", "argv": [sys.executable, "-c", "print('never')"]},
     ]
-    result = run_suite(str(tmp_path), time_budget=8, phases=phases, require_cuda=False)
+    result = run_suite(str(tmp_path), time_budget=7, phases=phases, require_cuda=False)
     assert [p["status"] for p in result["phases"]] == ["timed_out", "skipped"]
     assert result["seconds"] < 30 and result["ok"] is False
     assert "never" not in (tmp_path / "cuda.log").read_text()
