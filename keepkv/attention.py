@@ -13,6 +13,7 @@ Grouped-query attention: the g = H / H_kv query heads of KV head h are heads h·
 from __future__ import annotations
 
 import contextvars
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -122,14 +123,39 @@ def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return query.view(batch, kv_heads, heads // kv_heads, length, head_dim)
 
 
+def half_gemm_to_fp32(device) -> bool:
+    """Whether a bf16/fp16 batched GEMM on ``device`` can write fp32 results (``torch.bmm(...,
+    out_dtype=torch.float32)``: CUDA, torch >= 2.8). Elsewhere the keys are upcast once per call."""
+    return torch.device(device).type == "cuda" and hasattr(torch.ops.aten.bmm, "dtype")
+
+
+def logit_keys(keys: torch.Tensor) -> torch.Tensor:
+    """The keys as :func:`scaled_logits` reads them: unchanged where the GEMM takes them as they
+    are (fp32, or bf16/fp16 with an fp32-output GEMM), else one fp32 copy, made once per
+    attention call and sliced by every row chunk (never converted again per chunk)."""
+    if keys.dtype == torch.float32 or half_gemm_to_fp32(keys.device):
+        return keys
+    return keys.float()
+
+
 def scaled_logits(query_g, keys, scaling) -> torch.Tensor:
     """fp32 q·k·scaling [B, H_kv, g, r, S] of query_g [B, H_kv, g, r, D] against keys [B, H_kv, S, D]."""
-    # Fold the group into the rows: a broadcast over g would copy the keys g times. The product is
-    # taken in fp32 (a bf16/fp16 q·k would round the logits before the methods' fp32 scores see them).
+    # Fold the group into the rows: a broadcast over g would copy the keys g times. The logits are
+    # fp32 (a bf16/fp16 result would round them before the methods' fp32 scores see them). Half
+    # inputs on CUDA: a tensor-core GEMM in their dtype with fp32 accumulation and fp32 output (the
+    # product of two bf16/fp16 numbers is exact in fp32, so this equals the upcast GEMM up to the
+    # order of the fp32 sums); elsewhere both operands are fp32 (already, for logit_keys()' keys).
     batch, kv_heads, group, rows, head_dim = query_g.shape
-    flat = query_g.reshape(batch, kv_heads, group * rows, head_dim).float()
-    logits = torch.matmul(flat, keys.float().transpose(-1, -2)).view(batch, kv_heads, group, rows, -1)
-    return logits.mul_(scaling)
+    flat = query_g.reshape(batch, kv_heads, group * rows, head_dim)
+    if keys.dtype != torch.float32 and flat.dtype == keys.dtype and half_gemm_to_fp32(keys.device):
+        # B and H_kv merge into one batch dim without a copy, also for a slice along S.
+        logits = torch.bmm(
+            flat.reshape(batch * kv_heads, group * rows, head_dim),
+            keys.reshape(batch * kv_heads, -1, head_dim).transpose(1, 2), out_dtype=torch.float32,
+        )
+    else:
+        logits = torch.matmul(flat.float(), keys.float().transpose(-1, -2))
+    return logits.view(batch, kv_heads, group, rows, -1).mul_(scaling)
 
 
 def entry_logits(query_g, keys, bias, scaling, block_mask_rows=None, scaled=None) -> torch.Tensor:
@@ -173,18 +199,33 @@ def attend(
     batch, _, group, block, head_dim = query_g.shape
     size = keys.shape[2]
     stats = StepStats(query=query_g, scaling=scaling, is_prefill=is_prefill)
+    if block == 1 and (needs.probs or needs.logits) and not (needs.colsum or needs.decays or needs.window):
+        kernel = opted_in_decode_kernel(query.device)
+        if kernel is not None:  # one pass over the entries: output, probabilities and logits
+            output, probs, logits = kernel(query_g[:, :, :, 0], keys, values, bias, scaling,
+                                           probs=needs.probs, logits=needs.logits)
+            stats.probs = None if probs is None else probs[:, :, :, None]
+            stats.logits = None if logits is None else logits[:, :, :, None]
+            return output.reshape(batch, 1, kv_heads * group, head_dim), stats
     if needs.logits:  # a decode step: one product serves the attention and the method
         stats.logits = scaled_logits(query_g, keys, scaling)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, batch * kv_heads * group * size))
+    keys_for_logits = None  # made on the first row chunk that needs it, then sliced by the others
 
     def row_probs(start: int, stop: int) -> torch.Tensor:
         """[B, H_kv, g, stop-start, S'] probabilities of query rows start..stop over the first
         S' = S - q + stop entries: the later block columns are causally masked for these rows."""
         visible = size - block + stop
         rows = query_g[:, :, :, start:stop]
-        block_rows = block_mask[:, 0, start:stop, :stop]
+        # A one-token block's only column is the query itself, which the block mask always shows
+        # (new_block_mask): no mask to apply, two operations fewer per decode step.
+        block_rows = None if block == 1 else block_mask[:, 0, start:stop, :stop]
+        nonlocal keys_for_logits
         scaled = None if stats.logits is None else stats.logits[:, :, :, start:stop, :visible]
-        return softmax_probs(entry_logits(rows, keys[:, :, :visible], bias[:, :, :visible], scaling, block_rows, scaled))
+        if scaled is None and keys_for_logits is None:
+            keys_for_logits = logit_keys(keys)
+        visible_keys = None if scaled is not None else keys_for_logits[:, :, :visible]
+        return softmax_probs(entry_logits(rows, visible_keys, bias[:, :, :visible], scaling, block_rows, scaled))
 
     if needs.probs or needs.colsum or needs.decays or needs.logits or not (
         size == block or binary_bias or query.dtype == torch.float32
@@ -196,15 +237,31 @@ def attend(
         # Nothing stored before this block, so the bias only marks padding, which the mask holds;
         # without padding the mask is plain causal and SDPA needs none (a mask forces a slower kernel).
         unpadded = bool(block_mask[:, 0, -1].all())
-        output = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=None if unpadded else block_mask, is_causal=unpadded, scale=scaling,
-            enable_gqa=True,
-        ).transpose(1, 2)
+        output = prefill_sdpa(query, keys, values, None if unpadded else block_mask, scaling).transpose(1, 2)
     else:
         output = grouped_sdpa(query_g, keys, values, bias, block_mask, scaling, binary_bias)
     if needs.window:
         stats.window_probs = row_probs(max(0, block - needs.window), block)
     return output.contiguous(), stats
+
+
+def prefill_sdpa(query, keys, values, mask, scaling: float) -> torch.Tensor:
+    """Causal SDPA of a first block, [B, H, q, D]; ``mask`` [B, 1, q, q] bool or None (causal).
+
+    As HF's ``use_gqa_in_sdpa``: GQA inside SDPA only without a mask (and head dim <= 256). CUDA
+    has no fused kernel for a mask together with ``enable_gqa``, so that pair would fall back to
+    the math kernel and materialise [B, H, q, q] logits; with a mask the KV heads are expanded to
+    the query heads instead (HF's ``repeat_kv``: a prefill-only copy of [B, H, q, D])."""
+    kv_heads, heads = keys.shape[1], query.shape[1]
+    if mask is None and keys.shape[-1] <= 256:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=None, is_causal=True, scale=scaling,
+                                              enable_gqa=True)
+    if heads != kv_heads:
+        keys, values = (
+            x[:, :, None].expand(-1, -1, heads // kv_heads, -1, -1).reshape(x.shape[0], heads, *x.shape[2:])
+            for x in (keys, values)
+        )
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling)
 
 
 def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: int, needs: Needs):
@@ -217,21 +274,26 @@ def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: in
     output_chunks, prob_chunks = [], []
     colsum = values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) if needs.colsum else None
     decayed = {decay: values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) for decay in needs.decays}
-    age = torch.arange(block - 1, -1, -1, device=values.device, dtype=torch.float32)  # rows after each row
+    if needs.decays:
+        age = torch.arange(block - 1, -1, -1, device=values.device, dtype=torch.float32)  # rows after each row
     for start in range(0, block, rows_per_chunk):
         probs = row_probs(start, min(block, start + rows_per_chunk))
         rows, visible = probs.shape[3:]
         flat = probs.to(values.dtype).reshape(batch, kv_heads, group * rows, visible)
         output_chunks.append(torch.matmul(flat, values[:, :, :visible]).view(batch, kv_heads, group, rows, -1))
         if needs.probs:
-            prob_chunks.append(F.pad(probs, (0, size - visible)))
+            prob_chunks.append(probs if visible == size else F.pad(probs, (0, size - visible)))
         if needs.colsum:
             colsum[..., :visible] += probs.sum(3)
         for decay, total in decayed.items():
             weights = decay ** age[start : start + rows]
             total[..., :visible] += (probs * weights[:, None]).sum(3)
-    output = torch.cat(output_chunks, dim=3).reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
-    return output, torch.cat(prob_chunks, dim=3) if needs.probs else None, colsum, decayed
+
+    def joined(chunks: list[torch.Tensor]) -> torch.Tensor:  # one chunk (every decode step): no copy
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=3)
+
+    output = joined(output_chunks).reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
+    return output, joined(prob_chunks) if needs.probs else None, colsum, decayed
 
 
 def grouped_sdpa(query_g, keys, values, bias, block_mask, scaling: float, binary_bias: bool) -> torch.Tensor:
@@ -239,10 +301,26 @@ def grouped_sdpa(query_g, keys, values, bias, block_mask, scaling: float, binary
     repeated). The bias goes in as a bool mask when ``binary_bias``, else as a float mask, which
     needs fp32 queries: a bf16/fp16 mask would round ln p of merged entries.
 
+    A decode step (q = 1) passes a [B, H_kv, 1, S] mask that SDPA broadcasts over the g heads of
+    each group: no dense [B, H_kv, g·q, S] mask is built. A longer block needs its causal rows,
+    so its mask is [B, H_kv, g·q, S].
+
     query_g [B, H_kv, g, q, D]; keys, values [B, H_kv, S, D]; bias [B, H_kv, S];
     block_mask [B, 1, q, q] bool. Returns [B, q, H, D].
     """
     batch, kv_heads, group, block, head_dim = query_g.shape
+    if block == 1:
+        # The new entry always sees itself (as below), so no row is empty.
+        if binary_bias:
+            mask = bias > NEG_INF
+            mask[..., -1] = True
+        else:
+            mask = bias.clone()
+            mask[..., -1:].nan_to_num_(neginf=0.0)
+        output = F.scaled_dot_product_attention(
+            query_g.reshape(batch, kv_heads, group, head_dim), keys, values, attn_mask=mask[:, :, None], scale=scaling,
+        )
+        return output.reshape(batch, 1, kv_heads * group, head_dim)
     stored = (bias > NEG_INF if binary_bias else bias)[:, :, None, None, :]  # [B, H_kv, 1, 1, S]
     mask = stored.expand(-1, -1, 1, block, -1).clone()  # [B, H_kv, 1, q, S], the same for the g heads
     # Within the new block: causal, and every query sees itself even when it is padding (as in a
@@ -288,6 +366,40 @@ def join_prefill_stats(earlier: StepStats, later: StepStats, window: int) -> Ste
     return joined
 
 
+def decode_kernel(device):
+    """The one-pass Triton decode kernel (:func:`keepkv.kernels.decode_attention`) where it can run
+    (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``; Triton installed: ``pip install -e
+    ".[gpu]"``), else None. The torch path above stays the reference and the default:
+    :func:`attend` calls the kernel only when ``KEEPKV_DECODE_KERNEL=triton`` opts in."""
+    from .kernels import decode
+
+    if not decode.triton_available():
+        return None
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return None
+    return decode.decode_attention
+
+
+DECODE_KERNEL_ENV = "KEEPKV_DECODE_KERNEL"  # "triton": decode steps that need probabilities use the kernel
+
+
+def opted_in_decode_kernel(device):
+    """The decode kernel when ``KEEPKV_DECODE_KERNEL=triton`` (unset or ``torch``: None). Opting in
+    where the kernel cannot run is refused in one line, never silently ignored."""
+    choice = os.environ.get(DECODE_KERNEL_ENV, "torch")
+    if choice == "torch":
+        return None
+    if choice != "triton":
+        raise ValueError(f"{DECODE_KERNEL_ENV} must be 'torch' or 'triton', got {choice!r}")
+    kernel = decode_kernel(device)
+    if kernel is None:
+        raise ValueError(
+            f"{DECODE_KERNEL_ENV}=triton needs Triton (pip install -e \".[gpu]\") and a CUDA device (or "
+            f"TRITON_INTERPRET=1); this decode step runs on {torch.device(device)}"
+        )
+    return kernel
+
+
 def keepkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function transformers calls for ``attn_implementation="keepkv"``.
 
@@ -325,7 +437,15 @@ def new_block_mask(attention_mask, batch: int, block: int, device) -> torch.Tens
 
 def keepkv_mask(*args, **kwargs):
     """Mask builder registered for ``"keepkv"``: the standard SDPA mask [B, 1, q, kv] (or None for
-    a plain causal one). The keepkv path reads only its last q columns (see module doc)."""
+    a plain causal one). The keepkv path reads only its last q columns (see module doc).
+
+    For a one-token block the mask is always built: HF would otherwise test the padding mask on
+    the host (``fast_all``) to skip it, a host sync in every decode step; a [B, 1, 1, kv] mask
+    costs one small kernel and gives the same attention."""
+    cache_position = kwargs.get("cache_position")
+    q_length = kwargs.get("q_length", None if cache_position is None else cache_position.shape[0])
+    if q_length == 1:
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 

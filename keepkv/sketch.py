@@ -12,8 +12,15 @@ usual Count-Sketch names: ``rows`` = r (one hash function each), ``buckets`` = b
 costs r·b token entries, whatever the number of tokens inserted.
 
 Everything is vectorised over batch rows, KV heads, tokens and sketch rows: inserts
-and deletes are one ``index_add_`` each for keys and values, queries one
+and deletes are one accumulating ``index_put_`` each for keys and values, queries one
 ``index_select`` plus a median over the row axis.
+
+Determinism. Tokens of one insert that share a slot are summed by ``index_put_(...,
+accumulate=True)``, not ``index_add_``: on CUDA ``index_add_`` adds with atomics, in an order
+that changes from run to run, while ``index_put_`` sorts the slot indices and sums each slot's
+tokens in that fixed order (in fp32 for bf16/fp16 tables, one rounding per slot and call); on
+CPU both add serially in index order. So the same inserts give the same bits on every run, which
+the bit-exact delete below relies on.
 """
 
 from __future__ import annotations
@@ -155,9 +162,12 @@ class CountSketch:
     For a vague budget of E token entries use ``b = E // r`` (see
     :func:`buckets_for_budget`); the paper fixes r = 3.
 
-    Precision: accumulating many tokens (and deleting estimates) in fp16/bf16 adds
-    rounding error on top of the collision error; fp32 sketches avoid that at 2× the
-    bytes of a bf16 one.
+    Precision: keep the tables in fp32 (``empty``'s default) even for a bf16/fp16 model:
+    inserts and deletes take keys/values of any dtype and add them in the tables' dtype.
+    In bf16 a slot holding hundreds of keys has a rounding step about the size of one key
+    (8 mantissa bits), so deleting a token's estimate would leave as much error as the
+    token itself; fp32 tables cost 2× the bytes of bf16 ones. Estimates come back in the
+    tables' dtype; cast them to the cache's.
     """
 
     keys: Tensor  # [B, H_kv, r, b, D]
@@ -340,9 +350,10 @@ class CountSketch:
         gk = g[..., None]  # [B, H, N, r, 1]
         k_src = k[:, :, :, None, :] * gk if self.sign_keys else k[:, :, :, None, :].expand(B, H, n, r, D)
         v_src = v[:, :, :, None, :] * gk
-        flat_idx = idx.reshape(-1)
-        self.keys.view(-1, D).index_add_(0, flat_idx, k_src.reshape(-1, D))
-        self.values.view(-1, D).index_add_(0, flat_idx, v_src.reshape(-1, D))
+        flat_idx = (idx.reshape(-1),)
+        # Deterministic on every device (module doc): never index_add_, whose CUDA atomics are not.
+        self.keys.view(-1, D).index_put_(flat_idx, k_src.reshape(-1, D), accumulate=True)
+        self.values.view(-1, D).index_put_(flat_idx, v_src.reshape(-1, D), accumulate=True)
 
     # ------------------------------------------------------------------- operations
     def insert(

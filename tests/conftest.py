@@ -1,7 +1,16 @@
 """Tiny random-weight models built from configs, shared by the unit tests."""
 
+import os
+
 import pytest
 import torch
+
+# The Triton kernels' tests run in Triton's interpreter where there is no GPU. Triton reads this
+# when it is imported (its own library functions are jitted then), so it is set before anything
+# can import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import HealthCheck, settings
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

@@ -607,12 +607,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     run = parser.add_argument_group("workload")
     add(run, "--methods", default=QUICK_METHODS,
         help="comma-separated methods, or 'all' for every registered one (full is always run)")
-    add(run, "--budget", type=budget_arg, default=0.2, help="fraction of the prompt or entry count")
+    add(run, "--budget", type=budget_arg,
+        help="fraction of the prompt or entry count (default: 0.2; --ops: 0.1)")
     add(run, "--param", action="append", metavar="[METHOD.]KEY=VALUE",
         help="method parameter, e.g. interval=8 (every method with it) or h2o.recent_ratio=0.3")
     add(run, "--prompt-len", type=int, metavar="L", help="prompt tokens per row (default: 1024; --soak: 256)")
     add(run, "--gen-len", type=int, default=QUICK_GEN_LEN, metavar="G", help="timed decode steps")
-    add(run, "--batch", type=int, nargs="+", default=[1], metavar="B", help="batch size(s)")
+    add(run, "--batch", type=int, nargs="+", metavar="B", help="batch size(s) (default: 1; --ops: 2)")
     add(run, "--repeats", type=int, default=QUICK_REPEATS, help="timed repetitions; median and min/max reported")
     add(run, "--warmup", type=int, default=1, help="untimed short runs before each timed one")
     add(run, "--seed", type=int, default=0, help="seed of the random prompts (and --config weights)")
@@ -633,6 +634,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="soak instead: one long decode per method (every registered one unless --methods names others), "
              "cache bytes and RSS at steps 100, 1k, 10k, 20k (default model: the smollm2-135m shape, random "
              "weights, --layers 2; --prompt-len 256)")
+    add(modes, "--ops", action="store_true",
+        help="count instead: kernel operations (non-view ATen ops) and host syncs of one decode step, per layer, "
+             "for every registered method unless --methods names others (default model: the smollm2-135m shape, "
+             "random weights, --layers 4; --prompt-len 512, --batch 2, --budget 0.1)")
+    add(modes, "--ops-steps", type=int, default=1, metavar="N", help="decode steps counted by --ops (averaged)")
+    add(modes, "--cuda-suite", action="store_true",
+        help="on a CUDA machine: the CUDA tests, the op count and the GPU bench in one run (under 10 min on one "
+             "H100), writing cuda.json and cuda.log into --out (default: runs/cuda); see .ci/cuda")
     add(modes, "--soak-steps", type=int, default=20_000, metavar="N", help="decode steps of --soak")
     out = parser.add_argument_group("output")
     add(out, "--json", nargs="?", const="-", metavar="PATH",
@@ -654,8 +663,17 @@ def main(args: argparse.Namespace) -> int:
         json_to = None
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
+    if getattr(args, "cuda_suite", False):
+        from .cuda_suite import main as cuda_main
+
+        return cuda_main(["--out", args.out or "runs/cuda"])
+    if getattr(args, "soak", False) and getattr(args, "ops", False):
+        print("keepkv bench: pass either --soak or --ops, not both", file=sys.stderr)
+        return 2
     if getattr(args, "soak", False):
         return _soak_main(args, json_to)
+    if getattr(args, "ops", False):
+        return _ops_main(args, json_to)
     if args.layers is not None and args.config is None:
         print("keepkv bench: --layers needs --config", file=sys.stderr)
         return 2
@@ -670,11 +688,11 @@ def main(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             methods=args.methods,
-            budget=args.budget,
+            budget=0.2 if args.budget is None else args.budget,
             method_params=parse_params(args.param),
             prompt_len=1024 if args.prompt_len is None else args.prompt_len,
             gen_len=args.gen_len,
-            batches=args.batch,
+            batches=[1] if args.batch is None else args.batch,
             repeats=args.repeats,
             warmup=args.warmup,
             memory_cap_gb=args.memory_cap,
@@ -728,7 +746,7 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
         prompt_len = 256 if args.prompt_len is None else args.prompt_len
         methods = resolve_methods("all" if args.methods == QUICK_METHODS else args.methods)
         result = run_soak(
-            model, methods, args.budget, prompt_len=prompt_len, steps=args.soak_steps, seed=args.seed,
+            model, methods, 0.2 if args.budget is None else args.budget, prompt_len=prompt_len, steps=args.soak_steps, seed=args.seed,
             progress=not args.no_progress, method_params=parse_params(args.param),
         )
     except ValueError as error:
@@ -743,6 +761,56 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
     elif json_to:
         with open(json_to, "w") as handle:
             handle.write(text + "\n")
+    return 0
+
+
+def _ops_main(args: argparse.Namespace, json_to: str | None) -> int:
+    """``keepkv bench --ops``: see :mod:`keepkv.bench.ops`."""
+    from .ops import format_ops, run_ops
+
+    try:
+        if isinstance(args.ops_steps, bool) or not isinstance(args.ops_steps, int) or args.ops_steps < 1:
+            raise ValueError(f"--ops-steps must be an int >= 1, got {args.ops_steps!r}")
+        batch = args.batch or [2]
+        if len(batch) != 1 or batch[0] < 1:
+            raise ValueError(f"--ops counts one batch size >= 1, got {' '.join(map(str, batch))}")
+        prompt_len = 512 if args.prompt_len is None else args.prompt_len
+        if prompt_len < 1:
+            raise ValueError(f"--prompt-len must be >= 1, got {prompt_len}")
+        device = resolve_device(args.device)
+        config = args.config if args.model is not None or args.config else "smollm2-135m"
+        layers = args.layers if args.layers is not None or args.model is not None else 4
+        model, info = load_bench_model(
+            args.model, config=config if args.model is None else None, layers=layers,
+            dtype=resolve_dtype(args.dtype, device), device=device, seed=args.seed,
+        )
+        methods = resolve_methods("all" if args.methods == QUICK_METHODS else args.methods)
+        budget = 0.1 if args.budget is None else args.budget
+        from ..cache import validate_budget
+
+        validate_budget(budget)
+        result = run_ops(
+            model, methods, budget, prompt_len=prompt_len, batch=batch[0], steps=args.ops_steps, seed=args.seed,
+            progress=not args.no_progress, method_params=parse_params(args.param),
+        )
+    except ValueError as error:
+        print(f"keepkv bench: {error}", file=sys.stderr)
+        return 2
+    result["model"].update(source=info["source"], random_weights=info["random_weights"])
+    table = format_ops(result)
+    print(table, file=sys.stderr if json_to == "-" else sys.stdout)
+    text = json.dumps({"ops": result}, indent=2)
+    if json_to == "-":
+        print(text)
+    elif json_to:
+        with open(json_to, "w") as handle:
+            handle.write(text + "\n")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ops.json"), "w") as handle:
+            handle.write(text + "\n")
+        with open(os.path.join(args.out, "ops.txt"), "w") as handle:
+            handle.write(table + "\n")
     return 0
 
 
