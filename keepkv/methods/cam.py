@@ -37,7 +37,7 @@ def keyed_uniform(seed: int, layer_idx: int, positions: torch.Tensor) -> torch.T
     x = _mix32(x ^ (layer_idx & _MASK32))
     x = _mix32(x ^ heads)
     x = _mix32(x ^ (positions & _MASK32))
-    return (x >> 8).double() / float(1 << 24)
+    return (x >> 8).float() / float(1 << 24)  # 24 bits: exact in fp32
 
 
 @register

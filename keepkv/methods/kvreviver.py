@@ -35,8 +35,10 @@ What is reversible and what is not
   collision error is frozen there for good, and the sketch keeps the residual
   (true - estimate) in that token's slots, which later adds to the estimates of tokens
   that share them. With no collision both are exact.
-* In a bf16/fp16 cache the sketch accumulates in that dtype (it costs exactly r*b
-  entries of the cache's dtype), so insert/delete also add rounding error.
+* The sketch accumulates in fp32 whatever the cache's dtype: in bf16 a bucket summing
+  hundreds of keys would round to about one key's size. In a bf16/fp16 cache its r*b buckets
+  therefore take twice the bytes of r*b entries, beyond the share of the budget they are
+  charged (``cache.nbytes()`` reports what is held).
 
 How the paper's estimate and the ``"mean"`` default compare on the embedded model: docs/methods.md,
 "KVReviver" (the paper's estimate is ``kvreviver+estimate=sum``).
@@ -497,7 +499,7 @@ class KVReviver(Method):
         estimates = table.index_select(0, self._slots(state["sketch"], token_ids, signed=True).reshape(-1))
         median = median_rows(estimates.view(*token_ids.shape, state["sketch"].rows, -1))
         key_dim = state["sketch"].head_dim
-        return median[..., :key_dim], median[..., key_dim:]
+        return median[..., :key_dim], median[..., key_dim:]  # fp32: the caller casts to the cache dtype
 
     def _count(self, state, token_ids, mask, delta: float) -> None:
         """Add ``delta`` to the occupancy of the slots of the masked ``token_ids`` ("mean")."""
@@ -543,7 +545,8 @@ class KVReviver(Method):
         if int(buckets.max()) > 0:
             sketch = RaggedSketch.empty(
                 batch, kv_heads, self.rows, int(buckets.max()), head_dim,
-                dtype=layer.keys.dtype, device=layer.keys.device, seed=self.seed,
+                # fp32 tables: a bucket sums many keys, which bf16 would round to about one key's size
+                dtype=torch.float32, device=layer.keys.device, seed=self.seed,
             )
             sketch.active = buckets
             state["sketch"] = sketch
@@ -630,13 +633,9 @@ class KVReviver(Method):
         cand_sorted, cand_idx = score.masked_fill(~is_candidate, float("inf")).topk(width, largest=False)
         vague_sorted, vague_idx = vague_score.topk(width, largest=True)
         swap = swap_counts(cand_sorted, vague_sorted, self.replace_rate)
-        if layer.device.type == "cpu":  # trim to the swaps that happen; on accelerators avoid the host sync
-            most = int(swap.sum(-1).max())
-            if most == 0:
-                return
-            cand_idx, vague_idx, swap = cand_idx[..., :most], vague_idx[..., :most], swap[..., :most]
-            cand_sorted, vague_sorted = cand_sorted[..., :most], vague_sorted[..., :most]
-        cand_score, in_score = cand_sorted, vague_sorted
+        # No host sync: every step runs the whole exchange; where nothing swaps, it writes back what
+        # is there (a protected entry's own score, not the +inf it was ranked by).
+        cand_score, in_score = score.gather(-1, cand_idx), vague_sorted
         out_pos = layer.positions.gather(-1, cand_idx)
         out_keys, out_values = self._gather_kv(layer, cand_idx)
         in_pos = vague_pos.gather(-1, vague_idx)
