@@ -36,11 +36,8 @@ from torch import Tensor
 
 __all__ = [
     "CountSketch",
-    "buckets_for_budget",
     "fisher_layer_scores",
-    "allocate_layer_budgets",
     "proportional_budgets",
-    "fisher_layer_budgets",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -160,7 +157,7 @@ class CountSketch:
 
     Memory: r·b key vectors + r·b value vectors per (batch row, head), fixed.
     For a vague budget of E token entries use ``b = E // r`` (see
-    :func:`buckets_for_budget`); the paper fixes r = 3.
+    ``KVReviver.sketch_buckets``); the paper fixes r = 3.
 
     Precision: keep the tables in fp32 (``empty``'s default) even for a bf16/fp16 model:
     inserts and deletes take keys/values of any dtype and add them in the tables' dtype.
@@ -397,15 +394,6 @@ class CountSketch:
         k, v = self.row_estimates(token_ids)
         return median_rows(k), median_rows(v)
 
-    def pop(self, token_ids: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Algorithm 3's ``tmp ← V.Query(i); V.Delete(tmp)``: query, then delete the estimate.
-
-        Returns the estimates for every token; only masked-in tokens are deleted.
-        """
-        k, v = self.query(token_ids)
-        self.delete(token_ids, k, v, mask)
-        return k, v
-
     def zero_(self) -> "CountSketch":
         """Reset every slot to zero (in place)."""
         self.keys.zero_()
@@ -439,23 +427,6 @@ def _check_positive(name: str, value) -> int:
     if v < 1:
         raise ValueError(f"{name} must be an integer >= 1 (valid range: 1, 2, ...), got {v}")
     return v
-
-
-def buckets_for_budget(vague_entries: int, rows: int = 3) -> int:
-    """Buckets b per row for a Vague Part of ``vague_entries`` token entries: b = entries // r.
-
-    The sketch then costs r·b ≤ vague_entries entries (the paper: "the total size of the
-    Vague Part is determined by rb, the bucket length b becomes fixed once r is set",
-    with r = 3). Raises ValueError when the budget cannot hold one bucket per row.
-    """
-    rows = _check_positive("rows", rows)
-    vague_entries = operator.index(vague_entries)
-    if vague_entries < rows:
-        raise ValueError(
-            f"vague_entries must be >= rows (= {rows}) to give at least one bucket per row, "
-            f"got {vague_entries}"
-        )
-    return vague_entries // rows
 
 
 # ----------------------------------------------------------------- Fisher budgets
@@ -548,52 +519,3 @@ def proportional_budgets(scores: Tensor, totals: Tensor, minimum: int) -> Tensor
     places = torch.arange(layers, device=total.device)[:, None].expand_as(ranked)
     rank = torch.empty_like(ranked).scatter_(0, ranked, places)
     return (base + (rank < leftover[None]).double()).long()
-
-
-def allocate_layer_budgets(
-    scores: Sequence[float] | Tensor, total_budget: int, min_per_layer: int = 1
-) -> list[int]:
-    """Integer budgets proportional to ``scores`` that sum to ``total_budget`` exactly, each at
-    least ``min_per_layer`` (see :func:`proportional_budgets`)."""
-    s = torch.as_tensor(scores, dtype=torch.float64).flatten().cpu()
-    L = s.numel()
-    if L == 0:
-        raise ValueError("need at least one layer")
-    if not torch.isfinite(s).all() or (s < 0).any():
-        raise ValueError(f"scores must be finite and >= 0, got {s.tolist()}")
-    total_budget = operator.index(total_budget)
-    min_per_layer = operator.index(min_per_layer)
-    if min_per_layer < 0:
-        raise ValueError(f"min_per_layer must be >= 0, got {min_per_layer}")
-    if total_budget < L * min_per_layer:
-        raise ValueError(
-            f"total_budget must be >= layers * min_per_layer = {L} * {min_per_layer} = "
-            f"{L * min_per_layer}, got {total_budget}"
-        )
-    return proportional_budgets(s, torch.tensor([total_budget]), min_per_layer)[:, 0].tolist()
-
-
-def fisher_layer_budgets(
-    k_proj_weights: Sequence[Tensor] | Tensor,
-    v_proj_weights: Sequence[Tensor] | Tensor,
-    total_budget: int,
-    min_per_layer: int = 1,
-    *,
-    k_fisher: Sequence[Tensor] | Tensor | None = None,
-    v_fisher: Sequence[Tensor] | Tensor | None = None,
-) -> list[int]:
-    """KVReviver's per-layer budgets: proportional to each layer's Fisher score.
-
-    ``k_proj_weights[l]``, ``v_proj_weights[l]``: layer l's K and V projection weights
-    (any shape). ``total_budget``: the sum over layers (e.g. layers × per-layer
-    average, in token entries). Budgets sum to it exactly and are each
-    ≥ ``min_per_layer``. The score is :func:`fisher_layer_scores` (the paper's
-    "Fisher Information of the Key and Value weight matrices", summed; with the
-    squared-Frobenius proxy unless real Fisher tensors are passed), the allocation is
-    :func:`allocate_layer_budgets` ("used to determine the memory budget allocation
-    ratio across different layers": budget ∝ score). The caller caches per model.
-    """
-    scores = fisher_layer_scores(
-        k_proj_weights, v_proj_weights, k_fisher=k_fisher, v_fisher=v_fisher
-    )
-    return allocate_layer_budgets(scores, total_budget, min_per_layer)

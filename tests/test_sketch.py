@@ -7,11 +7,9 @@ import torch
 
 from keepkv.sketch import (
     CountSketch,
-    median_rows,
-    allocate_layer_budgets,
-    buckets_for_budget,
-    fisher_layer_budgets,
     fisher_layer_scores,
+    median_rows,
+    proportional_budgets,
 )
 
 
@@ -127,13 +125,14 @@ def test_delete_after_query_restores_sketch():
     assert torch.equal(sk.values, ref.values)
 
 
-def test_pop_masked_deletes_only_selected():
+def test_masked_delete_of_the_estimates_deletes_only_selected():
     sk, ids, k, v = _collision_free_setup()
     sk.insert(ids, k, v)
     before = _copy(sk)
     sel = torch.zeros(1, 1, 4, dtype=torch.bool)
     sel[..., 1] = True
-    qk, qv = sk.pop(ids[..., :4], mask=sel)
+    qk, qv = sk.query(ids[..., :4])  # Algorithm 3: query, then delete the estimate
+    sk.delete(ids[..., :4], qk, qv, sel)
     assert torch.equal(qk, k[..., :4, :]) and torch.equal(qv, v[..., :4, :])
     before.delete(ids[..., 1:2], k[..., 1:2, :], v[..., 1:2, :])
     assert torch.equal(sk.keys, before.keys) and torch.equal(sk.values, before.values)
@@ -268,14 +267,6 @@ def test_nbytes_fixed(dtype):
         assert sk.keys.shape == (B, H, r, b, D)
 
 
-def test_buckets_for_budget():
-    assert buckets_for_budget(300) == 100
-    assert buckets_for_budget(301, rows=3) == 100
-    assert buckets_for_budget(10, rows=1) == 10
-    with pytest.raises(ValueError, match=">= rows"):
-        buckets_for_budget(2, rows=3)
-
-
 # ------------------------------------------------------------------ validation
 
 
@@ -314,21 +305,22 @@ def _layers(scales, out=12, inp=16, seed=0):
 def test_fisher_budgets_sum_min_and_order():
     scales = [1.0, 3.0, 1e-3, 0.5, 2.0]
     ks, vs = _layers(scales)
+    scores = fisher_layer_scores(ks, vs)
     for total, mn in [(100, 1), (37, 4), (5, 1), (1000, 0), (20, 4)]:
-        out = fisher_layer_budgets(ks, vs, total, min_per_layer=mn)
+        out = proportional_budgets(scores, torch.tensor([total]), mn)[:, 0].tolist()
         assert sum(out) == total
         assert all(x >= mn for x in out)
         # Larger weights never get less than smaller ones.
         order = sorted(range(len(scales)), key=lambda i: scales[i])
         assert all(out[order[i]] <= out[order[i + 1]] for i in range(len(order) - 1)), out
-    out = fisher_layer_budgets(ks, vs, 100, min_per_layer=2)
+    out = proportional_budgets(scores, torch.tensor([100]), 2)[:, 0].tolist()
     assert out[2] == 2  # tiny weights → pinned at the minimum
     assert out[1] > out[0]
     # Proportional to ||W_k||_F^2 + ||W_v||_F^2 (largest-remainder rounding).
     scores = fisher_layer_scores(ks, vs)
     expected = [(k.double().pow(2).sum() + v.double().pow(2).sum()).item() for k, v in zip(ks, vs)]
     torch.testing.assert_close(scores, torch.tensor(expected, dtype=torch.float64))
-    out = fisher_layer_budgets(ks, vs, 1000, min_per_layer=0)
+    out = proportional_budgets(scores, torch.tensor([1000]), 0)[:, 0].tolist()
     share = scores / scores.sum() * 1000
     assert all(abs(o - s) < 1.0 for o, s in zip(out, share.tolist()))
 
@@ -337,27 +329,25 @@ def test_fisher_budgets_with_supplied_fisher():
     ks, vs = _layers([1.0, 1.0, 1.0])
     kf = [torch.full((12, 16), 1.0), torch.full((12, 16), 3.0), torch.full((12, 16), 0.0)]
     vf = [torch.full((12, 16), 1.0), torch.full((12, 16), 3.0), torch.full((12, 16), 0.0)]
-    assert fisher_layer_budgets(ks, vs, 40, 0, k_fisher=kf, v_fisher=vf) == [10, 30, 0]
-    assert fisher_layer_budgets(ks, vs, 40, 2, k_fisher=kf, v_fisher=vf) == [9, 29, 2]  # 9.5 : 28.5, tie → larger score
+    scores = fisher_layer_scores(ks, vs, k_fisher=kf, v_fisher=vf)
+    assert proportional_budgets(scores, torch.tensor([40]), 0)[:, 0].tolist() == [10, 30, 0]
+    assert proportional_budgets(scores, torch.tensor([40]), 2)[:, 0].tolist() == [9, 29, 2]  # 9.5 : 28.5, tie → larger score
     with pytest.raises(ValueError):
-        fisher_layer_budgets(ks, vs, 40, k_fisher=kf)
+        fisher_layer_scores(ks, vs, k_fisher=kf)
 
 
-def test_allocate_layer_budgets_edges():
-    assert allocate_layer_budgets([0.0, 0.0, 0.0], 10) == [4, 3, 3]
-    assert allocate_layer_budgets([1.0, 1.0], 7, 3) == [4, 3]
-    assert allocate_layer_budgets([5.0], 9, 1) == [9]
-    assert allocate_layer_budgets([1.0, 2.0, 3.0, 4.0], 4, 1) == [1, 1, 1, 1]
-    big = allocate_layer_budgets(torch.rand(30, generator=torch.Generator().manual_seed(1)), 123_457, 10)
+def test_proportional_budgets_edges():
+    def budgets(scores, total, minimum):
+        return proportional_budgets(torch.tensor(scores, dtype=torch.float64), torch.tensor([total]), minimum)[:, 0].tolist()
+
+    assert budgets([0.0, 0.0, 0.0], 10, 1) == [4, 3, 3]
+    assert budgets([1.0, 1.0], 7, 3) == [4, 3]
+    assert budgets([5.0], 9, 1) == [9]
+    assert budgets([1.0, 2.0, 3.0, 4.0], 4, 1) == [1, 1, 1, 1]
+    big = budgets(torch.rand(30, generator=torch.Generator().manual_seed(1)).tolist(), 123_457, 10)
     assert sum(big) == 123_457 and min(big) >= 10
-    with pytest.raises(ValueError, match="total_budget must be >="):
-        allocate_layer_budgets([1.0, 2.0], 3, 2)
     with pytest.raises(ValueError):
-        allocate_layer_budgets([1.0, float("nan")], 10)
-    with pytest.raises(ValueError):
-        allocate_layer_budgets([1.0, -1.0], 10)
-    with pytest.raises(ValueError):
-        fisher_layer_budgets([torch.ones(2, 2)], [], 10)
+        fisher_layer_scores([torch.ones(2, 2)], [])
 
 
 # ------------------------------------------------------------------ devices
