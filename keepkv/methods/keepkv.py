@@ -475,8 +475,9 @@ class KeepKV(ZipChoice, ScoredEviction):
             dropped = plan.evict_valid & ~merge
             lost = layer.bias.gather(-1, plan.evict_idx).double().exp().masked_fill(~dropped, 0.0).sum(-1)
             layer.state["lost_votes"] += lost
-            # No host sync: a plan whose entries all fail the threshold merges nothing, bit for bit.
-            if self.merge == "zip":
+            # On CPU skip the merge when nothing merges (reading the flag stalls nothing); on an
+            # accelerator always run it, with no host sync: an empty merge changes nothing, bit for bit.
+            if self.merge == "zip" and (layer.device.type != "cpu" or bool(merge.any())):
                 self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema)
         if self.kernel > 1:  # the pooled ranking needs slots in position order
             layer.select(plan.keep_idx, plan.keep_valid)
