@@ -113,6 +113,9 @@ class CompressedCache(Cache):
         self.prefill_peak_bytes = 0
         self.prompt_mask: torch.Tensor | None = None
         self.record = record
+        # Callables (layer_idx, query, keys, values, block_mask, scaling, output, is_prefill) that
+        # see every attention call after the method ran: they read, never write.
+        self.observers: list = []
         self.method.check_budget(self)
 
     # -- HF Cache API ------------------------------------------------------------------
@@ -227,11 +230,19 @@ class CompressedCache(Cache):
 
     # -- one attention call --------------------------------------------------------------
     def forward_layer(self, layer_idx, query, keys, values, block_mask, scaling) -> torch.Tensor:
-        """Append the new block, attend over the kept entries, let the method compress.
+        """Append the new block, attend over the kept entries, let the method compress; then hand
+        the call to each of ``observers`` (analyses such as keepkv.perturbation).
 
         query [B, H, q, D]; keys, values [B, H_kv, q, D]; block_mask [B, 1, q, q] bool
         (causal within the block, False for padded keys). Returns [B, q, H, D].
         """
+        is_prefill = self.layers[layer_idx].seen < max(1, self.prefill_tokens)
+        output = self._forward_layer(layer_idx, query, keys, values, block_mask, scaling)
+        for observer in self.observers:
+            observer(layer_idx, query, keys, values, block_mask, scaling, output, is_prefill)
+        return output
+
+    def _forward_layer(self, layer_idx, query, keys, values, block_mask, scaling) -> torch.Tensor:
         layer = self.layers[layer_idx]
         block = keys.shape[2]
         if self.sliding_window is not None:  # refused before anything changes (models.check_context)

@@ -95,13 +95,13 @@ def _relative(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 class _Recorder:
-    """Wraps a cache's forward_layer to record queries, appended K/V and attention outputs."""
+    """Observes a cache's attention calls (``CompressedCache.observers``) to record queries,
+    appended K/V and attention outputs."""
 
     def __init__(self, cache: CompressedCache, steps):
         self.cache = cache
         self.steps = set(steps)
-        self.inner = cache.forward_layer
-        cache.forward_layer = self.forward_layer
+        cache.observers.append(self.observe)
         self.step = 0
         self.scaling: dict[int, float] = {}
         self.last_query: dict[int, torch.Tensor] = {}  # layer -> [B, H, D] last prompt query
@@ -118,9 +118,7 @@ class _Recorder:
         bias = torch.zeros(real.shape, device=keys.device).masked_fill(~real, float("-inf"))
         return keys, values, bias[:, None].expand(-1, keys.shape[1], -1)
 
-    def forward_layer(self, layer_idx, query, keys, values, block_mask, scaling):
-        is_prefill = self.cache.layers[layer_idx].seen == 0
-        output = self.inner(layer_idx, query, keys, values, block_mask, scaling)
+    def observe(self, layer_idx, query, keys, values, block_mask, scaling, output, is_prefill):
         self.scaling[layer_idx] = scaling
         self.appended.setdefault(layer_idx, []).append((keys.detach(), values.detach(), block_mask[:, 0, -1, :].clone()))
         if is_prefill:
@@ -130,7 +128,6 @@ class _Recorder:
             self.outputs.setdefault(self.step, {})[layer_idx] = out.detach()
             full = _attend(query[:, :, -1], *self.full_entries(layer_idx), scaling)
             self.isolated.setdefault(self.step, {})[layer_idx] = _relative(out, full)
-        return output
 
 
 @torch.no_grad()
