@@ -2,6 +2,8 @@
 
 import torch
 
+from keepkv.attention import Needs, attend
+
 
 def attention_mass(
     query: torch.Tensor,
@@ -37,3 +39,23 @@ def attention_mass(
     if one_query:
         return output.squeeze(-2), weights.squeeze(-2)
     return output, weights
+
+
+def decode_attention_reference(query_g, keys, values, bias, scaling: float, lengths=None, probs: bool = False,
+                               logits: bool = False):
+    """The same as :func:`decode_attention`, by keepkv's torch path (:func:`keepkv.attention.attend`'s
+    explicit pass, a length folded into the bias as -inf): the reference the kernel is tested against."""
+    batch, kv_heads, group, head_dim = query_g.shape
+    size = keys.shape[2]
+    absent = None
+    if lengths is not None:
+        absent = torch.arange(size, device=keys.device) >= lengths.to(keys.device)[..., None]  # [B, H_kv, S]
+        bias = bias.masked_fill(absent, float("-inf"))
+    query = query_g.reshape(batch, kv_heads * group, 1, head_dim)
+    block_mask = torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=keys.device)
+    output, stats = attend(query, keys, values, bias, block_mask, scaling, Needs(probs=True, logits=True))
+    out = output.reshape(batch, kv_heads, group, head_dim)
+    stats_logits = stats.logits[:, :, :, 0]
+    if absent is not None:
+        stats_logits = stats_logits.masked_fill(absent[:, :, None], float("-inf"))
+    return out, stats.probs[:, :, :, 0] if probs else None, stats_logits if logits else None

@@ -10,7 +10,8 @@ pytest.importorskip("triton")
 
 from keepkv import attention  # noqa: E402
 from keepkv.kernels import decode  # noqa: E402
-from keepkv.kernels import decode_attention, decode_attention_reference  # noqa: E402
+from keepkv.kernels import decode_attention  # noqa: E402
+from reference import decode_attention_reference  # noqa: E402
 
 import keepkv  # noqa: E402
 

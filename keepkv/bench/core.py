@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -18,9 +17,10 @@ from tqdm.auto import tqdm
 
 from ..arguments import DefaultsFormatter, budget_arg
 from ..diagnostics import KeepKVWarning
-from ..methods.base import get_method, parse_method_spec, parse_value
+from ..methods.base import get_method, parse_value
 from ..models import DTYPES
 from .configs import CONFIGS, build_config, param_bytes, random_model
+from .setup import package_version, resolve_params, transformers_version
 from .runner import (
     cache_bytes_per_row,
     device_name,
@@ -79,25 +79,6 @@ def resolve_methods(methods) -> list[str]:
             get_method(method)  # unknown names and parameters fail here
     chosen = list(dict.fromkeys(chosen))
     return ["full"] + [m for m in chosen if m != "full"]
-
-
-def resolve_params(methods: list[str], method_params: dict | None) -> dict[str, dict]:
-    """Per-method parameters. Keys of ``method_params``: a method name (its own dict) or
-    ``"*"`` (applied to every method that has that field, e.g. ``{"*": {"interval": 8}}``)."""
-    from ..methods import METHODS
-
-    method_params = dict(method_params or {})
-    shared = method_params.pop("*", {})
-    unknown = [m for m in method_params if m not in METHODS]
-    if unknown:
-        raise ValueError(f"parameters given for unknown method(s): {', '.join(unknown)}")
-    resolved = {}
-    for method in methods:
-        fields = {field.name for field in dataclasses.fields(METHODS[parse_method_spec(method)[0]])}
-        params = {key: value for key, value in shared.items() if key in fields}
-        params.update(method_params.get(method, {}))
-        resolved[method] = params
-    return resolved
 
 
 def load_bench_model(model=None, config=None, layers=None, dtype=torch.float32, device="cpu", seed=0):
@@ -393,9 +374,9 @@ def run_bench(
         "schema_version": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {
-            "keepkv": getattr(keepkv, "__version__", None) or _package_version(),
+            "keepkv": getattr(keepkv, "__version__", None) or package_version(),
             "torch": torch.__version__,
-            "transformers": _transformers_version(),
+            "transformers": transformers_version(),
             "python": platform.python_version(),
         },
         "host": {
@@ -548,21 +529,6 @@ def _load_avg() -> float | None:
         return round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
         return None
-
-
-def _package_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("keepkv")
-    except Exception:  # not installed: running from a checkout
-        return "0.1.0+checkout"
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 # -- command line ----------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def default_phases(out: str) -> list[dict]:
 
 
 def _versions() -> dict:
-    from .core import _package_version, _transformers_version
+    from .setup import package_version, transformers_version
 
     try:
         import triton
@@ -83,7 +83,7 @@ def _versions() -> dict:
     except ImportError:
         triton_version = None
     return {
-        "keepkv": _package_version(), "torch": torch.__version__, "transformers": _transformers_version(),
+        "keepkv": package_version(), "torch": torch.__version__, "transformers": transformers_version(),
         "triton": triton_version, "python": platform.python_version(), "cuda": torch.version.cuda,
     }
 

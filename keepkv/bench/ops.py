@@ -228,7 +228,7 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
 def run_ops(model, methods: list[str], budget, prompt_len: int = 512, batch: int = 2, warm_steps: int = 3,
             steps: int = 1, seed: int = 0, progress: bool = True, method_params: dict | None = None) -> dict:
     """Counts of every method in ``methods`` ("full" first, for ``extra_vs_full``)."""
-    from .core import resolve_params
+    from .setup import resolve_params
 
     params = resolve_params(methods, method_params)
     records, errors = [], {}

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from ..attention import enabled
 from ..cache import CompressedCache
-from .core import resolve_params
+from .setup import resolve_params
 from .runner import current_rss
 
 CHECKPOINTS = (100, 1_000, 10_000, 20_000)

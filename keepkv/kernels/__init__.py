@@ -8,6 +8,6 @@ that need probabilities or logits, and :func:`keepkv.attention.decode_kernel` sa
 can run on a device.
 """
 
-from .decode import decode_attention, decode_attention_reference, triton_available
+from .decode import decode_attention, triton_available
 
-__all__ = ["decode_attention", "decode_attention_reference", "triton_available"]
+__all__ = ["decode_attention", "triton_available"]

@@ -18,7 +18,7 @@ Ragged lengths: with ``lengths`` [B, H_kv], row b and KV head h read only their 
 ``lengths[b, h]`` entries; the rest count as absent (probability 0, logit -inf), and are never
 loaded.
 
-The torch path (:func:`decode_attention_reference`, which is keepkv's
+The torch path (``tests/reference.py:decode_attention_reference``, which is keepkv's
 :func:`keepkv.attention.attend`) is the reference and the default; ``KEEPKV_DECODE_KERNEL=triton``
 opts a cache's decode steps in (see :func:`keepkv.attention.opted_in_decode_kernel`). The kernel runs on CUDA,
 or anywhere in Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use on CPU.
@@ -210,26 +210,3 @@ def decode_attention(query_g, keys, values, bias, scaling: float, lengths=None, 
         UPCAST_DOT=interpret and query_g.dtype == torch.bfloat16,
     )
     return out, probs_out, logits_out
-
-
-def decode_attention_reference(query_g, keys, values, bias, scaling: float, lengths=None, probs: bool = False,
-                               logits: bool = False):
-    """The same as :func:`decode_attention`, by keepkv's torch path (:func:`keepkv.attention.attend`'s
-    explicit pass, a length folded into the bias as -inf): the reference the kernel is tested against."""
-    from ..attention import Needs, attend
-
-    _check(query_g, keys, values, bias, lengths)
-    batch, kv_heads, group, head_dim = query_g.shape
-    size = keys.shape[2]
-    absent = None
-    if lengths is not None:
-        absent = torch.arange(size, device=keys.device) >= lengths.to(keys.device)[..., None]  # [B, H_kv, S]
-        bias = bias.masked_fill(absent, float("-inf"))
-    query = query_g.reshape(batch, kv_heads * group, 1, head_dim)
-    block_mask = torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=keys.device)
-    output, stats = attend(query, keys, values, bias, block_mask, scaling, Needs(probs=True, logits=True))
-    out = output.reshape(batch, kv_heads, group, head_dim)
-    stats_logits = stats.logits[:, :, :, 0]
-    if absent is not None:
-        stats_logits = stats_logits.masked_fill(absent[:, :, None], float("-inf"))
-    return out, stats.probs[:, :, :, 0] if probs else None, stats_logits if logits else None
