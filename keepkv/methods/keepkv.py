@@ -294,7 +294,7 @@ class KeepKV(ZipChoice, ScoredEviction):
         Their sum is the number of real tokens seen (vote conservation).
         """
         live_votes = layer.bias.double().exp().sum(-1)
-        return live_votes, layer.state["lost_votes"].clone()
+        return live_votes, layer.state["lost_votes"].double()
 
     @staticmethod
     def offload_report(cache) -> dict:
@@ -310,7 +310,8 @@ class KeepKV(ZipChoice, ScoredEviction):
             scaling=scaling,
             steps=0,
             refreshes=0,
-            lost_votes=torch.zeros(batch, kv_heads, dtype=torch.float64, device=layer.device),
+            # fp32: a decode step does no fp64 arithmetic on the device (slow on consumer GPUs)
+            lost_votes=torch.zeros(batch, kv_heads, device=layer.device),
         )
         if self.refresh_interval is not None:
             layer.state["offload"] = FullKVCopy(layer.keys, layer.values)
@@ -473,7 +474,7 @@ class KeepKV(ZipChoice, ScoredEviction):
             else:
                 dst, merge = plan.evict_idx, torch.zeros_like(plan.evict_valid)
             dropped = plan.evict_valid & ~merge
-            lost = layer.bias.gather(-1, plan.evict_idx).double().exp().masked_fill(~dropped, 0.0).sum(-1)
+            lost = layer.bias.gather(-1, plan.evict_idx).exp().masked_fill(~dropped, 0.0).sum(-1)
             layer.state["lost_votes"] += lost
             # On CPU skip the merge when nothing merges (reading the flag stalls nothing); on an
             # accelerator always run it, with no host sync: an empty merge changes nothing, bit for bit.
