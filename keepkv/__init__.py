@@ -3,7 +3,7 @@
 from .attention import enable, enabled
 from .cache import CompressedCache, capacity_bound
 from .diagnostics import KeepKVWarning
-from .generation import GenerationResult, generate
+from .generation import GenerationResult, compress, generate
 from .methods import Method, describe_methods, get_method
 from .models import load_model
 
@@ -13,6 +13,7 @@ __all__ = [
     "KeepKVWarning",
     "Method",
     "capacity_bound",
+    "compress",
     "describe_methods",
     "enable",
     "enabled",

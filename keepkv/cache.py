@@ -902,6 +902,19 @@ class CompressedCache(Cache):
         cache._end_prefill(cache.layers)
         return cache
 
+    def copy(self) -> "CompressedCache":
+        """An independent deep copy: every layer's tensors, buffers and method state, so that
+        decoding the copy (a question on a compressed context, ``keepkv.compress``) leaves this
+        cache untouched. The model config is shared, not copied."""
+        import copy as _copy
+
+        with torch.inference_mode(False):  # the bias keeps a version counter (binary_bias)
+            clone = _copy.deepcopy(self, memo={id(self.config): self.config})
+        for source, layer in zip(self.layers, clone.layers):
+            if source.is_initialized:  # the mark names the copy's own bias tensor
+                layer._binary_mark = layer._bias_mark() if source.binary_bias() else None
+        return clone
+
     # -- reporting -------------------------------------------------------------------------
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
