@@ -88,3 +88,80 @@ def plot_scores(rows: list[dict], path) -> Path:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def sweep_points(rows: list[dict]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """The sweep plot's data: per panel ("higher" / "lower" is better) and method, (compression
+    ratio = 1 - budget, mean score over that panel's suites) for every fractional budget that every
+    such suite has. The full cache's mean is one point at ratio 0. Average rows are left out (their
+    suites are already in)."""
+    points: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for panel in ("higher", "lower"):
+        wanted = [
+            row for row in rows
+            if not row.get("average_of") and _is_number(row["score"])
+            and (row.get("higher_is_better", True) in (True, "true", "True")) == (panel == "higher")
+        ]
+        suites = {(row["suite"], row["length"]) for row in wanted}
+        if not suites:
+            continue
+        scores: dict[tuple[str, float], list[float]] = {}
+        for row in wanted:
+            budget = 1.0 if row["method"] == "full" else row["budget"]
+            if isinstance(budget, float) and 0 < budget <= 1:
+                scores.setdefault((row["method"], budget), []).append(row["score"])
+        by_method: dict[str, list[tuple[float, float]]] = {}
+        for (method, budget), values in scores.items():
+            if len(values) == len(suites):
+                by_method.setdefault(method, []).append((round(1.0 - budget, 6), sum(values) / len(values)))
+        points[panel] = {method: sorted(values) for method, values in by_method.items()}
+    return points
+
+
+def plot_sweep(rows: list[dict], path) -> Path | None:
+    """``keepkv eval --sweep``: the mean score against the compression ratio (1 - budget), one line
+    per method, the full cache dashed, as kvpress's leaderboard draws it; a second panel for the
+    lower-is-better suites (KL) when there are any. None, with a message on stderr, when
+    matplotlib is not installed (the numbers are in summary.csv)."""
+    import sys
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("keepkv: the sweep plot needs matplotlib (pip install matplotlib); the numbers are in summary.csv",
+              file=sys.stderr)
+        return None
+    points = sweep_points(rows)
+    panels = [panel for panel in ("higher", "lower") if panel in points]
+    figure, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.6 * max(1, len(panels)), 4.2), squeeze=False)
+    colours = plt.get_cmap("tab20")
+    handles = {}
+    for axis, panel in zip(axes.flat, panels):
+        methods = [m for m in points[panel] if m != "full"]
+        for method, values in points[panel].items():
+            if method == "full":
+                handles["full"] = axis.axhline(values[0][1], color="black", linestyle="--", linewidth=1.2, label="full")
+        for index, method in enumerate(methods):
+            ratios, scores = zip(*points[panel][method])
+            (handles[method],) = axis.plot(
+                ratios, scores, marker=MARKERS[index % len(MARKERS)], markersize=4, linewidth=1.2,
+                color=colours(_COLOUR_ORDER[index % 20]), label=method,
+            )
+        axis.set_xlabel("compression ratio (1 - budget)")
+        axis.set_ylabel("mean score" if panel == "higher" else "mean KL(full ‖ method)")
+        axis.set_title(f"{'higher' if panel == 'higher' else 'lower'} is better", fontsize=9)
+        if panel == "lower":
+            axis.set_yscale("log")
+        axis.grid(alpha=0.3)
+    if handles:
+        figure.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(7, len(handles)), fontsize=8,
+                      frameon=False)
+    figure.tight_layout(rect=(0, 0.1, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
