@@ -523,3 +523,12 @@ def test_a_length_the_model_cannot_hold_is_refused_before_any_work(model, tokeni
         run_eval(model, tokenizer, suites=["needle"], methods=["h2o"], lengths=[5000], out_dir=tmp_path,
                  progress=False)
     assert not (tmp_path / "cells").exists()
+    from transformers import MistralConfig, MistralForCausalLM
+
+    sliding = MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=64,
+    )).eval()
+    with pytest.raises(ValueError, match="needle at 160 tokens: keepkv does not support sliding-window"):
+        run_eval(sliding, tokenizer, suites=["needle"], methods=["h2o"], lengths=[160], out_dir=tmp_path,
+                 progress=False)

@@ -213,7 +213,10 @@ DEV_SEED = 1000
 # passkey and the prose needle hold numbers in real text: the haystacks where a merge can blend
 # an evicted number into the answer's digits (the noise needle has no other number to blend).
 PROSE_NEEDLE = "needle+haystack=prose+digits=5"
-DEFAULT_SUITES = ("needle", PROSE_NEEDLE, "passkey", "kl+source=pydoc", "kl+source=stdlib")
+DEFAULT_SUITES = (
+    "needle", "needle+setting=agnostic", PROSE_NEEDLE, "passkey", "passkey+setting=agnostic", "kl+source=pydoc",
+    "kl+source=stdlib",
+)
 DATA_SUITES = ("longbench", "jsonl")
 # Question-aware (the question inside the compressed prompt; SnapKV's window then is the question)
 # or question-agnostic (the context compressed before the question, as kvpress's leaderboard runs
@@ -226,7 +229,10 @@ DEFAULT_BUDGETS = (0.1, 0.2)
 # up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(64) = 0.14. kl: as
 # many texts as the 45-minute budget leaves (~45 s of wall time per text for the 23-cell grid
 # on 2 cores, measured on the dev seed); see "Where the time goes".
-DEFAULT_SAMPLES = {"needle": 64, PROSE_NEEDLE: 32, "passkey": 32, "kl": 16}
+DEFAULT_SAMPLES = {
+    "needle": 32, "needle+setting=agnostic": 32, PROSE_NEEDLE: 32, "passkey": 24, "passkey+setting=agnostic": 24,
+    "kl": 12,
+}
 DEFAULT_SAMPLES_OTHER = 4
 DEFAULT_LENGTHS = {
     "needle": 1024,
@@ -511,7 +517,10 @@ class _Group:
         full = self.cells[0]
         if self.spec.name in ("fidelity", "kl") and full.done:
             todo = [full, *fresh]  # the reference continuation is needed in memory
-        shards = _split(self.samples, self.runner.workers)
+        samples = self.samples
+        if self.spec.setting == "agnostic":  # one question length per batch: keep each length in few shards
+            samples = sorted(samples, key=lambda sample: len(self._question_parts(sample)[1]))
+        shards = _split(samples, self.runner.workers)
         started = time.perf_counter()
         if len(shards) == 1:
             results = [self.run_shard(todo, shards[0], progress=self.runner.progress)]
@@ -604,12 +613,20 @@ class _Group:
         """Batches of (sample, context ids, question ids) whose question parts have one length: the
         question is appended as one block after the compressed context, and padding inside that
         block would add padded queries to the statistics of methods that score while decoding."""
-        tokenizer = self.runner.tokenizer
         by_length: dict[int, list[tuple]] = {}
         for sample in samples:
-            head, tail = context_and_question_ids(tokenizer, sample.context, sample.question, True, sample.answer_prefix)
+            head, tail = self._question_parts(sample)
             by_length.setdefault(len(tail), []).append((sample, head, tail))
         return [items[i : i + size] for _, items in sorted(by_length.items()) for i in range(0, len(items), size)]
+
+    def _question_parts(self, sample: Sample) -> tuple[list[int], list[int]]:
+        """(context ids, question ids) of a sample (:func:`keepkv.generation.context_and_question_ids`)."""
+        parts = self.__dict__.setdefault("_parts", {})
+        if sample.id not in parts:
+            parts[sample.id] = context_and_question_ids(
+                self.runner.tokenizer, sample.context, sample.question, True, sample.answer_prefix
+            )
+        return parts[sample.id]
 
     def run_agnostic_batch(self, parts: list[tuple], todo: list[Cell], needs: Needs) -> None:
         """Question-agnostic: prefill and compress the contexts (template start + document), then
@@ -913,12 +930,19 @@ def _lengths_for(spec: SuiteSpec, lengths) -> list[int]:
 
 
 def check_lengths(config, plan: list[tuple[SuiteSpec, int]], max_new_tokens: int | None) -> None:
-    """Refuse, in one line and before any work, a group longer than the model's context (or, on a
-    sliding-window model, than its window: keepkv.models.check_context)."""
+    """Refuse, in one line and before any work, a group longer than the model's context
+    (``max_position_embeddings``; scores past the trained positions would measure the model, not
+    the cache) or, on a sliding-window model, than its window (keepkv.models.check_context)."""
     from ..models import check_context
 
+    limit = getattr(config, "max_position_embeddings", None)
     for spec, length in plan:
         extra = KL_CONTINUATION if spec.name == "kl" else (max_new_tokens or 64)
+        if limit is not None and length + extra > limit:
+            raise ValueError(
+                f"suite {spec.label} at {length} tokens: with up to {extra} new tokens it exceeds the model's context "
+                f"of {limit} tokens (max_position_embeddings); choose --lengths of at most {limit - extra}"
+            )
         try:
             check_context(config, length + extra)
         except ValueError as error:
