@@ -249,8 +249,8 @@ def generate(
     model,
     tokenizer,
     prompts,
-    method=None,
-    budget: int | float | None = None,
+    method="full",
+    budget: int | float = 1.0,
     max_new_tokens: int = 64,
     chat: bool = True,
     answer_prefix: str = "",
@@ -269,10 +269,9 @@ def generate(
         Batched with left padding; each row is compressed independently. With
         ``past_key_values``: the questions about its context.
     method : str or Method
-        A registered method (``keepkv.describe_methods()``); default ``"full"``.
+        A registered method (``keepkv.describe_methods()``).
     budget : float or int
-        Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head (default
-        1.0). A fraction never keeps fewer than the method's protected tokens + 32
+        Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head. A fraction never keeps fewer than the method's protected tokens + 32
         (``keepkv.cache.budget_floor``): a prompt no longer than that is not compressed.
     max_new_tokens : int
         Tokens to generate (>= 0; 0 runs the prefill and compression only).
@@ -291,7 +290,7 @@ def generate(
     past_key_values : CompressedCache, optional
         A context compressed by :func:`keepkv.compress`: each prompt is a question about it,
         answered on its own ``copy()`` of the cache (this one is left untouched), one question
-        at a time. The method and budget are the cache's (passing them as well is refused).
+        at a time. The method and budget are the cache's (passing others is refused).
     **method_params
         Parameters of the method.
 
@@ -309,8 +308,6 @@ def generate(
     if past_key_values is not None:
         return _ask(model, tokenizer, prompts, past_key_values, method, budget, max_new_tokens, answer_prefix,
                     progress, method_params)
-    method = "full" if method is None else method
-    budget = 1.0 if budget is None else budget
     cache = CompressedCache(model.config, method, budget, **method_params)
     cache.method.prepare(model)
     device = next(model.parameters()).device
@@ -329,7 +326,7 @@ def _ask(model, tokenizer, questions, context_cache, method, budget, max_new_tok
     """Each question on its own copy of a compressed context (see :func:`compress`)."""
     if not isinstance(context_cache, CompressedCache) or getattr(context_cache, "context_ids", None) is None:
         raise ValueError("past_key_values must be a cache returned by keepkv.compress()")
-    if method is not None or budget is not None or method_params:
+    if not (isinstance(method, str) and method == "full") or not (isinstance(budget, float) and budget == 1.0) or method_params:
         raise ValueError("with past_key_values the method and budget are the cache's: pass neither")
     device = next(model.parameters()).device
     if tokenizer.pad_token is None:
