@@ -225,12 +225,19 @@ SETTINGS = ("aware", "agnostic")
 QUESTION_SUITES = ("needle", "passkey", "tracking", "aggregation", "longbench", "jsonl")
 KNOWN_SUITES = (*SUITES, *DATA_SUITES)
 DEFAULT_BUDGETS = (0.1, 0.2)
-# Samples per suite name (others: DEFAULT_SAMPLES_OTHER). needle: a paired 0/1 difference with
-# up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(64) = 0.14. kl: as
-# many texts as the 45-minute budget leaves (~45 s of wall time per text for the 23-cell grid
-# on 2 cores, measured on the dev seed); see "Where the time goes".
+# Samples per suite label, then task, then name (others: DEFAULT_SAMPLES_OTHER). A paired 0/1
+# difference with up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(n):
+# 0.14 at n = 64, 0.19 at 32, 0.22 at 24. Until the question-agnostic cells joined, needle had
+# 64 samples, passkey 32 and kl 16 texts (~45 s of wall time per text for the 23-cell grid on 2
+# cores); they were cut to make room within 45 minutes (see "Where the time goes").
+#
+# The question-agnostic cells cost 1.6x their aware twins (wall; 1.5x CPU: one extra block per
+# cell and smaller batches, one question length each; needle, 16 samples, full grid, measured
+# beside other work), so the default run, projected from the committed run's per-suite times,
+# is 44 min: needle 6.2, agnostic needle 7.4, prose needle 6.5, passkey 5.7, agnostic passkey
+# 6.1, kl 6.7 + 5.9 (docs/eval.md, "Time").
 DEFAULT_SAMPLES = {
-    "needle": 32, "needle+setting=agnostic": 32, PROSE_NEEDLE: 32, "passkey": 24, "passkey+setting=agnostic": 24,
+    "needle": 32, "needle+setting=agnostic": 24, PROSE_NEEDLE: 32, "passkey": 24, "passkey+setting=agnostic": 16,
     "kl": 12,
 }
 DEFAULT_SAMPLES_OTHER = 4
