@@ -1,7 +1,8 @@
 """`keepkv eval` and `keepkv report`: arguments, the run, and the Markdown table.
 
 ``keepkv eval`` with no options evaluates every registered method at budgets 0.1 and 0.2 on
-needle, kl+source=pydoc and kl+source=stdlib (sizes and timing: keepkv/eval/runner.py).
+the default suites, question-aware and question-agnostic (``DEFAULT_SUITES``; sizes and timing:
+keepkv/eval/runner.py); ``--suite ruler`` runs the RULER preset, ``--sweep`` the ratio sweep.
 ``keepkv report RUN_DIR`` renders a run's summary.csv as Markdown, with the paired
 differences and, from the run's cells, its resolution.
 """

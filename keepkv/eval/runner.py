@@ -136,10 +136,12 @@ is what merging methods can blend away. Full cache, dev seed, 16 samples, 1024 t
     needle+haystack=prose+digits=5                  0.94
     needle+haystack=prose+digits=4                  0.94
 
-So the default is ``needle`` (single, noise haystack) with 64 samples, the 5-digit prose
-needle and ``passkey`` with 32 each, and the two ``kl`` suites (no threshold: they measure
-the distance from the full cache) with 16 samples each. ``tracking``, ``aggregation``,
-``ppl`` and ``fidelity`` stay available with ``--suite``.
+So the default is ``needle`` (single, noise haystack) with 32 samples and its
+question-agnostic twin with 24, the 5-digit prose needle with 32, ``passkey`` with 24 and its
+question-agnostic twin with 16, and the two ``kl`` suites (no threshold: they measure the
+distance from the full cache) with 12 texts each (until issue 28: needle 64, passkey 32, kl
+16, no question-agnostic cell). ``tracking``, ``aggregation``, ``ppl`` and ``fidelity`` stay
+available with ``--suite``; ``--suite ruler`` runs the RULER preset (``RULER_SUITES``).
 
 Where the time goes
 -------------------
