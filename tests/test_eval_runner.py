@@ -507,7 +507,7 @@ def test_sweep_runs_every_budget_and_draws_score_against_ratio(model, tokenizer,
     ))
     assert sorted({r["budget"] for r in rows if r["method"] == "h2o"}) == [0.1, 0.125, 0.25, 0.5, 0.75, 0.9]
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
-    points = sweep_points(rows)["higher"]
+    points = sweep_points(rows)[("aware", "higher")]
     assert [ratio for ratio, _ in points["h2o"]] == [0.1, 0.25, 0.5, 0.75, 0.875, 0.9]
     by_budget = {}
     for row in rows:
@@ -516,6 +516,10 @@ def test_sweep_runs_every_budget_and_draws_score_against_ratio(model, tokenizer,
     for ratio, score in points["h2o"]:
         assert score == pytest.approx(sum(by_budget[round(1 - ratio, 6)]) / 2)
     assert points["full"] == [(0.0, pytest.approx(sum(r["score"] for r in rows if r["method"] == "full") / 2))]
+    agnostic = [{**r, "suite": r["suite"] + "+setting=agnostic"} for r in rows if r["suite"] == "needle"]
+    panels = sweep_points(rows + agnostic)
+    assert set(panels) == {("aware", "higher"), ("agnostic", "higher")}  # settings are never averaged together
+    assert panels[("aware", "higher")] == sweep_points(rows)[("aware", "higher")]
 
 
 def test_a_length_the_model_cannot_hold_is_refused_before_any_work(model, tokenizer, tmp_path):
