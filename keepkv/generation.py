@@ -326,7 +326,8 @@ def _ask(model, tokenizer, questions, context_cache, method, budget, max_new_tok
     """Each question on its own copy of a compressed context (see :func:`compress`)."""
     if not isinstance(context_cache, CompressedCache) or getattr(context_cache, "context_ids", None) is None:
         raise ValueError("past_key_values must be a cache returned by keepkv.compress()")
-    if not (isinstance(method, str) and method == "full") or not (isinstance(budget, float) and budget == 1.0) or method_params:
+    defaults = isinstance(method, str) and method == "full" and isinstance(budget, float) and budget == 1.0
+    if not defaults or method_params:
         raise ValueError("with past_key_values the method and budget are the cache's: pass neither")
     device = next(model.parameters()).device
     if tokenizer.pad_token is None:

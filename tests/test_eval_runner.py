@@ -536,3 +536,23 @@ def test_a_length_the_model_cannot_hold_is_refused_before_any_work(model, tokeni
     with pytest.raises(ValueError, match="needle at 160 tokens: keepkv does not support sliding-window"):
         run_eval(sliding, tokenizer, suites=["needle"], methods=["h2o"], lengths=[160], out_dir=tmp_path,
                  progress=False)
+
+
+def test_ruler_preset_end_to_end_has_an_average_per_setting(model, tokenizer, tmp_path, monkeypatch, capsys):
+    from keepkv.eval.runner import RULER_AVERAGE, RULER_SUITES
+
+    monkeypatch.setattr("keepkv.models.load_model", lambda path=None, **options: (model, tokenizer))
+    rows = eval_cli.run(_cli_args(
+        "--suite", "ruler", "--methods", "h2o", "--budgets", "0.3", "--samples", "1", "--lengths", "200",
+        "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress", "--workers", "1",
+    ))
+    suites = {row["suite"] for row in rows}
+    agnostic = {SuiteSpec.parse(s).with_setting("agnostic").label for s in RULER_SUITES}
+    assert suites == set(RULER_SUITES) | agnostic | {RULER_AVERAGE, RULER_AVERAGE + "+setting=agnostic"}
+    for name, members in ((RULER_AVERAGE, RULER_SUITES), (RULER_AVERAGE + "+setting=agnostic", agnostic)):
+        for method, budget in (("full", 1.0), ("h2o", 0.3)):
+            [average] = [r for r in rows if r["suite"] == name and r["method"] == method]
+            scores = [r["score"] for r in rows if r["suite"] in members and r["method"] == method]
+            assert average["score"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
+            assert average["n"] == len(RULER_SUITES) and average["budget"] == budget
+    assert "ruler-average 200 @0.3" in capsys.readouterr().out
