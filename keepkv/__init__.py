@@ -4,7 +4,7 @@ from .attention import enable, enabled
 from .budgets import capacity_bound
 from .cache import CompressedCache
 from .diagnostics import KeepKVWarning
-from .generation import GenerationResult, generate
+from .generation import GenerationResult, compress, generate
 from .methods import Method, describe_methods, get_method
 from .models import load_model
 
@@ -14,6 +14,7 @@ __all__ = [
     "KeepKVWarning",
     "Method",
     "capacity_bound",
+    "compress",
     "describe_methods",
     "enable",
     "enabled",

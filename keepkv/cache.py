@@ -388,6 +388,17 @@ class CompressedCache(Cache):
         cache._end_prefill(cache.layers)
         return cache
 
+    def copy(self) -> "CompressedCache":
+        """An independent deep copy: every layer's tensors, buffers and method state, so that
+        decoding the copy (a question on a compressed context, ``keepkv.compress``) leaves this
+        cache untouched. The model config is shared, not copied."""
+        import copy as _copy
+
+        # Normal tensors, as the store's buffers (written in place also outside inference mode);
+        # deepcopy keeps each view on its copied buffer.
+        with torch.inference_mode(False):
+            return _copy.deepcopy(self, memo={id(self.config): self.config})
+
     # -- reporting -------------------------------------------------------------------------
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

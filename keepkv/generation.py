@@ -87,6 +87,38 @@ def build_prompts(tokenizer, prompts: list[str], chat: bool, answer_prefix: str)
     return [p + answer_prefix for p in prompts]
 
 
+# The user message of a "compress once, ask many" prompt is CONTEXT + QUESTION_SEPARATOR +
+# question: the separator the eval's samples use between a document and its question.
+QUESTION_SEPARATOR = "\n\n"
+_MARK = "\u2063keepkv-user-message\u2063"
+
+
+def split_template(tokenizer, chat: bool) -> tuple[str, str]:
+    """(before, after): the text the chat template puts around a user message, so that a prompt is
+    ``before + message + after``; ("", "") without a template (or ``chat=False``)."""
+    if not (chat and getattr(tokenizer, "chat_template", None)):
+        return "", ""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
+    )
+    if rendered.count(_MARK) != 1:
+        raise ValueError("the tokenizer's chat template does not render the user message once: use chat=False")
+    before, after = rendered.split(_MARK)
+    return before, after
+
+
+def context_and_question_ids(tokenizer, context: str, question: str, chat: bool, answer_prefix: str = ""):
+    """Token ids of a prompt split at the context's end: (context part, question part), each
+    tokenized on its own, so that a cache compressed at the end of the first continues with
+    the second. The context part is the template's start and the context; the question part is
+    ``QUESTION_SEPARATOR + question``, the template's end and the answer prefix."""
+    before, after = split_template(tokenizer, chat)
+    special = not (chat and getattr(tokenizer, "chat_template", None))
+    head = tokenizer(before + context, add_special_tokens=special)["input_ids"]
+    tail = tokenizer(QUESTION_SEPARATOR + question + after + answer_prefix, add_special_tokens=False)["input_ids"]
+    return list(head), list(tail)
+
+
 def encode(tokenizer, texts: list[str], chat: bool, device) -> dict:
     """Left-padded input_ids and attention_mask."""
     tokenizer.padding_side = "left"
@@ -106,100 +138,48 @@ def validate_prompts(prompts) -> list[str]:
     return list(prompts)
 
 
-@torch.inference_mode()
-def generate(
-    model,
-    tokenizer,
-    prompts,
-    method="full",
-    budget: int | float = 1.0,
-    max_new_tokens: int = 64,
-    chat: bool = True,
-    answer_prefix: str = "",
-    progress: bool = False,
-    prefill_chunk: int | None = None,
-    **method_params,
-) -> list[GenerationResult]:
-    """Greedy generation with a compressed KV cache, one result per prompt.
+def _check_int(name: str, value, low: int, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}{' (or None)' if none_ok else ''}, got {value!r}")
 
-    Parameters
-    ----------
-    model, tokenizer
-        A Llama-family causal LM and its tokenizer (``keepkv.load_model()``).
-    prompts : str or list of str
-        Batched with left padding; each row is compressed independently.
-    method : str or Method
-        A registered method (``keepkv.describe_methods()``).
-    budget : float or int
-        Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head. A fraction
-        never keeps fewer than the method's protected tokens + 32 (``keepkv.budgets.budget_floor``):
-        a prompt no longer than that is not compressed.
-    max_new_tokens : int
-        Tokens to generate (>= 0; 0 runs the prefill and compression only).
-    chat : bool
-        Apply the tokenizer's chat template.
-    answer_prefix : str
-        Text that starts the assistant's reply.
-    progress : bool
-        Show progress bars on stderr, named after the method: the prefill (per decoder layer),
-        then the generated tokens.
-    prefill_chunk : int, optional
-        Feed the prompt in blocks of this many tokens (>= 1), so that prefill attention's
-        workspace is bounded by one block. The outputs are those of an unchunked prefill (the
-        method sees the statistics of the whole prompt and compresses after its last block);
-        the cache peaks at the uncompressed prompt of every layer (``CompressedCache``).
-    **method_params
-        Parameters of the method.
 
-    The model's attention implementation is switched to ``"keepkv"`` for the call and restored
-    after it. A :class:`keepkv.KeepKVWarning` says when prompt plus new tokens exceed the model's
-    ``max_position_embeddings``, or when the budget leaves a compressed prompt fewer entries than
-    the method's protected tokens.
-    """
-    prompts = validate_prompts(prompts)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if prefill_chunk is not None and (
-        isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
-    ):
-        raise ValueError(f"prefill_chunk must be an int >= 1 (or None: one block), got {prefill_chunk!r}")
-    cache = CompressedCache(model.config, method, budget, **method_params)
-    cache.method.prepare(model)
-    device = next(model.parameters()).device
-    inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
-    prompt_length = inputs["input_ids"].shape[1]
-    warn_context_length(model.config, prompt_length, max_new_tokens)
-    check_context(model.config, prompt_length + max_new_tokens)
-    if prefill_chunk is not None:
-        cache.start_prefill(inputs["attention_mask"])
+def _run(model, tokenizer, cache, inputs: dict, max_new_tokens: int, progress: bool, prefill_chunk) -> torch.Tensor:
+    """Feed ``inputs`` (the whole sequence; a cache that holds a context is continued) and generate
+    greedily; returns the new tokens [B, n]."""
+    total = inputs["input_ids"].shape[1]
+    seen = cache.get_seq_length()
     bars = _Progress(model, cache.method.name, max_new_tokens) if progress else None
     try:
         with enabled(model):
             if max_new_tokens == 0:
-                chunk = prefill_chunk or prompt_length
-                for start in range(0, prompt_length, chunk):
-                    stop = min(start + chunk, prompt_length)
+                chunk = prefill_chunk or total - seen
+                for start in range(seen, total, chunk):
+                    stop = min(start + chunk, total)
                     mask = inputs["attention_mask"][:, :stop]
                     model(input_ids=inputs["input_ids"][:, start:stop], attention_mask=mask, past_key_values=cache,
                           use_cache=True)
-                new_tokens = inputs["input_ids"][:, :0]
-            else:
-                output = model.generate(
-                    **inputs,
-                    **{CACHE_KWARG: cache},
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    temperature=None,
-                    top_p=None,
-                    top_k=None,
-                    pad_token_id=tokenizer.pad_token_id,
-                    stopping_criteria=StoppingCriteriaList([bars]) if bars else None,
-                    prefill_chunk_size=prefill_chunk,
-                )
-                new_tokens = output[:, prompt_length:]
+                return inputs["input_ids"][:, :0]
+            output = model.generate(
+                **inputs,
+                **{CACHE_KWARG: cache},
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=tokenizer.pad_token_id,
+                stopping_criteria=StoppingCriteriaList([bars]) if bars else None,
+                prefill_chunk_size=prefill_chunk,
+            )
+            return output[:, total:]
     finally:
         if bars:
             bars.close()
+
+
+def _results(tokenizer, cache, inputs: dict, new_tokens: torch.Tensor, budget) -> list[GenerationResult]:
     summary = cache.summary()
     answers = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     real_new = (new_tokens != tokenizer.pad_token_id).sum(-1) if new_tokens.numel() else new_tokens.sum(-1)
@@ -218,5 +198,149 @@ def generate(
             budget=None if cache.layer_budgets is None else budget,
             new_tokens=int(real_new[row]),
         )
-        for row in range(len(prompts))
+        for row in range(new_tokens.shape[0])
     ]
+
+
+@torch.inference_mode()
+def compress(
+    model,
+    tokenizer,
+    context: str,
+    method="full",
+    budget: int | float = 1.0,
+    chat: bool = True,
+    prefill_chunk: int | None = None,
+    **method_params,
+) -> CompressedCache:
+    """Prefill ``context`` and compress it before any question is seen ("compress once, ask many").
+
+    Returns a :class:`CompressedCache` holding the context, compressed by ``method`` at
+    ``budget`` (a fraction of the context's tokens, or an entry count). Ask questions with
+    ``keepkv.generate(model, tokenizer, questions, past_key_values=cache)``: each question runs on
+    its own ``cache.copy()`` and the cache is left as it was. The user message is
+    ``context + "\\n\\n" + question`` in the chat template (``chat=True``), the context and the
+    question tokenized apart (:func:`context_and_question_ids`); the question's tokens are
+    appended and attended normally, and a method that compresses while decoding keeps its
+    budget. The answer equals that of prefilling context + question in one sequence with the
+    compression triggered at the context's end (``tests/test_compress_once.py``).
+    """
+    if not isinstance(context, str) or not context.strip():
+        raise ValueError("context must be a non-empty string")
+    _check_int("prefill_chunk", prefill_chunk, 1, none_ok=True)
+    cache = CompressedCache(model.config, method, budget, **method_params)
+    cache.method.prepare(model)
+    device = next(model.parameters()).device
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    head, _ = context_and_question_ids(tokenizer, context, "", chat)
+    check_context(model.config, len(head))
+    input_ids = torch.tensor([head], device=device)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    if prefill_chunk is not None:
+        cache.start_prefill(inputs["attention_mask"])
+    _run(model, tokenizer, cache, inputs, 0, False, prefill_chunk)
+    cache.context_ids, cache.context_chat = head, chat
+    return cache
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    tokenizer,
+    prompts,
+    method="full",
+    budget: int | float = 1.0,
+    max_new_tokens: int = 64,
+    chat: bool = True,
+    answer_prefix: str = "",
+    progress: bool = False,
+    prefill_chunk: int | None = None,
+    past_key_values: CompressedCache | None = None,
+    **method_params,
+) -> list[GenerationResult]:
+    """Greedy generation with a compressed KV cache, one result per prompt.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A Llama-family causal LM and its tokenizer (``keepkv.load_model()``).
+    prompts : str or list of str
+        Batched with left padding; each row is compressed independently. With
+        ``past_key_values``: the questions about its context.
+    method : str or Method
+        A registered method (``keepkv.describe_methods()``).
+    budget : float or int
+        Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head. A fraction never keeps fewer than the method's protected tokens + 32
+        (``keepkv.budgets.budget_floor``): a prompt no longer than that is not compressed.
+    max_new_tokens : int
+        Tokens to generate (>= 0; 0 runs the prefill and compression only).
+    chat : bool
+        Apply the tokenizer's chat template.
+    answer_prefix : str
+        Text that starts the assistant's reply.
+    progress : bool
+        Show progress bars on stderr, named after the method: the prefill (per decoder layer),
+        then the generated tokens.
+    prefill_chunk : int, optional
+        Feed the prompt in blocks of this many tokens (>= 1), so that prefill attention's
+        workspace is bounded by one block. The outputs are those of an unchunked prefill (the
+        method sees the statistics of the whole prompt and compresses after its last block);
+        the cache peaks at the uncompressed prompt of every layer (``CompressedCache``).
+    past_key_values : CompressedCache, optional
+        A context compressed by :func:`keepkv.compress`: each prompt is a question about it,
+        answered on its own ``copy()`` of the cache (this one is left untouched), one question
+        at a time. The method and budget are the cache's (passing others is refused).
+    **method_params
+        Parameters of the method.
+
+    The model's attention implementation is switched to ``"keepkv"`` for the call and restored
+    after it. A :class:`keepkv.KeepKVWarning` says when prompt plus new tokens exceed the model's
+    ``max_position_embeddings``, or when the budget leaves a compressed prompt fewer entries than
+    the method's protected tokens.
+    """
+    prompts = validate_prompts(prompts)
+    _check_int("max_new_tokens", max_new_tokens, 0)
+    if prefill_chunk is not None and (
+        isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
+    ):
+        raise ValueError(f"prefill_chunk must be an int >= 1 (or None: one block), got {prefill_chunk!r}")
+    if past_key_values is not None:
+        return _ask(model, tokenizer, prompts, past_key_values, method, budget, max_new_tokens, answer_prefix,
+                    progress, method_params)
+    cache = CompressedCache(model.config, method, budget, **method_params)
+    cache.method.prepare(model)
+    device = next(model.parameters()).device
+    inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
+    prompt_length = inputs["input_ids"].shape[1]
+    warn_context_length(model.config, prompt_length, max_new_tokens)
+    check_context(model.config, prompt_length + max_new_tokens)
+    if prefill_chunk is not None:
+        cache.start_prefill(inputs["attention_mask"])
+    new_tokens = _run(model, tokenizer, cache, inputs, max_new_tokens, progress, prefill_chunk)
+    return _results(tokenizer, cache, inputs, new_tokens, budget)
+
+
+def _ask(model, tokenizer, questions, context_cache, method, budget, max_new_tokens, answer_prefix, progress,
+         method_params) -> list[GenerationResult]:
+    """Each question on its own copy of a compressed context (see :func:`compress`)."""
+    if not isinstance(context_cache, CompressedCache) or getattr(context_cache, "context_ids", None) is None:
+        raise ValueError("past_key_values must be a cache returned by keepkv.compress()")
+    defaults = isinstance(method, str) and method == "full" and isinstance(budget, float) and budget == 1.0
+    if not defaults or method_params:
+        raise ValueError("with past_key_values the method and budget are the cache's: pass neither")
+    device = next(model.parameters()).device
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    results = []
+    for question in questions:
+        head, tail = context_and_question_ids(tokenizer, "", question, context_cache.context_chat, answer_prefix)
+        ids = context_cache.context_ids + tail
+        warn_context_length(model.config, len(ids), max_new_tokens)
+        check_context(model.config, len(ids) + max_new_tokens)
+        input_ids = torch.tensor([ids], device=device)
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        cache = context_cache.copy()
+        new_tokens = _run(model, tokenizer, cache, inputs, max_new_tokens, progress, None)
+        results += _results(tokenizer, cache, inputs, new_tokens, cache.budget)
+    return results

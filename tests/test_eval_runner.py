@@ -14,7 +14,7 @@ import keepkv
 from keepkv.eval import cli as eval_cli
 from keepkv.eval.decoding import greedy_decode, prefill
 from keepkv.eval.runner import (
-    DEFAULT_LENGTHS, DEFAULT_SAMPLES, QUICK_BUDGETS, QUICK_LENGTHS, QUICK_SAMPLES, SuiteSpec, make_samples, run_eval,
+    DEFAULT_LENGTHS, DEFAULT_SAMPLES, DEFAULT_SUITES, QUICK_BUDGETS, QUICK_LENGTHS, QUICK_SAMPLES, SuiteSpec, make_samples, run_eval,
     _Tokens,
 )
 from keepkv.eval.summary import read_summary
@@ -195,7 +195,7 @@ def test_method_variants_are_rows_of_their_own(model, tokenizer, tmp_path):
 
 
 def test_cli_run_and_report(model, tokenizer, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("keepkv.models.load_model", lambda path=None: (model, tokenizer))
+    monkeypatch.setattr("keepkv.models.load_model", lambda path=None, **options: (model, tokenizer))
     parser = argparse.ArgumentParser()
     parser.add_argument("--model")
     parser.add_argument("--json", action="store_true")
@@ -382,10 +382,177 @@ def test_report_states_the_resolution_of_every_group():
     rows = [line for line in text.splitlines() if line.startswith("| needle") or line.startswith("| kl")]
     # needle: a and b solve the same samples: half-width 0, close (equal means), not resolved.
     assert rows[0] == "| needle 1024 | 0.1 | 1 | 0.000 | 0.000 | 0.000 (a vs b) | 1/1 below 0.150 | 0/1 |"
-    # kl: every difference is 0.1, so the half-width is 0, below 10% of the pair's mean 0.25; means
-    # 0.3 and 0.2 are not within 1.25x (no close pair); the difference is resolved.
-    assert rows[1] == "| kl+source=pydoc 1024 | 0.1 | 1 | 0% | – | 0% (a vs b) | 1/1 below 10% | 1/1 |"
+    # kl: every difference is 0.1, so the half-width is 0 (no blanket target for KL); means 0.3 and
+    # 0.2 are not within 1.25x (no close pair); the difference is resolved.
+    assert rows[0] == "| needle 1024 | 0.1 | 1 | 0.000 | 0.000 | 0.000 (a vs b) | 1/1 below 0.150 | 0/1 |"
+    assert rows[1] == "| kl+source=pydoc 1024 | 0.1 | 1 | 0% | – | 0% (a vs b) | – | 1/1 |"
     # Both kl suites pooled: b has pydoc samples only, so the pairs are pydoc's (ids kept apart by suite).
-    assert rows[2] == "| kl (pooled: 2 suites) 1024 | 0.1 | 1 | 0% | – | 0% (a vs b) | 1/1 below 10% | 1/1 |"
+    assert rows[2] == "| kl (pooled: 2 suites) 1024 | 0.1 | 1 | 0% | – | 0% (a vs b) | – | 1/1 |"
     assert len(rows) == 3
+    assert "Close pairs of continuous" not in text and "Against" not in text
+    # c (mean 0.22) is close to b (0.2), not to a (0.3): b − c = -0.02, -0.03, -0.01, so -0.020 with
+    # sd 0.01 and half-width t(2) 4.303 x 0.01 / sqrt(3) = 0.0248, 12% of the pair's mean 0.21.
+    groups[("kl+source=pydoc", 1024)][("c", 0.1)] = cell([0.12, 0.33, 0.21])
+    text = eval_cli.format_resolution(groups, reference="b")
+    pairs = [line for line in text.splitlines() if " − " in line and line.startswith("| kl")]
+    assert pairs == ["| kl+source=pydoc 1024 | 0.1 | b − c | -0.020 ± 0.025 | 12% |"]
+    # Against b, relative to b's mean 0.2: a +0.1 on every sample (+50%, resolved), c +10% ± 12.4%.
+    against = [line for line in text.splitlines() if line.startswith("| a |") or line.startswith("| c |")]
+    assert against == ["| a | **+50.0% ± 0.0%** |", "| c | +10.0% ± 12.4% |"]
     assert eval_cli.format_resolution({("needle", 1024): {("a", 0.1): cell([1])}}) == ""
+
+
+def test_question_agnostic_cells_answer_what_compress_once_ask_answers(model, tokenizer, tmp_path, monkeypatch):
+    """``+setting=agnostic``: each cell's answer is keepkv.compress(context) then the question on the
+    compressed cache; the full cache answers as in the question-aware setting."""
+    # generate() stops where the runner does (the tiny config's own eos id is another token).
+    monkeypatch.setattr(model.generation_config, "eos_token_id", tokenizer.eos_token_id)
+    methods = ["h2o", "snapkv", "keepkv", "streamingllm", "kvreviver"]
+    rows = run_eval(
+        model, tokenizer, suites=["needle", "needle+setting=agnostic"], methods=methods, budgets=[0.3], samples=3,
+        lengths=[160], out_dir=tmp_path, max_new_tokens=6, progress=False, plot=False, workers=1, batch_size=1,
+    )
+    assert {r["suite"] for r in rows} == {"needle", "needle+setting=agnostic"}
+    samples = make_samples(SuiteSpec.parse("needle+setting=agnostic"), 3, 160, 0, _Tokens(tokenizer), {})
+    cells = tmp_path / "cells"
+    aware = json.loads((cells / "needle-160-full-1.0.json").read_text())["records"]
+    agnostic = json.loads((cells / "needle+setting=agnostic-160-full-1.0.json").read_text())["records"]
+    by_id = {r["id"]: r for r in aware}
+    assert sorted(by_id) == sorted(r["id"] for r in agnostic)
+    for record in agnostic:  # batches go by question length: the order may differ
+        assert record["output_ids"] == by_id[record["id"]]["output_ids"]
+        assert record["prompt_tokens"] == by_id[record["id"]]["prompt_tokens"]
+    for method in methods:
+        records = json.loads((cells / f"needle+setting=agnostic-160-{method}-0.3.json").read_text())["records"]
+        by_id = {r["id"]: r for r in records}
+        for sample in samples:
+            record = by_id[sample.id]
+            cache = keepkv.compress(model, tokenizer, sample.context, method=method, budget=0.3)
+            [answer] = keepkv.generate(
+                model, tokenizer, sample.question, answer_prefix=sample.answer_prefix,
+                max_new_tokens=max(1, len(record["output_ids"])), past_key_values=cache,
+            )
+            assert answer.answer == record["prediction"], (method, sample.id)
+
+
+def test_the_setting_is_a_suite_variant():
+    assert SuiteSpec.parse("needle+setting=agnostic").setting == "agnostic"
+    assert SuiteSpec.parse("needle+setting=aware") == SuiteSpec.parse("needle")
+    assert SuiteSpec.parse("passkey").with_setting("agnostic").label == "passkey+setting=agnostic"
+    assert SuiteSpec.parse("needle+haystack=prose+setting=agnostic").generator_variant == {"haystack": "prose"}
+    for bad in ("kl+setting=agnostic", "ppl+setting=agnostic", "needle+setting=blind"):
+        with pytest.raises(ValueError):
+            SuiteSpec.parse(bad)
+
+
+def _cli_args(*argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    parser.add_argument("--json", action="store_true")
+    eval_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_setting_flag_doubles_only_the_suites_with_a_question():
+    suites = ["needle", "passkey+setting=agnostic", "kl+source=pydoc"]
+    assert eval_cli.apply_setting(suites, None) == suites
+    assert eval_cli.apply_setting(suites, "aware") == ["needle", "passkey", "kl+source=pydoc"]
+    assert eval_cli.apply_setting(suites, "both") == [
+        "needle", "needle+setting=agnostic", "passkey", "passkey+setting=agnostic", "kl+source=pydoc",
+    ]
+    assert "needle+setting=agnostic" in DEFAULT_SUITES and "passkey+setting=agnostic" in DEFAULT_SUITES
+
+
+def test_ruler_preset_and_sweep_sizes():
+    from keepkv.eval.runner import RULER_AVERAGE, RULER_LENGTHS, RULER_SUITES, SWEEP_BUDGETS
+
+    args = _cli_args("--suite", "ruler", "--sweep")
+    sizes = eval_cli.run_sizes(args)
+    suites, averages = eval_cli.expand_presets(args.suite, sizes, args)
+    assert suites == list(RULER_SUITES) and averages == {RULER_AVERAGE: list(RULER_SUITES)}
+    assert sizes["budgets"] == list(SWEEP_BUDGETS) == [0.9, 0.75, 0.5, 0.25, 0.125, 0.1]
+    assert all(sizes["lengths"][suite] == RULER_LENGTHS[suite] for suite in RULER_SUITES)
+    args = _cli_args("--suite", "ruler", "--sweep", "--budgets", "0.3", "--samples", "2")
+    sizes = eval_cli.run_sizes(args)
+    eval_cli.expand_presets(args.suite, sizes, args)
+    assert sizes["budgets"] == [0.3] and sizes["samples"] == 2
+
+
+def test_average_rows_take_the_unweighted_mean_of_the_tasks():
+    from keepkv.eval.summary import average_rows
+
+    rows = [
+        {"suite": "a", "length": 512, "method": "full", "budget": 1.0, "score": 1.0},
+        {"suite": "b", "length": 1024, "method": "full", "budget": 1.0, "score": 0.8},
+        {"suite": "a", "length": 512, "method": "h2o", "budget": 0.5, "score": 0.5},
+        {"suite": "b", "length": 1024, "method": "h2o", "budget": 0.5, "score": 0.2},
+        {"suite": "a", "length": 512, "method": "h2o", "budget": 0.25, "score": 0.1},  # b lacks 0.25
+        {"suite": "c", "length": 512, "method": "h2o", "budget": 0.5, "score": 0.0},
+    ]
+    out = {(r["method"], r["budget"]): r for r in average_rows(rows, "avg", ["a", "b"])}
+    assert set(out) == {("full", 1.0), ("h2o", 0.5)}
+    assert out[("full", 1.0)]["score"] == pytest.approx(0.9) and out[("h2o", 0.5)]["score"] == pytest.approx(0.35)
+    assert out[("h2o", 0.5)]["share_of_full"] == pytest.approx(0.35 / 0.9)
+    assert out[("h2o", 0.5)]["length"] == 1024 and out[("h2o", 0.5)]["n"] == 2
+
+
+def test_sweep_runs_every_budget_and_draws_score_against_ratio(model, tokenizer, tmp_path, monkeypatch, capsys):
+    from keepkv.eval.plot import sweep_points
+
+    monkeypatch.setattr("keepkv.models.load_model", lambda path=None, **options: (model, tokenizer))
+    out = tmp_path / "sweep"
+    rows = eval_cli.run(_cli_args(
+        "--suite", "needle", "passkey", "--methods", "h2o", "--sweep", "--samples", "2", "--lengths", "150",
+        "--max-new-tokens", "3", "--out", str(out), "--no-progress", "--workers", "1",
+    ))
+    assert sorted({r["budget"] for r in rows if r["method"] == "h2o"}) == [0.1, 0.125, 0.25, 0.5, 0.75, 0.9]
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    points = sweep_points(rows)[("aware", "higher")]
+    assert [ratio for ratio, _ in points["h2o"]] == [0.1, 0.25, 0.5, 0.75, 0.875, 0.9]
+    by_budget = {}
+    for row in rows:
+        if row["method"] == "h2o":
+            by_budget.setdefault(row["budget"], []).append(row["score"])
+    for ratio, score in points["h2o"]:
+        assert score == pytest.approx(sum(by_budget[round(1 - ratio, 6)]) / 2)
+    assert points["full"] == [(0.0, pytest.approx(sum(r["score"] for r in rows if r["method"] == "full") / 2))]
+    agnostic = [{**r, "suite": r["suite"] + "+setting=agnostic"} for r in rows if r["suite"] == "needle"]
+    panels = sweep_points(rows + agnostic)
+    assert set(panels) == {("aware", "higher"), ("agnostic", "higher")}  # settings are never averaged together
+    assert panels[("aware", "higher")] == sweep_points(rows)[("aware", "higher")]
+
+
+def test_a_length_the_model_cannot_hold_is_refused_before_any_work(model, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="needle at 5000 tokens"):
+        run_eval(model, tokenizer, suites=["needle"], methods=["h2o"], lengths=[5000], out_dir=tmp_path,
+                 progress=False)
+    assert not (tmp_path / "cells").exists()
+    from transformers import MistralConfig, MistralForCausalLM
+
+    sliding = MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=64,
+    )).eval()
+    with pytest.raises(ValueError, match="needle at 160 tokens: keepkv does not support sliding-window"):
+        run_eval(sliding, tokenizer, suites=["needle"], methods=["h2o"], lengths=[160], out_dir=tmp_path,
+                 progress=False)
+
+
+def test_ruler_preset_end_to_end_has_an_average_per_setting(model, tokenizer, tmp_path, monkeypatch, capsys):
+    from keepkv.eval.runner import RULER_AVERAGE, RULER_SUITES
+
+    monkeypatch.setattr("keepkv.models.load_model", lambda path=None, **options: (model, tokenizer))
+    rows = eval_cli.run(_cli_args(
+        "--suite", "ruler", "--methods", "h2o", "--budgets", "0.3", "--samples", "1", "--lengths", "200",
+        "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress", "--workers", "1",
+    ))
+    suites = {row["suite"] for row in rows}
+    agnostic = {SuiteSpec.parse(s).with_setting("agnostic").label for s in RULER_SUITES}
+    assert suites == set(RULER_SUITES) | agnostic | {RULER_AVERAGE, RULER_AVERAGE + "+setting=agnostic"}
+    for name, members in ((RULER_AVERAGE, RULER_SUITES), (RULER_AVERAGE + "+setting=agnostic", agnostic)):
+        for method, budget in (("full", 1.0), ("h2o", 0.3)):
+            [average] = [r for r in rows if r["suite"] == name and r["method"] == method]
+            scores = [r["score"] for r in rows if r["suite"] in members and r["method"] == method]
+            assert average["score"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
+            assert average["n"] == len(RULER_SUITES) and average["budget"] == budget
+    assert "ruler-average 200 @0.3" in capsys.readouterr().out

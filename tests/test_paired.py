@@ -139,13 +139,31 @@ def test_resolution_of_continuous_cells_is_relative_to_the_pair_mean():
 
     found = resolution({"a": _cell([2.0, 4.0, 6.0]), "b": _cell([1.0, 2.0, 3.0])})
     # half-width 2.484166 (the continuous case above) over the pair's mean score (4 + 2) / 2 = 3.
-    assert found.relative and found.target == 0.10
+    assert found.relative and math.isnan(found.target)  # no blanket target for KL: close pairs instead
     assert found.worst == pytest.approx(2.484166 / 3, abs=1e-6)
     assert found.within == 0
     assert found.resolved == 0 and math.isnan(found.close_median)  # means 4 and 2: not close
     # c = b + 0.1 on every sample: resolved (interval 0.1 ± 0), close (means 2.1 vs 2), width 0.
     found = resolution({"a": _cell([2.0, 4.0, 6.0]), "b": _cell([1.0, 2.0, 3.0]), "c": _cell([1.1, 2.1, 3.1])})
-    assert found.pairs == 3 and found.resolved == 1 and found.within == 1
+    assert found.pairs == 3 and found.resolved == 1 and found.within == 0
     assert found.close_median == pytest.approx(0.0, abs=1e-12)
     assert found.median == pytest.approx(2.484166 / 3.05, abs=1e-6)  # a-c, the middle of 0, 0.8145, 0.828
     assert resolution({"a": _cell([1.0, 2.0])}) is None
+
+
+def test_close_pairs_are_the_pairs_with_near_means_closest_first():
+    from keepkv.eval.paired import close_pairs
+
+    cells = {
+        "a": _cell([2.0, 4.0, 6.0]),  # mean 4
+        "b": _cell([1.0, 2.0, 3.0]),  # mean 2: not within 1.25x of a
+        "c": _cell([1.1, 2.1, 3.1]),  # mean 2.1: close to b, b + 0.1 on every sample
+        "d": _cell([1.2, 2.5, 3.1]),  # mean 2.2667: close to b (1.133x) and c (1.079x)
+    }
+    found = close_pairs(cells)
+    assert [(first, second) for first, second, _, _ in found] == [("b", "c"), ("c", "d"), ("b", "d")]
+    first, second, difference, width = found[0]
+    assert difference.mean == pytest.approx(-0.1) and difference.ci95 == pytest.approx(0.0, abs=1e-12)
+    assert difference.resolved and width == pytest.approx(0.0, abs=1e-12)
+    assert found[2][3] == pytest.approx(found[2][2].ci95 / ((2.0 + 6.8 / 3) / 2))
+    assert close_pairs({"a": _cell([1.0, 2.0])}) == []

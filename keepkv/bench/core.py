@@ -752,7 +752,7 @@ def _ops_main(args: argparse.Namespace, json_to: str | None) -> int:
         )
         methods = resolve_methods("all" if args.methods == QUICK_METHODS else args.methods)
         budget = 0.1 if args.budget is None else args.budget
-        from ..cache import validate_budget
+        from ..budgets import validate_budget
 
         validate_budget(budget)
         result = run_ops(

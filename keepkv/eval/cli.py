@@ -1,7 +1,8 @@
 """`keepkv eval` and `keepkv report`: arguments, the run, and the Markdown table.
 
 ``keepkv eval`` with no options evaluates every registered method at budgets 0.1 and 0.2 on
-needle, kl+source=pydoc and kl+source=stdlib (sizes and timing: keepkv/eval/runner.py).
+the default suites, question-aware and question-agnostic (``DEFAULT_SUITES``; sizes and timing:
+keepkv/eval/runner.py); ``--suite ruler`` runs the RULER preset, ``--sweep`` the ratio sweep.
 ``keepkv report RUN_DIR`` renders a run's summary.csv as Markdown, with the paired
 differences and, from the run's cells, its resolution.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from ..arguments import budget_arg
 from . import runner as _runner
-from .paired import CLOSE_RATIO, resolution, resolved
+from .paired import CLOSE_RATIO, close_pairs, pair_records, resolution, resolved
 from .summary import load_cells, read_summary, with_reference
 
 
@@ -94,8 +95,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=_positive, help="override every suite's generation cap")
     parser.add_argument(
-        "--batch-size", type=_positive, default=_runner.DEFAULT_BATCH_SIZE, help="samples per prefill batch"
+        "--batch-size", type=_positive,
+        help=f"samples per prefill batch (default: {_runner.DEFAULT_BATCH_SIZE} on the CPU; on a GPU, what a quarter "
+        "of its free memory holds for the model's KV cache at the longest length)",
     )
+    parser.add_argument(
+        "--setting", choices=("aware", "agnostic", "both"),
+        help="question-aware (the question inside the compressed prompt), question-agnostic (the context "
+        "compressed before the question is seen, as kvpress's leaderboard runs) or both, for every suite with "
+        "a question (default: as each suite names it; the default suites include both)",
+    )
+    parser.add_argument(
+        "--sweep", action="store_true",
+        help=f"budgets {' '.join(map(str, _runner.SWEEP_BUDGETS))} and sweep.png: mean score against the "
+        "compression ratio (1 - budget), one line per method",
+    )
+    parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="device of the model: cpu, cuda, cuda:1, ...")
     parser.add_argument(
         "--workers", type=_positive,
         help="worker processes that split each suite's samples (default: CPU cores, at most "
@@ -153,25 +169,91 @@ def run(args) -> list[dict]:
     """``keepkv eval``: load the model, run, print the table (or JSON rows with --json)."""
     from ..models import load_model
 
-    model, tokenizer = load_model(getattr(args, "model", None))
     data = _data_paths(args.data)
     # --data alone evaluates that data; --suite names the suites explicitly.
     suites = args.suite or (list(data) if data else list(_runner.DEFAULT_SUITES))
     sizes = run_sizes(args)
+    suites, averages = expand_presets(suites, sizes, args)
+    setting = getattr(args, "setting", None)
+    if averages and setting is None:
+        setting = "both"  # the preset runs as the field does (question-agnostic) and as keepkv did (aware)
+    suites = apply_setting(suites, setting)
+    if averages and setting is not None:
+        averages = {
+            (name if each == "aware" else f"{name}+setting={each}"): apply_setting(members, each)
+            for name, members in averages.items() for each in (("aware", "agnostic") if setting == "both" else (setting,))
+        }
+    for suite in suites:  # a bad suite fails before the model loads
+        _runner.SuiteSpec.parse(suite)
+    model, tokenizer = _load_model(args)
     out = sizes["out_dir"]
     rows = _runner.run_eval(
         model, tokenizer, suites=suites, methods=args.methods, **sizes, seed=args.seed,
         max_new_tokens=args.max_new_tokens,
-        progress=not args.no_progress, data=data, batch_size=args.batch_size, workers=args.workers,
-        reference=args.reference,
+        progress=not args.no_progress, data=data, batch_size=getattr(args, "batch_size", None),
+        workers=args.workers, reference=args.reference, averages=averages, sweep=getattr(args, "sweep", False),
     )
     if getattr(args, "json", False):
         print(json.dumps(rows, indent=1))
     else:
         print(format_table(rows))
         out = Path(out)
-        print(f"\nsummary: {out / 'summary.csv'}  plot: {out / 'scores.png'}  records: {out / 'cells'}", file=sys.stderr)
+        plots = f"{out / 'scores.png'}" + (f", {out / 'sweep.png'}" if getattr(args, "sweep", False) else "")
+        print(f"\nsummary: {out / 'summary.csv'}  plot: {plots}  records: {out / 'cells'}", file=sys.stderr)
     return rows
+
+
+def _load_model(args):
+    """The model of --model (default: the embedded one) in --dtype on --device."""
+    from .. import models
+
+    device = getattr(args, "device", "cpu") or "cpu"
+    if str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device is available here (torch {torch.__version__})")
+    return models.load_model(getattr(args, "model", None), dtype=getattr(args, "dtype", "float32"), device=device)
+
+
+def apply_setting(suites: list[str], setting: str | None) -> list[str]:
+    """Each suite with a question in the asked setting (``both``: aware, then agnostic); the others
+    (kl, ppl, fidelity) as they are. None: the suites as named."""
+    if setting is None:
+        return list(suites)
+    out = []
+    for suite in suites:
+        spec = _runner.SuiteSpec.parse(suite)
+        if spec.name not in _runner.QUESTION_SUITES:
+            out.append(suite)
+            continue
+        for each in ("aware", "agnostic") if setting == "both" else (setting,):
+            label = spec.with_setting(each).label
+            if label not in out:
+                out.append(label)
+    return out
+
+
+def expand_presets(suites: list[str], sizes: dict, args) -> tuple[list[str], dict]:
+    """``ruler`` becomes the RULER preset's tasks (their lengths and samples unless --lengths or
+    --samples say otherwise) and an average row; ``--sweep`` sets the sweep's budgets unless
+    --budgets does."""
+    averages = {}
+    if getattr(args, "sweep", False) and not args.budgets:
+        sizes["budgets"] = list(_runner.SWEEP_BUDGETS)
+    if "ruler" not in suites:
+        return suites, averages
+    tasks = list(_runner.RULER_SUITES)
+    out = []
+    for suite in suites:
+        out += [task for task in tasks if task not in out] if suite == "ruler" else [suite]
+    if args.lengths is None and not getattr(args, "quick", False):
+        sizes["lengths"] = {**_runner.DEFAULT_LENGTHS, **_runner.RULER_LENGTHS}
+    if args.samples is None:
+        base = sizes["samples"] if isinstance(sizes["samples"], dict) else {}
+        sizes["samples"] = sizes["samples"] if isinstance(sizes["samples"], int) else {**base, **_runner.RULER_SAMPLES}
+    averages[_runner.RULER_AVERAGE] = tasks
+    return out, averages
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -199,7 +281,8 @@ def report(args) -> str:
         rows = with_reference(rows, run_dir if run_dir.is_dir() else run_dir.parent, args.reference)
     text = format_table(rows)
     run_dir = Path(args.path) if Path(args.path).is_dir() else Path(args.path).parent
-    resolution_text = format_resolution(load_cells(run_dir)) if (run_dir / "cells").is_dir() else ""
+    reference = getattr(args, "reference", None) or _reference_name(rows)
+    resolution_text = format_resolution(load_cells(run_dir), reference) if (run_dir / "cells").is_dir() else ""
     if resolution_text:
         text += "\n" + resolution_text  # a blank line: the paragraph must not join the last table
     if getattr(args, "json", False):
@@ -362,22 +445,26 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines + notes + paired + memory + detail)
 
 
-def format_resolution(groups: dict) -> str:
+def format_resolution(groups: dict, reference: str | None = None) -> str:
     """Markdown (empty when no group has two compressed methods): per suite and budget, the paired
-    95% half-widths over every pair of compressed methods, against the targets (0.15 for 0/1
-    scores, 10% of the pair's mean otherwise). Suites run in several variants at one length
-    (``kl+source=pydoc`` and ``kl+source=stdlib``) also get a row of all their samples pooled."""
+    95% half-widths over every pair of compressed methods (0/1 scores against the 0.15 target;
+    continuous scores, KL, have no blanket target). Suites run in several variants at one length
+    and setting (``kl+source=pydoc`` and ``kl+source=stdlib``) also get a row of all their samples
+    pooled. Then, for continuous scores, what a user decides on: every close pair (means within
+    ``CLOSE_RATIO``) with its paired difference, and, with ``reference``, every method's paired
+    difference from it relative to its mean."""
     header = [
         "", "Resolution: paired 95% half-width over every pair of compressed methods at one budget (0/1 scores: "
-        "absolute; others: relative to the pair's mean score); a pair resolves a difference larger than its "
-        f"half-width. Close pairs: means within {CLOSE_RATIO:g}x of each other. Resolved: pairs whose interval "
-        "excludes 0.", "",
+        "absolute, target 0.15; others: relative to the pair's mean score, no blanket target: see the close "
+        "pairs below); a pair resolves a difference larger than its half-width. Close pairs: means within "
+        f"{CLOSE_RATIO:g}x of each other. Resolved: pairs whose interval excludes 0.", "",
         "| suite | budget | pairs | median | close pairs' median | largest (pair) | below target | resolved |",
         "|---|:---:|:---:|:---:|:---:|:---:|:---:|:---:|",
     ]
     pooled: dict = {}
     for (suite, length), cells in groups.items():
-        pooled.setdefault((suite.split("+")[0], length), []).append((suite, cells))
+        name = suite.split("+")[0] + ("+setting=agnostic" if "setting=agnostic" in suite.split("+") else "")
+        pooled.setdefault((name, length), []).append((suite, cells))
     tables = list(groups.items())
     for (name, length), members in pooled.items():
         if len(members) > 1:
@@ -386,10 +473,11 @@ def format_resolution(groups: dict) -> str:
                 for key, records in cells.items():
                     merged.setdefault(key, []).extend({**r, "id": f"{suite}/{r['id']}"} for r in records)
             tables.append(((f"{name} (pooled: {len(members)} suites)", length), merged))
-    lines = []
-    for (suite, length), cells in tables:
+    lines, close_lines, continuous = [], [], []
+    for index, ((suite, length), cells) in enumerate(tables):
         for budget in sorted({b for m, b in cells if m != "full"}):
-            found = resolution({m: records for (m, b), records in cells.items() if b == budget and m != "full"})
+            at_budget = {m: records for (m, b), records in cells.items() if b == budget and m != "full"}
+            found = resolution(at_budget)
             if found is None:
                 continue
 
@@ -398,12 +486,58 @@ def format_resolution(groups: dict) -> str:
                     return "–"
                 return f"{width:.0%}" if found.relative else f"{width:.3f}"
 
+            target = "–" if math.isnan(found.target) else f"{found.within}/{found.pairs} below {show(found.target)}"
             lines.append(
                 f"| {suite} {length} | {budget} | {found.pairs} | {show(found.median)} | {show(found.close_median)} | "
-                f"{show(found.worst)} ({' vs '.join(found.worst_pair)}) | "
-                f"{found.within}/{found.pairs} below {show(found.target)} | {found.resolved}/{found.pairs} |"
+                f"{show(found.worst)} ({' vs '.join(found.worst_pair)}) | {target} | {found.resolved}/{found.pairs} |"
             )
-    return "\n".join(header + lines) if lines else ""
+            if found.relative and index < len(groups):  # close pairs of each suite, not of the pooled rows
+                continuous.append((suite, length, budget, at_budget))
+                for first, second, difference, width in close_pairs(at_budget):
+                    text = f"{difference.mean:+.3f} ± {difference.ci95:.3f}"
+                    if difference.resolved:
+                        text = f"**{text}**"
+                    close_lines.append(f"| {suite} {length} | {budget} | {first} − {second} | {text} | {width:.0%} |")
+    if not lines:
+        return ""
+    out = header + lines
+    if close_lines:
+        out += [
+            "", "Close pairs of continuous scores (KL): the pairs of compressed methods whose mean scores are within "
+            f"{CLOSE_RATIO:g}x of each other, closest first, with their paired difference (first − second) ± 95% "
+            "half-width (**bold**: resolved) and that half-width relative to the pair's mean score.", "",
+            "| suite | budget | pair | difference | half-width / mean |", "|---|:---:|---|:---:|:---:|",
+            *close_lines,
+        ]
+    if reference is not None and continuous:
+        out += _reference_resolution(reference, continuous)
+    return "\n".join(out)
+
+
+def _reference_resolution(reference: str, continuous: list[tuple]) -> list[str]:
+    """Each method's paired difference from ``reference`` relative to the reference's mean score,
+    per continuous-score suite and budget: what a user who would replace the reference reads."""
+    methods = sorted({m for *_, cells in continuous for m in cells if m != reference})
+    if not any(reference in cells for *_, cells in continuous):
+        return []
+    header = [f"{suite} {length} @{budget}" for suite, length, budget, _ in continuous]
+    lines = [
+        "", f"Against {reference} (continuous scores): paired difference (method − {reference}) over {reference}'s "
+        "mean score, ± its 95% half-width on the same scale; **bold**: resolved.", "",
+        "| method | " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":---:"] * len(header)) + "|",
+    ]
+    for method in methods:
+        cells_text = []
+        for _, _, _, cells in continuous:
+            difference = pair_records(cells[method], cells[reference]) if method in cells and reference in cells else None
+            scale = abs(math.fsum(r["score"] for r in cells.get(reference, [])) / max(1, len(cells.get(reference, []))))
+            if difference is None or math.isnan(difference.ci95) or scale == 0:
+                cells_text.append("")
+                continue
+            text = f"{difference.mean / scale:+.1%} ± {difference.ci95 / scale:.1%}"
+            cells_text.append(f"**{text}**" if difference.resolved else text)
+        lines.append(f"| {method} | " + " | ".join(cells_text) + " |")
+    return lines
 
 
 def _reference_name(rows: list[dict]) -> str | None:

@@ -144,15 +144,41 @@ class JointCache(Cache):
         return torch.cat(outputs, dim=0)
 
 
+@torch.inference_mode()
+def append_block(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Feed ``input_ids`` [B, q] (no padding) after what ``cache`` holds, ``attention_mask`` [B, T]
+    being the mask so far; return the block's last logits [B, V]. The block attends over the kept
+    entries and itself, as a prompt's continuation (the cache's method observes it as decoding)."""
+    mask = torch.cat([attention_mask, attention_mask.new_ones(input_ids.shape)], dim=-1)
+    positions = _position_ids(mask)[:, -input_ids.shape[1] :]
+    output = model(
+        input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+        logits_to_keep=1,
+    )
+    return output.logits[:, -1].float()
+
+
 def decode_cells(model, caches, first_logits, attention_mask, steps, eos, *, force=None, observe=None,
-                 progress=False) -> list[torch.Tensor]:
+                 progress=False, question: torch.Tensor | None = None) -> list[torch.Tensor]:
     """:func:`greedy_decode` of several forks of one prefill at once; one [B, n] tensor per cache.
 
     ``first_logits``, ``attention_mask``, ``steps`` and ``force`` are those of one cache's rows;
-    ``observe`` sees the logits of all caches' rows, cache after cache.
+    ``observe`` sees the logits of all caches' rows, cache after cache. ``question`` [B, q]: a
+    block appended to every cache first (question-agnostic: the caches hold a compressed
+    context); its last logits replace ``first_logits`` (then None).
     """
     count = len(caches)
     cache = caches[0] if count == 1 else JointCache(caches)
+    if question is not None:
+        rows = question.shape[0]
+        first_logits = append_block(model, cache, question.repeat(count, 1), attention_mask.repeat(count, 1))
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(question.shape)], dim=-1)
+        out = greedy_decode(
+            model, cache, first_logits, attention_mask.repeat(count, 1),
+            steps if isinstance(steps, int) else list(steps) * count, eos,
+            force=None if force is None else force.repeat(count, 1), observe=observe, progress=progress,
+        )
+        return [out[i * rows : (i + 1) * rows] for i in range(count)]
     rows = first_logits.shape[0]
     out = greedy_decode(
         model, cache, first_logits.repeat(count, 1), attention_mask.repeat(count, 1),

@@ -111,10 +111,12 @@ def pair_records(records: list[dict], reference: list[dict]) -> PairedDifference
     return paired_difference(list(scores), list(matched))
 
 
-# The evaluation's resolution targets: a paired 95% half-width below 0.15 for 0/1 scores (a 0.15
-# difference in accuracy is resolved), below 10% of the pair's mean score otherwise (KL).
+# The evaluation's resolution target for 0/1 scores: a paired 95% half-width below 0.15 (a 0.15
+# difference in accuracy is resolved). Continuous scores (KL) have no blanket target: what a user
+# decides on is each method against the one it would replace (the paired table against
+# --reference) and the pairs that score alike (close_pairs), which the report lists.
 ABSOLUTE_TARGET = 0.15
-RELATIVE_TARGET = 0.10
+RELATIVE_TARGET = math.nan
 # Pairs whose mean scores differ by less than this factor count as "close" in Resolution.
 CLOSE_RATIO = 1.25
 
@@ -167,9 +169,30 @@ def resolution(cells: dict[str, list[dict]]) -> Resolution | None:
     worst_pair = max(widths, key=widths.get)
     return Resolution(
         pairs=len(ordered), median=_median(ordered), worst=widths[worst_pair], worst_pair=worst_pair,
-        within=sum(width < target for width in ordered), target=target, relative=relative,
+        within=sum(width < target for width in ordered) if not math.isnan(target) else 0, target=target,
+        relative=relative,
         resolved=resolved_pairs, close_median=_median(sorted(close)) if close else math.nan,
     )
+
+
+def close_pairs(cells: dict[str, list[dict]]) -> list[tuple[str, str, PairedDifference, float]]:
+    """The pairs of a group's cells (``method -> records``, one budget) whose mean scores are within
+    ``CLOSE_RATIO`` of each other: (first, second, paired difference first − second, its 95%
+    half-width relative to the pair's mean), closest means first."""
+    names = sorted(cells)
+    means = {name: _mean([record["score"] for record in cells[name]]) for name in names}
+    found = []
+    for index, first in enumerate(names):
+        for second in names[index + 1:]:
+            low, high = sorted(abs(means[name]) for name in (first, second))
+            if not high < CLOSE_RATIO * low:
+                continue
+            difference = pair_records(cells[first], cells[second])
+            if difference is None or math.isnan(difference.ci95):
+                continue
+            scale = (low + high) / 2
+            found.append((first, second, difference, difference.ci95 / scale if scale > 0 else math.inf, high / low))
+    return [entry[:4] for entry in sorted(found, key=lambda entry: entry[4])]
 
 
 def _median(ordered: list[float]) -> float:

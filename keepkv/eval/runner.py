@@ -58,6 +58,19 @@ Suites
 
 Suites take generator variants as ``needle+variant=multikey+haystack=prose``.
 
+Settings
+--------
+``needle``, ``passkey``, ``tracking``, ``aggregation``, ``longbench`` and ``jsonl`` have a
+question. By default it sits inside the prompt that is compressed (*question-aware*: SnapKV's
+observation window then is the question). ``+setting=agnostic`` (``keepkv eval --setting
+agnostic|both``) compresses the context before the question is seen, as kvpress's leaderboard
+runs by default and as a user asking several questions about one document does
+(:func:`keepkv.compress`): the recording prefill holds the chat template's start and the
+document; every cell forks it (compressing it), then the question part (separator, question,
+template end, answer prefix; tokenized on its own) is appended to every cell as one block, and
+decoding goes on as in the aware setting. Batches hold samples whose question parts have one
+length (no padding inside that block).
+
 Output (``out_dir``)
 --------------------
 ``cells/<suite>-<length>-<method>-<budget>.json``
@@ -123,10 +136,12 @@ is what merging methods can blend away. Full cache, dev seed, 16 samples, 1024 t
     needle+haystack=prose+digits=5                  0.94
     needle+haystack=prose+digits=4                  0.94
 
-So the default is ``needle`` (single, noise haystack) with 64 samples, the 5-digit prose
-needle and ``passkey`` with 32 each, and the two ``kl`` suites (no threshold: they measure
-the distance from the full cache) with 16 samples each. ``tracking``, ``aggregation``,
-``ppl`` and ``fidelity`` stay available with ``--suite``.
+So the default is ``needle`` (single, noise haystack) with 32 samples and its
+question-agnostic twin with 24, the 5-digit prose needle with 32, ``passkey`` with 24 and its
+question-agnostic twin with 16, and the two ``kl`` suites (no threshold: they measure the
+distance from the full cache) with 12 texts each (until issue 28: needle 64, passkey 32, kl
+16, no question-agnostic cell). ``tracking``, ``aggregation``, ``ppl`` and ``fidelity`` stay
+available with ``--suite``; ``--suite ruler`` runs the RULER preset (``RULER_SUITES``).
 
 Where the time goes
 -------------------
@@ -184,12 +199,12 @@ from tqdm.auto import tqdm
 from ..attention import Needs
 from ..budgets import validate_budget
 from ..cache import CompressedCache
-from ..generation import build_prompts, encode
+from ..generation import build_prompts, context_and_question_ids, encode
 from ..methods import METHODS, get_method
 from . import metrics
 from .datasets import load_jsonl, load_longbench
 from .decoding import _strip, _with_eos, decode_cells, greedy_decode, prefill
-from .summary import summarize_cell, summary_rows, write_summary
+from .summary import average_rows, summarize_cell, summary_rows, write_summary
 from .tasks import SUITES, Sample, make_suite
 
 # ---------------------------------------------------------------- defaults (fixed before any run)
@@ -201,15 +216,33 @@ DEV_SEED = 1000
 # passkey and the prose needle hold numbers in real text: the haystacks where a merge can blend
 # an evicted number into the answer's digits (the noise needle has no other number to blend).
 PROSE_NEEDLE = "needle+haystack=prose+digits=5"
-DEFAULT_SUITES = ("needle", PROSE_NEEDLE, "passkey", "kl+source=pydoc", "kl+source=stdlib")
+DEFAULT_SUITES = (
+    "needle", "needle+setting=agnostic", PROSE_NEEDLE, "passkey", "passkey+setting=agnostic", "kl+source=pydoc",
+    "kl+source=stdlib",
+)
 DATA_SUITES = ("longbench", "jsonl")
+# Question-aware (the question inside the compressed prompt; SnapKV's window then is the question)
+# or question-agnostic (the context compressed before the question, as kvpress's leaderboard runs
+# by default, and as a user asking several questions about one document): ``+setting=agnostic``.
+SETTINGS = ("aware", "agnostic")
+QUESTION_SUITES = ("needle", "passkey", "tracking", "aggregation", "longbench", "jsonl")
 KNOWN_SUITES = (*SUITES, *DATA_SUITES)
 DEFAULT_BUDGETS = (0.1, 0.2)
-# Samples per suite name (others: DEFAULT_SAMPLES_OTHER). needle: a paired 0/1 difference with
-# up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(64) = 0.14. kl: as
-# many texts as the 45-minute budget leaves (~45 s of wall time per text for the 23-cell grid
-# on 2 cores, measured on the dev seed); see "Where the time goes".
-DEFAULT_SAMPLES = {"needle": 64, PROSE_NEEDLE: 32, "passkey": 32, "kl": 16}
+# Samples per suite label, then task, then name (others: DEFAULT_SAMPLES_OTHER). A paired 0/1
+# difference with up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(n):
+# 0.14 at n = 64, 0.19 at 32, 0.22 at 24. Until the question-agnostic cells joined, needle had
+# 64 samples, passkey 32 and kl 16 texts (~45 s of wall time per text for the 23-cell grid on 2
+# cores); they were cut to make room within 45 minutes (see "Where the time goes").
+#
+# The question-agnostic cells cost 1.6x their aware twins (wall; 1.5x CPU: one extra block per
+# cell and smaller batches, one question length each; needle, 16 samples, full grid, measured
+# beside other work), so the default run, projected from the committed run's per-suite times,
+# is 44 min: needle 6.2, agnostic needle 7.4, prose needle 6.5, passkey 5.7, agnostic passkey
+# 6.1, kl 6.7 + 5.9 (docs/eval.md, "Time").
+DEFAULT_SAMPLES = {
+    "needle": 32, "needle+setting=agnostic": 24, PROSE_NEEDLE: 32, "passkey": 24, "passkey+setting=agnostic": 16,
+    "kl": 12,
+}
 DEFAULT_SAMPLES_OTHER = 4
 DEFAULT_LENGTHS = {
     "needle": 1024,
@@ -222,6 +255,20 @@ DEFAULT_LENGTHS = {
     "longbench": 1024,
     "jsonl": 1024,
 }
+# `keepkv eval --suite ruler`: the RULER tasks that the full embedded model solves (>= 0.8 on the
+# dev seed) at the length where it does, prose haystacks included, and their unweighted average
+# (RULER's score); run question-aware and question-agnostic unless --setting says one. Full
+# cache, dev seed, RULER string match (see "Default suites" above and docs/eval.md):
+RULER_SUITES = (
+    "needle", "needle+haystack=prose", PROSE_NEEDLE, "needle+variant=multikey+num_needles=2", "passkey",
+)
+RULER_LENGTHS = {suite: 1024 for suite in RULER_SUITES}
+RULER_SAMPLES = {suite: 32 for suite in RULER_SUITES}
+RULER_AVERAGE = "ruler-average"
+# `keepkv eval --sweep`: the budgets of the field's ratio sweeps (kvpress's leaderboard draws
+# compression ratios 0.25-0.875; ratio = 1 - budget), plotted as the average score against the
+# compression ratio, one line per method (sweep.png).
+SWEEP_BUDGETS = (0.9, 0.75, 0.5, 0.25, 0.125, 0.1)
 # `keepkv eval --quick`: a smoke check of every default suite, not a measurement.
 QUICK_SAMPLES = 2
 QUICK_BUDGETS = (0.1,)
@@ -269,9 +316,36 @@ class SuiteSpec:
             except json.JSONDecodeError:
                 pass
             variant.append((key, value))
-        if variant and name in DATA_SUITES + ("ppl",):
+        settings = [value for key, value in variant if key == "setting"]
+        if any(value not in SETTINGS for value in settings) or len(settings) > 1:
+            raise ValueError(f"setting must be one of {', '.join(SETTINGS)} (once), got {text!r}")
+        variant = [(key, value) for key, value in variant if (key, value) != ("setting", "aware")]
+        if settings and settings[0] == "agnostic" and name not in QUESTION_SUITES:
+            raise ValueError(f"suite {name!r} has no question to keep out of the compressed context, got {text!r}")
+        if [key for key, _ in variant if key != "setting"] and name in DATA_SUITES + ("ppl",):
             raise ValueError(f"suite {name!r} takes no variants, got {text!r}")
         return SuiteSpec(name, tuple(variant))
+
+    @property
+    def setting(self) -> str:
+        """``aware``: the question is in the prompt that is compressed (the label names no setting);
+        ``agnostic``: the context is compressed before the question is seen (``+setting=agnostic``)."""
+        return dict(self.variant).get("setting", "aware")
+
+    @property
+    def generator_variant(self) -> dict:
+        """The variant's options for the sample generator (the setting is the runner's)."""
+        return {key: value for key, value in self.variant if key != "setting"}
+
+    @property
+    def task_label(self) -> str:
+        """The label without the setting: the task, whichever setting runs it."""
+        return self.with_setting("aware").label
+
+    def with_setting(self, setting: str) -> "SuiteSpec":
+        """This suite in ``setting`` (the aware label names no setting)."""
+        rest = tuple((key, value) for key, value in self.variant if key != "setting")
+        return SuiteSpec(self.name, rest + ((("setting", setting),) if setting == "agnostic" else ()))
 
 
 def _budget_label(budget) -> str:
@@ -344,8 +418,8 @@ def make_samples(spec: SuiteSpec, samples: int, length: int, seed: int, tokens: 
     if spec.name == "kl":
         # `length` prompt tokens, the continuation, and a margin for the 1% fit tolerance.
         needed = length + KL_CONTINUATION
-        return make_suite("kl", samples, needed + needed // 16 + 8, seed, tokens.count, **dict(spec.variant))
-    return make_suite(spec.name, samples, length, seed, tokens.count, **dict(spec.variant))
+        return make_suite("kl", samples, needed + needed // 16 + 8, seed, tokens.count, **spec.generator_variant)
+    return make_suite(spec.name, samples, length, seed, tokens.count, **spec.generator_variant)
 
 
 def _answer_steps(sample: Sample, tokens: _Tokens, cap: int | None) -> int:
@@ -453,7 +527,10 @@ class _Group:
         full = self.cells[0]
         if self.spec.name in ("fidelity", "kl") and full.done:
             todo = [full, *fresh]  # the reference continuation is needed in memory
-        shards = _split(self.samples, self.runner.workers)
+        samples = self.samples
+        if self.spec.setting == "agnostic":  # one question length per batch: keep each length in few shards
+            samples = sorted(samples, key=lambda sample: len(self._question_parts(sample)[1]))
+        shards = _split(samples, self.runner.workers)
         started = time.perf_counter()
         if len(shards) == 1:
             results = [self.run_shard(todo, shards[0], progress=self.runner.progress)]
@@ -475,8 +552,12 @@ class _Group:
         needs = Needs.union([get_method(cell.method).needs(True) for cell in todo])
         size = self.runner.batch_size
         self.progress = progress
-        for start in range(0, len(samples), size):
-            self.run_batch(samples[start : start + size], todo, needs)
+        if self.spec.setting == "agnostic":
+            for batch in self._agnostic_batches(samples, size):
+                self.run_agnostic_batch(batch, todo, needs)
+        else:
+            for start in range(0, len(samples), size):
+                self.run_batch(samples[start : start + size], todo, needs)
         return [(cell.records, cell.seconds, cell.cpu_seconds) for cell in todo]
 
     def run_batch(self, batch: list[Sample], todo: list[Cell], needs: Needs) -> None:
@@ -535,6 +616,51 @@ class _Group:
                     cell.records.extend(self._fidelity_records(batch, out, own_logps, reference, cache, mask))
                 else:
                     cell.records.extend(self._answer_records(batch, out, cache, mask))
+            clock.share(chunk)
+            del caches
+
+    def _agnostic_batches(self, samples: list[Sample], size: int) -> list[list[tuple]]:
+        """Batches of (sample, context ids, question ids) whose question parts have one length: the
+        question is appended as one block after the compressed context, and padding inside that
+        block would add padded queries to the statistics of methods that score while decoding."""
+        by_length: dict[int, list[tuple]] = {}
+        for sample in samples:
+            head, tail = self._question_parts(sample)
+            by_length.setdefault(len(tail), []).append((sample, head, tail))
+        return [items[i : i + size] for _, items in sorted(by_length.items()) for i in range(0, len(items), size)]
+
+    def _question_parts(self, sample: Sample) -> tuple[list[int], list[int]]:
+        """(context ids, question ids) of a sample (:func:`keepkv.generation.context_and_question_ids`)."""
+        parts = self.__dict__.setdefault("_parts", {})
+        if sample.id not in parts:
+            parts[sample.id] = context_and_question_ids(
+                self.runner.tokenizer, sample.context, sample.question, True, sample.answer_prefix
+            )
+        return parts[sample.id]
+
+    def run_agnostic_batch(self, parts: list[tuple], todo: list[Cell], needs: Needs) -> None:
+        """Question-agnostic: prefill and compress the contexts (template start + document), then
+        append each sample's question part (separator, question, template end, answer prefix) to
+        every cell's compressed cache as one block, then decode greedily."""
+        runner = self.runner
+        model, eos, device = runner.model, runner.eos, runner.device
+        batch = [sample for sample, _, _ in parts]
+        width = max(len(head) for _, head, _ in parts)
+        pad = runner.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(head)) + head for _, head, _ in parts], device=device)
+        mask = torch.tensor([[0] * (width - len(head)) + [1] * len(head) for _, head, _ in parts], device=device)
+        question = torch.tensor([tail for _, _, tail in parts], device=device)
+        full_mask = torch.cat([mask, torch.ones_like(question)], dim=-1)
+        limits = [max_new_tokens_for(self.spec, s, runner.tokens, runner.max_new_tokens) for s in batch]
+        clock = _Clock(todo)
+        record = CompressedCache(model.config, "full", record=needs)
+        prefill(model, record, input_ids, mask)
+        clock.share(todo)
+        for chunk in _chunks(todo, runner.joint_cells):
+            caches = [record.fork(cell.method, cell.budget) for cell in chunk]
+            outs = decode_cells(model, caches, None, mask, limits, eos, question=question, progress=self.progress)
+            for cell, cache, out in zip(chunk, caches, outs):
+                cell.records.extend(self._answer_records(batch, out, cache, full_mask))
             clock.share(chunk)
             del caches
 
@@ -796,7 +922,10 @@ def _default_workers() -> int:
 def _samples_for(spec: SuiteSpec, samples) -> int:
     """Samples of one suite: ``samples`` itself, or its entry by label, then by suite name."""
     if isinstance(samples, dict):
-        return samples.get(spec.label, samples.get(spec.name, DEFAULT_SAMPLES_OTHER))
+        for key in (spec.label, spec.task_label, spec.name):
+            if key in samples:
+                return samples[key]
+        return DEFAULT_SAMPLES_OTHER
     return samples
 
 
@@ -804,9 +933,47 @@ def _lengths_for(spec: SuiteSpec, lengths) -> list[int]:
     if lengths is None:
         return [DEFAULT_LENGTHS[spec.name]]
     if isinstance(lengths, dict):
-        chosen = lengths.get(spec.label, lengths.get(spec.name, DEFAULT_LENGTHS[spec.name]))
+        key = next((k for k in (spec.label, spec.task_label) if k in lengths), spec.name)
+        chosen = lengths.get(key, DEFAULT_LENGTHS[spec.name])
         return list(chosen) if isinstance(chosen, (list, tuple)) else [chosen]
     return list(lengths)
+
+
+def check_lengths(config, plan: list[tuple[SuiteSpec, int]], max_new_tokens: int | None) -> None:
+    """Refuse, in one line and before any work, a group longer than the model's context
+    (``max_position_embeddings``; scores past the trained positions would measure the model, not
+    the cache) or, on a sliding-window model, than its window (keepkv.models.check_context)."""
+    from ..models import check_context
+
+    limit = getattr(config, "max_position_embeddings", None)
+    for spec, length in plan:
+        extra = KL_CONTINUATION if spec.name == "kl" else (max_new_tokens or 64)
+        if limit is not None and length + extra > limit:
+            raise ValueError(
+                f"suite {spec.label} at {length} tokens: with up to {extra} new tokens it exceeds the model's context "
+                f"of {limit} tokens (max_position_embeddings); choose --lengths of at most {limit - extra}"
+            )
+        try:
+            check_context(config, length + extra)
+        except ValueError as error:
+            raise ValueError(f"suite {spec.label} at {length} tokens: {error}") from None
+
+
+def auto_batch_size(model, length: int, cells: int) -> int:
+    """Samples per prefill batch: DEFAULT_BATCH_SIZE on the CPU; on a GPU, as many as a quarter
+    of the free memory holds, counting per row the uncompressed prompt of the recording
+    prefill and of the full cell, the compressed cells (each at most the prompt) and 16 hidden
+    states per token of activations, at most 64."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return DEFAULT_BATCH_SIZE
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+    per_row = length * (kv_token * (2 + 0.25 * cells) + 16 * config.hidden_size * element)
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(max(1, min(64, free // 4 // max(1, per_row))))
 
 
 def run_eval(
@@ -823,11 +990,13 @@ def run_eval(
     max_new_tokens: int | None = None,
     progress: bool = True,
     data: dict | None = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int | None = DEFAULT_BATCH_SIZE,
     joint_cells: int | None = None,
     workers: int | None = None,
     reference: str | None = None,
     plot: bool = True,
+    averages: dict | None = None,
+    sweep: bool = False,
 ) -> list[dict]:
     """Evaluate every method at every budget on every suite; return the summary rows.
 
@@ -856,8 +1025,9 @@ def run_eval(
         Overrides every suite's generation cap.
     data : dict, optional
         ``{"longbench": DIR, "jsonl": FILE}`` for the local-dataset suites.
-    batch_size : int
-        Samples per prefill batch (left padded; fidelity uses two rows per sample).
+    batch_size : int, optional
+        Samples per prefill batch (left padded; fidelity uses two rows per sample); None: from the
+        model and device (:func:`auto_batch_size`).
     joint_cells : int, optional
         Cells decoded together in one forward pass (:class:`JointCache`); default: all of a
         group's cells at once. 1 decodes each cell alone.
@@ -869,6 +1039,12 @@ def run_eval(
         One of ``methods``: every cell also gets its paired difference against this method
         at the same budget (``diff_ref*`` columns); the full cache is always a reference
         (``diff_full*``).
+    averages : dict name -> list of suite labels, optional
+        Extra summary rows ``name``: per method and budget, the unweighted mean of those suites'
+        scores (RULER's average over tasks; ``keepkv eval --suite ruler``).
+    sweep : bool
+        Also draw ``sweep.png``: the mean score of the higher-is-better suites against the
+        compression ratio (1 - budget), one line per method.
 
     Returns
     -------
@@ -887,10 +1063,14 @@ def run_eval(
     for count in samples.values() if isinstance(samples, dict) else [samples]:
         if not isinstance(count, int) or count < 1:
             raise ValueError(f"samples must be an int >= 1 (or a dict suite -> int >= 1), got {samples!r}")
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
     specs = [spec if isinstance(spec, SuiteSpec) else SuiteSpec.parse(spec) for spec in suites]
     data = dict(data or {})
+    check_lengths(model.config, [(spec, n) for spec in specs for n in _lengths_for(spec, lengths)], max_new_tokens)
+    if batch_size is None:
+        longest = max(n for spec in specs for n in _lengths_for(spec, lengths))
+        batch_size = auto_batch_size(model, longest, 1 + len(methods) * len(budgets))
     runner = _Runner(
         model, tokenizer, methods=methods, budgets=budgets, samples=samples, seed=seed, out_dir=out_dir,
         max_new_tokens=max_new_tokens, progress=progress, data=data, batch_size=batch_size,
@@ -922,10 +1102,14 @@ def run_eval(
             group.run(bar)
             groups.append(group)
     rows = summary_rows(groups, reference)
+    for name, members in (averages or {}).items():
+        rows += average_rows(rows, name, members)
     write_summary(rows, out_dir / "summary.csv")
     if plot:
-        from .plot import plot_scores
+        from .plot import plot_scores, plot_sweep
 
-        plot_scores(rows, out_dir / "scores.png")
+        plot_scores([row for row in rows if not row.get("average_of")], out_dir / "scores.png")
+        if sweep:
+            plot_sweep(rows, out_dir / "sweep.png")
     (out_dir / "timing.json").write_text(json.dumps({"wall_seconds": round(time.perf_counter() - started, 2)}))
     return rows

@@ -195,3 +195,35 @@ def with_reference(rows: list[dict], run_dir, reference: str) -> list[dict]:
         found = columns.get((row["suite"], row["length"]), {}).get((row["method"], row["budget"]), {})
         out.append({**row, **found})
     return out
+
+
+def average_rows(rows: list[dict], name: str, suites: list[str]) -> list[dict]:
+    """Per method and budget, the unweighted mean score over ``suites`` (labels), as RULER reports
+    its tasks' average: one row with suite ``name``, length the longest of them, ``n`` the number
+    of suites, ``average_of`` their labels. Only (method, budget) pairs that every suite has; the
+    full cache's row counts at every budget."""
+    members = [row for row in rows if row["suite"] in suites]
+    if not members:
+        return []
+    full = {row["suite"]: row for row in members if row["method"] == "full"}
+    budgets = sorted({row["budget"] for row in members if row["method"] != "full"}, key=float)
+    methods = list(dict.fromkeys(row["method"] for row in members))
+    out = []
+    for method in methods:
+        for budget in [1.0] if method == "full" else budgets:
+            found = [
+                row for row in members if row["method"] == method and (method == "full" or row["budget"] == budget)
+            ]
+            if {row["suite"] for row in found} != set(suites):
+                continue
+            score = sum(row["score"] for row in found) / len(found)
+            full_score = sum(row["score"] for row in full.values()) / len(full) if len(full) == len(suites) else None
+            out.append({
+                "suite": name, "length": max(row["length"] for row in found), "method": method, "budget": budget,
+                "score": round(score, 6), "ci95": None,
+                "share_of_full": round(score / full_score, 6) if full_score else None,
+                "cache_bytes": None, "full_cache_bytes": None, "n": len(found),
+                "higher_is_better": all(row.get("higher_is_better", True) in (True, "true", "True") for row in found),
+                "average_of": " ".join(suites),
+            })
+    return out
