@@ -94,7 +94,9 @@ def test_shared_prefill_equals_separate_runs(model, tokenizer, tmp_path):
     keepkv.enable(model)
     for method in methods:
         for budget in [1.0] if method == "full" else budgets:
-            cache = keepkv.CompressedCache(model.config, method, budget)
+            instance = keepkv.get_method(method)
+            instance.prepare(model)  # as the runner does (KVReviver's Fisher layer scores)
+            cache = keepkv.CompressedCache(model.config, instance, budget)
             first = prefill(model, cache, inputs["input_ids"], inputs["attention_mask"])
             alone = greedy_decode(model, cache, first, inputs["attention_mask"], 8, tokenizer.eos_token_id)
             cell = json.loads((tmp_path / "cells" / f"needle-160-{method}-{budget}.json").read_text())

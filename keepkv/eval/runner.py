@@ -588,7 +588,7 @@ class _Group:
             # The full cache runs alone first: the other cells are teacher-forced with its answer.
             full, rest = todo[0], todo[1:]
             logps = []
-            cache = record.fork(full.method, full.budget)
+            cache = record.fork(self.runner.instance(full.method), full.budget)
             out = greedy_decode(
                 model, cache, first_logits, mask, limits, eos, progress=self.progress,
                 observe=lambda t, logits: logps.append(torch.log_softmax(logits[:rows], -1)),
@@ -600,7 +600,7 @@ class _Group:
         if fidelity:
             force = torch.cat([torch.full_like(reference[0], -1), reference[0]], dim=0)
         for chunk in _chunks(rest, runner.joint_cells):
-            caches = [record.fork(cell.method, cell.budget) for cell in chunk]
+            caches = [record.fork(self.runner.instance(cell.method), cell.budget) for cell in chunk]
             logps = []
             observe = None
             if fidelity:
@@ -657,7 +657,7 @@ class _Group:
         prefill(model, record, input_ids, mask)
         clock.share(todo)
         for chunk in _chunks(todo, runner.joint_cells):
-            caches = [record.fork(cell.method, cell.budget) for cell in chunk]
+            caches = [record.fork(self.runner.instance(cell.method), cell.budget) for cell in chunk]
             outs = decode_cells(model, caches, None, mask, limits, eos, question=question, progress=self.progress)
             for cell, cache, out in zip(chunk, caches, outs):
                 cell.records.extend(self._answer_records(batch, out, cache, full_mask))
@@ -744,7 +744,7 @@ class _Group:
         full, rest = todo[0], todo[1:]
         for number, chunk in enumerate(_chunks(rest, runner.joint_cells) if rest else [[]]):
             cells = [full, *chunk]
-            caches = [record.fork(cell.method, cell.budget) for cell in cells]
+            caches = [record.fork(self.runner.instance(cell.method), cell.budget) for cell in cells]
             kl, nll = [], []
 
             def observe(t, logits):
@@ -784,7 +784,7 @@ class _Group:
         rows = len(batch)
         for chunk in _chunks(todo, runner.joint_cells):
             entries = [ppl_entries(cell.budget, length) for cell in chunk]
-            caches = [record.fork(cell.method, count) for cell, count in zip(chunk, entries)]
+            caches = [record.fork(self.runner.instance(cell.method), count) for cell, count in zip(chunk, entries)]
             nll = []
 
             def observe(t, logits):
@@ -902,6 +902,15 @@ class _Runner:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.eos = tokenizer.eos_token_id
+        self._instances: dict = {}
+
+    def instance(self, spec: str):
+        """The method ``spec`` names, prepared for the model once (KVReviver's Fisher layer scores
+        live on the instance), shared by every cell of it."""
+        if spec not in self._instances:
+            self._instances[spec] = get_method(spec)
+            self._instances[spec].prepare(self.model)
+        return self._instances[spec]
 
     def grid(self) -> list[tuple[str, int | float]]:
         cells = [("full", 1.0)]
@@ -1053,8 +1062,7 @@ def run_eval(
     """
     methods = list(METHODS) if methods is None else list(methods)
     for method in methods:
-        instance = get_method(method)  # unknown names fail before any work
-        instance.prepare(model)  # model-derived state, e.g. KVReviver's Fisher layer scores
+        get_method(method)  # unknown names fail before any work
     if reference is not None and reference not in methods:
         raise ValueError(f"reference {reference!r} is not among the methods run: {', '.join(methods)}")
     budgets = list(budgets)
