@@ -14,6 +14,7 @@ def test_suite_records_every_phase_and_stops_at_the_time_budget(tmp_path):
     result_json = tmp_path / "standin.json"
     phases = [
         {"name": "tests", "argv": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+                                   "--rootdir", str(tmp_path),  # test ids relative to it, wherever pytest runs
                                    "--junitxml", str(tmp_path / "t.xml")], "junit": str(tmp_path / "t.xml")},
         {"name": "bench", "argv": [sys.executable, "-c", f"import json, os; json.dump({{'x': os.environ['SUITE_X']}}, "
                                                          f"open({str(result_json)!r}, 'w'))"],
