@@ -135,10 +135,10 @@ def decode_loop(model, input_ids, attention_mask, cache, steps):
 
 
 @torch.no_grad()
-def greedy_decode(model, method, budget, steps=12, **cache_options):
-    """Greedy decode of a left-padded batch of rows with 30, 21 and 10 real tokens;
-    (logits [steps, B, V], tokens [steps, B], cache)."""
-    input_ids, attention_mask = random_batch(batch=3, length=30, pad=(0, 9, 20))
+def greedy_decode(model, method, budget, steps=12, device="cpu", **cache_options):
+    """Greedy decode of a left-padded batch of rows with 30, 21 and 10 real tokens on ``device``
+    (the model's); (logits [steps, B, V], tokens [steps, B], cache)."""
+    input_ids, attention_mask = (t.to(device) for t in random_batch(batch=3, length=30, pad=(0, 9, 20)))
     cache = keepkv.CompressedCache(model.config, method, budget, **cache_options)
     keepkv.enable(model)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits[:, -1]

@@ -13,26 +13,14 @@ from keepkv.kernels import decode  # noqa: E402
 from keepkv.kernels import decode_attention  # noqa: E402
 from reference import decode_attention_reference  # noqa: E402
 
-import keepkv  # noqa: E402
+from conftest import greedy_decode as conftest_greedy_decode  # noqa: E402
+from conftest import tiny_model  # noqa: E402
 
-from conftest import random_batch, tiny_model  # noqa: E402
 
-
-@torch.no_grad()
 def greedy_decode(model, method, budget, steps):
-    """conftest's greedy_decode on DEVICE: (logits [steps, B, V], tokens [steps, B], cache)."""
-    input_ids, attention_mask = (t.to(DEVICE) for t in random_batch(batch=3, length=30, pad=(0, 9, 20)))
-    cache = keepkv.CompressedCache(model.config, method, budget)
-    keepkv.enable(model)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits[:, -1]
-    mask, all_logits, tokens = attention_mask, [], []
-    for _ in range(steps):
-        token = logits.argmax(-1, keepdim=True)
-        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-        logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits[:, -1]
-        all_logits.append(logits)
-        tokens.append(token[:, 0])
-    return torch.stack(all_logits), torch.stack(tokens), cache
+    """conftest's greedy_decode on DEVICE."""
+    with torch.no_grad():
+        return conftest_greedy_decode(model, method, budget, steps, device=DEVICE)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}

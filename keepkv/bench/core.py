@@ -719,15 +719,21 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
         print(f"keepkv bench: {error}", file=sys.stderr)
         return 2
     result["model"].update(source=info["source"], random_weights=info["random_weights"])
-    table = format_soak(result)
+    _emit("soak", result, format_soak(result), json_to)
+    return 0
+
+
+def _emit(kind: str, result: dict, table: str, json_to: str | None) -> str:
+    """Print a run's table (to stderr when the JSON goes to stdout) and its JSON ``{kind: result}``
+    to ``json_to`` ("-": stdout); returns the JSON text."""
     print(table, file=sys.stderr if json_to == "-" else sys.stdout)
-    text = json.dumps({"soak": result}, indent=2)
+    text = json.dumps({kind: result}, indent=2)
     if json_to == "-":
         print(text)
     elif json_to:
         with open(json_to, "w") as handle:
             handle.write(text + "\n")
-    return 0
+    return text
 
 
 def _ops_main(args: argparse.Namespace, json_to: str | None) -> int:
@@ -764,13 +770,7 @@ def _ops_main(args: argparse.Namespace, json_to: str | None) -> int:
         return 2
     result["model"].update(source=info["source"], random_weights=info["random_weights"])
     table = format_ops(result)
-    print(table, file=sys.stderr if json_to == "-" else sys.stdout)
-    text = json.dumps({"ops": result}, indent=2)
-    if json_to == "-":
-        print(text)
-    elif json_to:
-        with open(json_to, "w") as handle:
-            handle.write(text + "\n")
+    text = _emit("ops", result, table, json_to)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "ops.json"), "w") as handle:
