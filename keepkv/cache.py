@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 from .attention import Needs, attend, hand_over, join_prefill_stats
 from .budgets import budget_floor, layer_budgets, row_budgets, validate_budget
 from .diagnostics import warn_budget
-from .fused import compiled
+from .fused import CompiledStep, method_step
 from .methods import Method, get_method
 from .models import check_architecture, check_context, sliding_window
 from .store import LayerStore
@@ -60,9 +60,11 @@ class CompressedCache(Cache):
         protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). An int >= 1: an entry count.
         Methods may split it unevenly over layers and heads; the mean stays at the budget.
     compile : bool
-        Run the methods' decode-time math through ``torch.compile`` (see :mod:`keepkv.fused`):
-        fewer, fused kernels per step, after a one-off compilation (tens of seconds on CPU);
-        falls back to eager, with a warning, where compiling fails.
+        Run each layer's decode-time method step (``observe`` and ``compress``) as one
+        ``torch.compile`` graph (see :mod:`keepkv.fused`): a few fused kernels per layer-step
+        instead of hundreds of operations, and no host sync, after a one-off compilation (about
+        a minute on CPU, seconds from inductor's cache); eager, with one warning, where
+        compiling fails.
     **method_params
         Parameters of the method when it is given by name.
 
@@ -96,6 +98,7 @@ class CompressedCache(Cache):
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         self.compile = compile
+        self._method_step = CompiledStep() if compile else method_step
         if isinstance(method, Method):
             if method_params:
                 raise ValueError("pass method parameters either to get_method() or here, not with an instance")
@@ -273,11 +276,10 @@ class CompressedCache(Cache):
             elif layer_idx == self.num_layers - 1:
                 self._end_prefill(self.layers)
             return output
-        with compiled(self.compile):  # decode shapes are stable: compile once, not per prompt
-            self.method.observe(layer, stats)
-            if layer.budget is not None and layer.pending >= self.method.interval:
-                self.method.compress(layer, stats)
-                layer.pending = 0
+        compress = layer.budget is not None and layer.pending >= self.method.interval
+        self._method_step(self.method, layer, stats, compress)  # decode shapes are stable: compiled once
+        if compress:
+            layer.pending = 0
         return output
 
     def _end_prefill(self, layers: list[LayerStore]) -> None:
@@ -391,13 +393,14 @@ class CompressedCache(Cache):
     def copy(self) -> "CompressedCache":
         """An independent deep copy: every layer's tensors, buffers and method state, so that
         decoding the copy (a question on a compressed context, ``keepkv.compress``) leaves this
-        cache untouched. The model config is shared, not copied."""
+        cache untouched. The model config and the compiled decode step are shared, not copied."""
         import copy as _copy
 
         # Normal tensors, as the store's buffers (written in place also outside inference mode);
         # deepcopy keeps each view on its copied buffer.
         with torch.inference_mode(False):
-            return _copy.deepcopy(self, memo={id(self.config): self.config})
+            shared = {id(self.config): self.config, id(self._method_step): self._method_step}
+            return _copy.deepcopy(self, memo=shared)
 
     # -- reporting -------------------------------------------------------------------------
     def nbytes(self) -> int:

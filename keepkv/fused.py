@@ -1,58 +1,78 @@
-"""Optional ``torch.compile`` of the methods' decode-time math, with the eager code as fallback.
+"""``CompressedCache(compile=True)``: a layer's whole decode-time method step as one compiled graph.
 
-A method's decode step is ~150 small tensor operations per layer (KeepKV: the EMA update, the
-similarity search, the ZIP merge); on CPU their cost is dispatch and memory traffic, not
-arithmetic. ``torch.compile`` fuses each marked function into a few kernels. The marked
-functions are pure tensor code, so the compiled and eager versions compute the same thing;
-once a layer's cache keeps its size from step to step their shapes are stable and nothing
-recompiles per step (a second shape, say another layer's budget, makes the sizes dynamic).
+Eager, a method's decode step is hundreds of small tensor operations per layer (KeepKV's EMA
+update, selection, similarity search, gates, the ZIP merge of key, value, votes and EMA, the
+in-place move of the kept entries); on a GPU each is a kernel launch (docs/performance.md has
+the counts). :func:`method_step` (``observe`` then, when due, ``compress``) traces into one
+``torch.compile`` graph per layer shape: the store's in-place writes become the graph's input
+mutations, and the fused kernels plus the library calls inductor keeps (sort, top-k, cumsum,
+scatter-reduce) are what a step launches (``keepkv bench --ops --compile`` counts them).
 
-Compilation happens only inside :func:`compiled`, which the cache enters for decode steps of a
-``CompressedCache(..., compile=True)``: prefill shapes change with every prompt. If compiling
-fails (no C++ compiler, an unsupported operation), a warning names the function and it runs
-eagerly from then on.
+The traced code is the eager code, so the outputs are the eager path's. Two things differ:
+
+- no host sync: eager KeepKV on CPU skips an empty merge by reading a flag (free there); the
+  compiled step always runs it, which changes nothing, bit for bit, when nothing merges;
+- guards: dynamo specialises on the Python values the step reads (the layer's sizes, the store's
+  binary-bias flag), so a steady decode reuses one or two graphs; prefill never compiles
+  (prompt shapes change with every prompt).
+
+The step compiles whole (``fullgraph``) or not at all: if compiling fails (no C++ compiler, an
+unsupported operation, a method whose step needs a host sync), one warning names the error and
+the step runs eagerly from then on.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
+import types
 import warnings
 
 import torch
 
-_active = False
+
+def method_step(method, layer, stats, compress: bool) -> None:
+    """One layer's decode-time method work: fold the step's statistics in, then compress if due."""
+    method.observe(layer, stats)
+    if compress:
+        method.compress(layer, stats)
 
 
-@contextlib.contextmanager
-def compiled(enabled: bool = True):
-    """Within this block, functions marked :func:`fusable` run compiled (when ``enabled``)."""
-    global _active
-    previous, _active = _active, enabled
-    try:
-        yield
-    finally:
-        _active = previous
+_STEPS: dict[type, object] = {}
 
 
-def fusable(fn):
-    """Mark a pure tensor function: compiled on its first call inside :func:`compiled`."""
-    compiled_fn = None
-    failed = False
+def _step_for(method_type: type):
+    """:func:`method_step` with its own code object per method class: dynamo caches graphs, and
+    counts recompilations against its limit, per code object, so one method's graphs never use
+    up another's (caches of one method share theirs)."""
+    if method_type not in _STEPS:
+        code = method_step.__code__.replace()
+        _STEPS[method_type] = types.FunctionType(code, method_step.__globals__, f"method_step_{method_type.__name__}")
+    return _STEPS[method_type]
 
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal compiled_fn, failed
-        if not _active or failed:
-            return fn(*args, **kwargs)
-        if compiled_fn is None:
-            compiled_fn = torch.compile(fn, dynamic=None)
-        try:
-            return compiled_fn(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as error:  # compile failure: run eagerly
-            failed = True
-            warnings.warn(f"torch.compile of {fn.__qualname__} failed ({error.__class__.__name__}); it runs eagerly")
-            return fn(*args, **kwargs)
 
-    call.eager = fn
-    return call
+class CompiledStep:
+    """:func:`method_step` through ``torch.compile``, eager from the first failure on."""
+
+    def __init__(self):
+        self._compiled: dict[type, object] = {}
+        self.failed: str | None = None
+
+    def __call__(self, method, layer, stats, compress: bool) -> None:
+        if self.failed is None:
+            kind = type(method)
+            if kind not in self._compiled:
+                self._compiled[kind] = torch.compile(_step_for(kind), dynamic=None, fullgraph=True)
+            try:
+                return self._compiled[kind](method, layer, stats, compress)
+            except COMPILE_ERRORS as error:
+                # fullgraph: raised while tracing or compiling, before the graph runs, so the
+                # store is as it was and the eager step below is the step's only run.
+                self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                warnings.warn(f"keepkv: torch.compile of the decode step failed ({self.failed}); it runs eagerly")
+        method_step(method, layer, stats, compress)
+
+
+COMPILE_ERRORS = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._dynamo.exc.FailOnRecompileLimitHit,  # more layer shapes than dynamo's recompile limit
+    torch._inductor.exc.InductorError,
+)

@@ -37,7 +37,6 @@ from typing import NamedTuple
 
 import torch
 
-from .fused import fusable
 
 __all__ = [
     "GROUP_RIDGE",
@@ -259,7 +258,6 @@ def gate_merges(
     return merge & keep.gather(-1, entry_group)
 
 
-@fusable
 def zip_merge_rows(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -554,7 +552,6 @@ def compacts(candidates: int, slots: int) -> bool:
     return 2 * candidates < slots
 
 
-@fusable
 def cosine_nearest(
     keys: torch.Tensor,
     src: torch.Tensor,

@@ -51,9 +51,16 @@ def _move(tensor: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> t
 
 
 def slots_of(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``count`` slots of mask [B, H_kv, S] in position order, True slots first:
-    (index, index's slot is True), both [B, H_kv, count]."""
-    index = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]
+    """The first ``count`` slots of mask [B, H_kv, S] in slot order, True slots first:
+    (index, index's slot is True), both [B, H_kv, count].
+
+    A top-k of ``count``, not a sort of S: a True slot s ranks 2S - s, a False one S - s, so the
+    order is a stable sort's (True before False, each in slot order), at the cost of the few
+    slots asked for (a decode step's ``keep`` asks for one or two).
+    """
+    size = mask.shape[-1]
+    reverse = torch.arange(size, 0, -1, device=mask.device)  # S - s
+    index = (reverse + mask * size).topk(count, dim=-1).indices
     return index, mask.gather(-1, index)
 
 

@@ -1,4 +1,4 @@
-"""CompressedCache(compile=True): the methods' decode math through torch.compile, eager as fallback."""
+"""CompressedCache(compile=True): each layer's decode-time method step as one torch.compile graph, eager as fallback."""
 
 import warnings
 
@@ -7,63 +7,50 @@ import torch
 
 import keepkv
 import keepkv.fused as fused
-from keepkv.merging import cosine_nearest
 
 from conftest import greedy_decode, tiny_model
 
 
-def test_compiled_decode_matches_eager(monkeypatch):
-    """KeepKV's EMA scores, merged EMA, similarity search and ZIP merge: compiled, the same outputs."""
+@pytest.mark.parametrize("method", ["keepkv+threshold=-1.0", "h2o"])
+def test_compiled_step_matches_eager(method):
+    """The whole decode step compiled (KeepKV with every eviction merging, through its gates; H2O):
+    the eager tokens and logits, with no fallback and no recompilation per step."""
     model = tiny_model("llama-gqa", layers=2)
-    eager_logits, eager_tokens, _ = greedy_decode(model, "keepkv+threshold=-1.0", 12, steps=6)  # every eviction merges
-    compile, compiled = torch.compile, []
-    monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: compiled.append(fn.__name__) or compile(fn, **kw))
-    compiled_logits, compiled_tokens, _ = greedy_decode(model, "keepkv+threshold=-1.0", 12, steps=6, compile=True)
-    assert set(compiled) == {"ema_log_scores", "merged_ema", "cosine_nearest", "zip_merge_rows"}
+    eager_logits, eager_tokens, _ = greedy_decode(model, method, 12, steps=6)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled_logits, compiled_tokens, cache = greedy_decode(model, method, 12, steps=6, compile=True)
+    assert cache._method_step.failed is None
+    # at most two graphs (the store's binary-bias flag flips once), however many steps and layers
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 2
     assert torch.equal(eager_tokens, compiled_tokens)
-    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-4, atol=1e-4)
-
-
-def failing_compile(fn, **kwargs):
-    def compiled_fn(*args, **kw):
-        raise torch._dynamo.exc.TorchDynamoException("no compiler")
-
-    return compiled_fn
-
-
-def search_inputs():
-    keys = torch.randn(2, 3, 10, 8, generator=torch.Generator().manual_seed(0))
-    src = torch.tensor([0, 1]).expand(2, 3, 2)
-    candidates = torch.ones(2, 3, 10, dtype=torch.bool)
-    candidates[..., :2] = False
-    return keys, src, candidates
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
+    """A step that cannot compile runs eagerly (once per step, not twice), after one warning."""
+
+    def failing_compile(fn, **kwargs):
+        def compiled_fn(*args, **kw):
+            raise torch._dynamo.exc.Unsupported("no compiler")
+
+        return compiled_fn
+
+    model = tiny_model("llama-gqa", layers=2)
+    eager_logits, eager_tokens, _ = greedy_decode(model, "keepkv", 12, steps=4)
     monkeypatch.setattr(fused.torch, "compile", failing_compile)
-    marked = fused.fusable(cosine_nearest.eager)
-    expected = cosine_nearest.eager(*search_inputs())
-    with fused.compiled(), warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first, second = marked(*search_inputs()), marked(*search_inputs())
-    assert [str(w.message) for w in caught] == [
-        "torch.compile of cosine_nearest failed (TorchDynamoException); it runs eagerly"
-    ]
-    for got in (first, second):
-        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        logits, tokens, cache = greedy_decode(model, "keepkv", 12, steps=4, compile=True)
+    messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
+    assert messages == ["keepkv: torch.compile of the decode step failed (Unsupported: no compiler); it runs eagerly"]
+    assert torch.equal(tokens, eager_tokens) and torch.equal(logits, eager_logits)
 
 
-def test_nothing_compiles_outside_the_block(monkeypatch):
+def test_eager_cache_never_compiles(monkeypatch):
     calls = []
     monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: calls.append(fn) or fn)
-    marked = fused.fusable(cosine_nearest.eager)
-    marked(*search_inputs())
-    with fused.compiled(False):
-        marked(*search_inputs())
+    greedy_decode(tiny_model("llama-gqa", layers=2), "keepkv", 12, steps=2)
     assert calls == []
-    with fused.compiled():
-        marked(*search_inputs())
-    assert calls == [cosine_nearest.eager]
 
 
 def test_compile_flag_is_checked():

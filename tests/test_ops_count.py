@@ -138,3 +138,39 @@ def test_decode_steps_make_no_host_sync():
     result = run_ops(model, NO_SYNC, 8, prompt_len=32, progress=False)
     assert not result["errors"]
     assert {r["method"]: r["syncs"] for r in result["methods"]} == {method: {} for method in NO_SYNC}
+
+
+def test_compiled_launches_count_kernels_and_library_calls_not_views(monkeypatch):
+    """The profile of a compiled function: each generated kernel and each ATen call inductor keeps
+    (here one cumsum) is a launch; views and an ATen call's own inner calls are not."""
+    from collections import Counter
+
+    import torch._inductor.config as inductor_config
+    from torch.profiler import ProfilerActivity, profile
+
+    from keepkv.bench.ops import _launches
+
+    monkeypatch.setattr(inductor_config.cpp, "enable_kernel_profile", True)
+    fn = torch.compile(lambda x: (x.sin() + 1).cumsum(-1)[:, :2].exp(), fullgraph=True)
+    x = torch.randn(4, 8)
+    fn(x)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(x)
+    counts = Counter()
+    for event in prof.events():
+        if event.cpu_parent is None:
+            _launches(event, False, counts)
+    assert counts["cumsum"] == 1 and counts["fused kernel"] >= 1
+    assert not {"slice", "as_strided", "view"} & set(counts)
+
+
+def test_compiled_step_counts_its_launches_without_syncs():
+    """``compile=True``: the method's step runs compiled (no fallback, no shadowed parts in its
+    graph), its launches are counted, and it never waits for the host."""
+    model = tiny_model("llama-gqa", layers=1)
+    eager = count_method(model, "h2o", 8, prompt_len=32)
+    compiled = count_method(model, "h2o", 8, prompt_len=32, compile=True)
+    assert compiled["compiled"] is True
+    assert 0 < compiled["method_ops"] < eager["method_ops"]
+    assert compiled["method_syncs"] == 0 and compiled["syncs"] == {}
+    assert compiled["model_ops"] == eager["model_ops"] and compiled["append_ops"] == eager["append_ops"]

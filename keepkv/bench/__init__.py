@@ -96,6 +96,7 @@ One field per line as ``path : type : meaning``; ``[]`` stands for every element
     settings.warmup : int : untimed short runs before each timed one
     settings.methods : list[str] : methods run, "full" first
     settings.method_params : dict : parameters each method was built with, by method
+    settings.compile : bool : caches built with ``compile=True`` (``--compile``: each layer's decode-time method step compiled)
     settings.seed : int : seed of the random prompts
     settings.memory_cap_gb : float|null : memory cap, GB = 2**30 bytes
     settings.max_measure_batch : int|null : largest batch measured in memory-cap mode

@@ -206,8 +206,10 @@ def run_bench(
     log=None,
     prefill_chunk: int | None = None,
     prefill_rows: int | None = None,
+    compile: bool = False,
 ) -> dict:
     """Benchmark methods on one model; returns the dict documented in ``keepkv.bench``.
+    ``compile``: caches with ``compile=True`` (each layer's decode-time method step compiled).
 
     Parameters
     ----------
@@ -311,7 +313,7 @@ def run_bench(
             return run_once(
                 loaded, method, budget, params[method], prompt_len=L, gen_len=G, batch=batch, seed=rep_seed,
                 overhead_steps=overhead, profile_steps=prof, progress=bar and progress, prefill_chunk=prefill_chunk,
-                prefill_rows=prefill_rows,
+                prefill_rows=prefill_rows, compile=compile,
             )
         except Exception as error:  # a method under development must not sink the whole benchmark
             if method == "full":
@@ -326,7 +328,8 @@ def run_bench(
             warnings.simplefilter("ignore", KeepKVWarning)
             for method in names:
                 for _ in range(warmup):
-                    one(method, batch, min(prompt_len, 128), min(gen_len, 4), seed)
+                    # compiled: the timed shapes, so that no step of a timed run compiles
+                    one(method, batch, prompt_len if compile else min(prompt_len, 128), min(gen_len, 4), seed)
 
     # -- fixed batch
     fixed, overhead, profile = [], [], {}
@@ -400,6 +403,7 @@ def run_bench(
             "warmup": warmup,
             "methods": names,
             "method_params": params,
+            "compile": compile,
             "seed": seed,
             "memory_cap_gb": memory_cap_gb,
             "max_measure_batch": memory_cap and memory_cap["max_measure_batch"],
@@ -604,6 +608,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="count instead: kernel operations (non-view ATen ops) and host syncs of one decode step, per layer, "
              "for every registered method unless --methods names others (default model: the smollm2-135m shape, "
              "random weights, --layers 4; --prompt-len 512, --batch 2, --budget 0.1)")
+    add(modes, "--compile", action="store_true",
+        help="caches with compile=True: each layer's decode-time method step as one torch.compile graph (with "
+             "--ops: the launches of that graph are counted; the warm-up runs the timed shapes, so that timed steps "
+             "never compile: about a minute per method on CPU)")
     add(modes, "--ops-steps", type=int, default=1, metavar="N", help="decode steps counted by --ops (averaged)")
     add(modes, "--cuda-suite", action="store_true",
         help="on a CUDA machine: the CUDA tests, the op count and the GPU bench in one run (under 10 min on one "
@@ -656,6 +664,7 @@ def main(args: argparse.Namespace) -> int:
             methods=args.methods,
             budget=0.2 if args.budget is None else args.budget,
             method_params=parse_params(args.param),
+            compile=args.compile,
             prompt_len=1024 if args.prompt_len is None else args.prompt_len,
             gen_len=args.gen_len,
             batches=[1] if args.batch is None else args.batch,
@@ -713,7 +722,7 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
         methods = resolve_methods("all" if args.methods == QUICK_METHODS else args.methods)
         result = run_soak(
             model, methods, 0.2 if args.budget is None else args.budget, prompt_len=prompt_len, steps=args.soak_steps, seed=args.seed,
-            progress=not args.no_progress, method_params=parse_params(args.param),
+            progress=not args.no_progress, method_params=parse_params(args.param), compile=args.compile,
         )
     except ValueError as error:
         print(f"keepkv bench: {error}", file=sys.stderr)
@@ -763,7 +772,7 @@ def _ops_main(args: argparse.Namespace, json_to: str | None) -> int:
         validate_budget(budget)
         result = run_ops(
             model, methods, budget, prompt_len=prompt_len, batch=batch[0], steps=args.ops_steps, seed=args.seed,
-            progress=not args.no_progress, method_params=parse_params(args.param),
+            progress=not args.no_progress, method_params=parse_params(args.param), compile=args.compile,
         )
     except ValueError as error:
         print(f"keepkv bench: {error}", file=sys.stderr)

@@ -50,6 +50,10 @@ from ..cache import CompressedCache
 from .runner import METHOD_PARTS
 
 PARTS = ("method", "append", "attention", "model")
+# With compile=True these run inside the compiled step, counted from its profile.
+COMPILED_PARTS = ("observe", "compress")
+CUDA_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+COMPILED_SYNCS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item"}
 # Python-level tensor methods that copy to the host (not seen by the dispatcher on a CPU tensor).
 HOST_COPIES = ("tolist", "cpu", "numpy")
 _SYNC_OPS = {"aten::_local_scalar_dense", "aten::_linalg_check_errors", "aten::equal", "aten::is_nonzero"}
@@ -150,6 +154,66 @@ class OpCounter(TorchDispatchMode):
         return sum(self.syncs.values())
 
 
+def _is_view(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    if packet is None:
+        return False
+    overloads = packet.overloads()
+    tensor_overload = next((o for o in ("default", "Tensor", "int", "self") if o in overloads), overloads[0])
+    return getattr(packet, tensor_overload).is_view
+
+
+def _launches(event, cuda: bool, counts: Counter) -> None:
+    """Count into ``counts`` the kernel launches under a profiler event of a compiled step: the
+    kernels inductor generated and the ATen operations the graph calls (not their insides)."""
+    name = event.name
+    if cuda and name in CUDA_LAUNCHES:
+        counts["kernel"] += 1
+    elif not cuda and "cpp_fused" in name:
+        counts["fused kernel"] += 1
+    elif name.startswith("aten::"):
+        if not _is_view(name):
+            counts[name.removeprefix("aten::")] += 1
+        if not cuda:
+            return  # an operation's own calls are inside its kernel
+    for child in event.cpu_children:
+        _launches(child, cuda, counts)
+
+
+@contextlib.contextmanager
+def compiled_step_counted(counter: OpCounter, cache: CompressedCache):
+    """Count the launches of ``cache``'s compiled method step (``compile=True``) into ``counter``'s
+    "method" part. A dispatch mode would force the step eager, so it runs with the counter's mode
+    set aside, under the profiler; inductor tags its CPU kernels for that (``enable_kernel_profile``
+    must be on before the step compiles, :func:`count_method` sets it)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    step = cache._method_step
+    cuda = cache.layers[0].device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def counted(*args):
+        with _disable_current_modes(), profile(activities=activities) as prof:
+            step(*args)
+        counts: Counter = Counter()
+        for event in prof.events():
+            if event.cpu_parent is None:
+                _launches(event, cuda, counts)
+        for name, count in counts.items():
+            counter.ops["method"] += count
+            counter.names["method", name] += count
+            if name in COMPILED_SYNCS:
+                counter.syncs["method"] += count
+                counter.sync_names[name] += count
+
+    cache._method_step = counted
+    try:
+        yield
+    finally:
+        cache._method_step = step
+
+
 @contextlib.contextmanager
 def attributed(counter: OpCounter, cache: CompressedCache):
     """Shadow (on the instances only) the method's parts, every layer's ``append`` and the cache's
@@ -167,6 +231,8 @@ def attributed(counter: OpCounter, cache: CompressedCache):
         shadowed.append((obj, name))
 
     for name in METHOD_PARTS:
+        if cache.compile and name in COMPILED_PARTS:  # inside the compiled step: counted by its profile
+            continue
         shadow(cache.method, name, "method")
     for layer in cache.layers:
         shadow(layer, "append", "append")
@@ -181,14 +247,19 @@ def attributed(counter: OpCounter, cache: CompressedCache):
 
 @torch.inference_mode()
 def count_method(model, method: str, budget, prompt_len: int = 512, batch: int = 2, warm_steps: int = 3,
-                 steps: int = 1, seed: int = 0, **params) -> dict:
-    """One method's counts per layer-step (see the module docstring)."""
+                 steps: int = 1, seed: int = 0, compile: bool = False, **params) -> dict:
+    """One method's counts per layer-step (see the module docstring). ``compile``: the cache's
+    ``compile=True`` path, whose method step counts the launches of its compiled graph."""
     config = model.config
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=generator).to(device)
     mask = torch.ones_like(ids)
-    cache = CompressedCache(config, method, budget, **params)
+    if compile:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True  # CPU kernels visible to the profiler
+    cache = CompressedCache(config, method, budget, compile=compile, **params)
     cache.method.prepare(model)  # as keepkv.generate and the bench do (KVReviver's Fisher scores)
 
     def forward(tokens):
@@ -204,7 +275,8 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
         counter = OpCounter()
         for _ in range(steps):
             mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-            with attributed(counter, cache), counter:
+            step_counted = compiled_step_counted(counter, cache) if compile else contextlib.nullcontext()
+            with attributed(counter, cache), step_counted, counter:
                 token = forward(token)
     per = steps * config.num_hidden_layers
     kept = torch.stack([layer.live_counts().double().mean() for layer in cache.layers]).mean()
@@ -217,6 +289,7 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
         "syncs": {name: count / steps for name, count in sorted(counter.sync_names.items())},
         "sync_sites": {site: count / steps for site, count in sorted(counter.sync_sites.items())},
         "kept_entries": round(float(kept), 2),
+        "compiled": compile and cache._method_step.failed is None,
         "method_op_names": {
             name: count / per
             for (part, name), count in sorted(counter.names.items(), key=lambda item: (-item[1], item[0][1]))
@@ -226,7 +299,8 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
 
 
 def run_ops(model, methods: list[str], budget, prompt_len: int = 512, batch: int = 2, warm_steps: int = 3,
-            steps: int = 1, seed: int = 0, progress: bool = True, method_params: dict | None = None) -> dict:
+            steps: int = 1, seed: int = 0, progress: bool = True, method_params: dict | None = None,
+            compile: bool = False) -> dict:
     """Counts of every method in ``methods`` ("full" first, for ``extra_vs_full``)."""
     from .setup import resolve_params
 
@@ -234,7 +308,8 @@ def run_ops(model, methods: list[str], budget, prompt_len: int = 512, batch: int
     records, errors = [], {}
     for method in tqdm(methods, desc="ops", unit="method", disable=not progress):
         try:
-            records.append(count_method(model, method, budget, prompt_len, batch, warm_steps, steps, seed, **params[method]))
+            records.append(count_method(model, method, budget, prompt_len, batch, warm_steps, steps, seed, compile,
+                                        **params[method]))
         except Exception as error:  # one method's failure leaves the others' counts
             errors[method] = f"{type(error).__name__}: {error}"
             if progress:
@@ -245,7 +320,7 @@ def run_ops(model, methods: list[str], budget, prompt_len: int = 512, batch: int
     config = model.config
     return {
         "settings": {"budget": budget, "prompt_len": prompt_len, "batch": batch, "warm_steps": warm_steps,
-                     "steps": steps, "seed": seed, "methods": methods, "method_params": params},
+                     "steps": steps, "seed": seed, "methods": methods, "method_params": params, "compile": compile},
         "model": {"num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                   "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -261,12 +336,15 @@ def format_ops(result: dict) -> str:
     lines = [
         f"Kernel operations (non-view ATen ops) and host syncs per layer and decode step: batch {settings['batch']}, "
         f"{settings['prompt_len']}-token prompts, budget {settings['budget']}, {result['model']['num_layers']} layers, "
-        f"{result['model']['dtype']} on {result['model']['device']}",
+        f"{result['model']['dtype']} on {result['model']['device']}"
+        + (", compile=True (the method's own: launches of its compiled step)" if settings.get("compile") else ""),
         "",
         "| method | ops total | method's own | append | attention | model | extra vs full | syncs | sync ops |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in result["methods"]:
+        if settings.get("compile") and r["method"] != "full" and not r.get("compiled"):
+            r = {**r, "method": f"{r['method']} (eager: did not compile)"}
         extra = "" if r["extra_vs_full"] is None else f"{r['extra_vs_full']:+.1f}"
         names = ", ".join(f"{name} {count:g}" for name, count in r["syncs"].items()) or "none"
         lines.append(

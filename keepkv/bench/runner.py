@@ -338,6 +338,7 @@ def run_once(
     progress: bool = False,
     prefill_chunk: int | None = None,
     prefill_rows: int | None = None,
+    compile: bool = False,
 ) -> dict:
     """One prefill of ``batch`` random prompts of ``prompt_len`` tokens (in blocks of
     ``prefill_chunk`` tokens if given; ``prefill_rows`` rows at a time if given, each group's
@@ -366,7 +367,7 @@ def run_once(
         groups, tokens, held, cache_peak = [], [], 0, 0
         for first in range(0, batch, rows):
             last = min(first + rows, batch)
-            group = CompressedCache(model.config, method, budget, **(method_params or {}))
+            group = CompressedCache(model.config, method, budget, compile=compile, **(method_params or {}))
             group.method.prepare(model)
             if chunk < prompt_len:
                 group.start_prefill(mask[first:last, :prompt_len])

@@ -92,13 +92,15 @@ def soak_method(model, method: str, budget, prompt_len: int, steps: int, checkpo
 
 
 def run_soak(model, methods: list[str], budget, prompt_len: int = 256, steps: int = 20_000,
-             checkpoints=CHECKPOINTS, seed: int = 0, progress: bool = True, method_params: dict | None = None) -> dict:
+             checkpoints=CHECKPOINTS, seed: int = 0, progress: bool = True, method_params: dict | None = None,
+             compile: bool = False) -> dict:
     """Soak every method in ``methods`` on ``model`` (a decoder whose cache a CompressedCache can be)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"soak steps must be an int >= 1, got {steps!r}")
     results = []
     for method, params in resolve_params(methods, method_params).items():
-        results.append(soak_method(model, method, budget, prompt_len, steps, checkpoints, seed, progress, **params))
+        results.append(soak_method(model, method, budget, prompt_len, steps, checkpoints, seed, progress,
+                                   compile=compile, **params))
         if progress:  # each method's line as it ends: a long soak shows its figures before the table
             last = results[-1]["checkpoints"][-1]
             tqdm.write(f"soak {method}: step {last['step']} cache {last['cache_bytes']} B, rss {last['rss_bytes']} B, "
@@ -106,7 +108,7 @@ def run_soak(model, methods: list[str], budget, prompt_len: int = 256, steps: in
     config = model.config
     return {
         "settings": {"steps": steps, "prompt_len": prompt_len, "budget": budget, "batch": 1, "seed": seed,
-                     "checkpoints": sorted({c for c in checkpoints if c <= steps} | {steps})},
+                     "checkpoints": sorted({c for c in checkpoints if c <= steps} | {steps}), "compile": compile},
         "model": {"num_layers": config.num_hidden_layers, "num_key_value_heads": config.num_key_value_heads,
                   "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
-from ..fused import fusable
 from ..merging import cosine_nearest
 from ..offload import FullKVCopy, offload_report
 from ..store import NEG_INF, slots_of
@@ -35,7 +34,6 @@ def _slot_logsumexp(own: torch.Tensor, incoming: torch.Tensor, dst: torch.Tensor
     return peak + total.log()
 
 
-@fusable
 def ema_log_scores(
     ema_log_s: torch.Tensor, ema_log_n: torch.Tensor, bias: torch.Tensor, live: torch.Tensor,
     log_scale: torch.Tensor | float,
@@ -50,7 +48,6 @@ def ema_log_scores(
     return heads, pool_log_scores(heads, bias)
 
 
-@fusable
 def merged_ema(
     ema_log_s: torch.Tensor, ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, src: torch.Tensor,
     dst: torch.Tensor, merge: torch.Tensor, log_scale: torch.Tensor | float,
@@ -259,7 +256,6 @@ class KeepKV(ZipChoice, ScoredEviction):
         else:
             query_pos = layer.positions[:, 0, -rows:]
             self._absorb(layer, query, query_pos, stats.logits)
-            layer.state["steps"] += rows
         if self._selector is not None:
             self._selector.observe(layer, stats)
         if self.refresh_interval is None:
@@ -273,6 +269,8 @@ class KeepKV(ZipChoice, ScoredEviction):
         layer.state["query_window_pos"] = torch.cat(
             [layer.state["query_window_pos"], layer.positions[:, 0, -keep:]], dim=1
         )[:, -self.window :]
+        if not stats.is_prefill:
+            layer.state["steps"] += rows  # decode steps since the prefill: only the refresh counts them
         if not stats.is_prefill and layer.budget is not None:
             steps = layer.state["steps"]
             if steps // self.refresh_interval > (steps - rows) // self.refresh_interval:
@@ -359,7 +357,10 @@ class KeepKV(ZipChoice, ScoredEviction):
             new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
         # In place: the extras stay views of the layer's buffers, so the next append copies nothing.
         for state, fresh, mask in ((ema_s, new_s, live[:, :, None]), (layer.extras["ema_log_n"], new_n, live)):
-            torch.logaddexp(state.add_(decay), fresh, out=state).masked_fill_(~mask, NEG_INF)
+            if torch.compiler.is_compiling():  # the compiler takes no non-contiguous out= (same values)
+                state.copy_(torch.logaddexp(state + decay, fresh).masked_fill_(~mask, NEG_INF))
+            else:
+                torch.logaddexp(state.add_(decay), fresh, out=state).masked_fill_(~mask, NEG_INF)
         layer.state["query"] = queries[:, :, :, -1].clone()  # [B, H_kv, g, D]; not a view that holds the block
         if not decoding or self.scores == "exact":  # decode merges with EMA scores need no exact logits
             layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
@@ -478,7 +479,8 @@ class KeepKV(ZipChoice, ScoredEviction):
             layer.state["lost_votes"] += lost
             # On CPU skip the merge when nothing merges (reading the flag stalls nothing); on an
             # accelerator always run it, with no host sync: an empty merge changes nothing, bit for bit.
-            if self.merge == "zip" and (layer.device.type != "cpu" or bool(merge.any())):
+            skip_if_empty = layer.device.type == "cpu" and not torch.compiler.is_compiling()
+            if self.merge == "zip" and (not skip_if_empty or bool(merge.any())):
                 self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema)
         if self.kernel > 1:  # the pooled ranking needs slots in position order
             layer.select(plan.keep_idx, plan.keep_valid)

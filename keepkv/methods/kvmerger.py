@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..merging import MergedRows, convex_merge_rows
+from ..store import slots_of
 from .base import Merge, check_range, register
 from .h2o import AccumulatedAttention
 
@@ -115,7 +116,7 @@ class PivotMerge(Merge):
         size = live.shape[-1]
         device = live.device
         # Live entries first, in position order (empty slots can sit between live ones).
-        order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)
+        order = slots_of(live, size)[0]
         head_dim = layer.keys.shape[-1]
         unit = F.normalize(layer.keys.gather(2, order[..., None].expand(*order.shape, head_dim)).float(), dim=-1)
         live_c, kept_c = live.gather(-1, order), kept.gather(-1, order)

@@ -9,6 +9,7 @@ import torch
 
 from ..attention import Needs
 from ..merging import momentum_merge_rows
+from ..store import slots_of
 from .base import Method, check_range, register
 
 def slot_bias(counts: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -133,11 +134,9 @@ class ZeroMerge(Method):
         is_slot = is_slot | seeds
 
         # Residual slots of each row and head, and the merge plan: slot of highest key dot product.
-        slot_idx = (~is_slot).to(torch.uint8).argsort(dim=-1, stable=True)[..., : max(1, self.merge_slots)]
-        slot_valid = is_slot.gather(-1, slot_idx)
+        slot_idx, slot_valid = slots_of(is_slot, max(1, self.merge_slots))
         sources = max(1, size - layer.min_budget)
-        src = (~merging).to(torch.uint8).argsort(dim=-1, stable=True)[..., :sources]
-        src_valid = merging.gather(-1, src)
+        src, src_valid = slots_of(merging, sources)
         head_dim = layer.keys.shape[-1]
         src_keys = layer.keys.gather(2, src[..., None].expand(*src.shape, head_dim)).float()
         slot_keys = layer.keys.gather(2, slot_idx[..., None].expand(*slot_idx.shape, head_dim)).float()
