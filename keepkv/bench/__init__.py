@@ -142,7 +142,7 @@ One field per line as ``path : type : meaning``; ``[]`` stands for every element
     overhead[].method_share : float : method_ms / step_ms
     overhead[].rest_ms : float : step_ms - method_ms
     overhead[].observe_ms : float : method.observe per step (all layers)
-    overhead[].compress_ms : float : method.compress per step (all layers)
+    overhead[].compress_ms : float : method.compress per step (all layers); with ``compile=True`` the whole compiled step (observe + compress), observe_ms then 0
     overhead[].attention_entries_ms : float : method.attention_entries per step
     overhead[].append_ms : float : LayerStore.append per step (core, not the method)
     overhead[].attend_ms : float : rest of cache.forward_layer: the attention itself

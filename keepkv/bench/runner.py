@@ -196,20 +196,28 @@ class MethodTimer:
         return timed
 
     def _shadow(self, obj, name: str, part: str) -> None:
+        own = obj.__dict__.get(name)  # an instance attribute is put back, a class one uncovered
         setattr(obj, name, self._wrap(part, getattr(obj, name)))
-        self._installed.append((obj, name))
+        self._installed.append((obj, name, own))
 
     def install(self, cache) -> None:
         for part in METHOD_PARTS:
+            if cache.compile and part in ("observe", "compress"):
+                continue  # traced into the compiled step: a timer there would stop it compiling
             self._shadow(cache.method, part, part)
+        if cache.compile:
+            self._shadow(cache, "_method_step", "compress")  # observe + compress: one compiled graph
         for layer in cache.layers:
             self._shadow(layer, "append", "append")
         self._shadow(cache, "forward_layer", "forward_layer")
 
     def uninstall(self) -> None:
-        for obj, name in self._installed:
-            with contextlib.suppress(AttributeError):
-                delattr(obj, name)
+        for obj, name, own in self._installed:
+            if own is not None:
+                setattr(obj, name, own)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, name)
         self._installed.clear()
 
     def take_step(self) -> dict[str, float]:
