@@ -314,3 +314,21 @@ def test_prefill_rows_admits_groups_and_bounds_the_prefill_cache():
     assert runs[1]["kept_entries"] == runs[None]["kept_entries"]
     with pytest.raises(ValueError, match="prefill_rows must be an int >= 1"):
         bench.run_bench(config=tiny_config(), prefill_rows=0, progress=False)
+
+
+def test_method_timer_times_a_compiled_step_whole_and_puts_it_back():
+    """compile=True: observe and compress run inside the compiled graph, so the timer wraps the
+    cache's step (as compress) and leaves them alone; uninstall restores the step itself."""
+    from keepkv.bench.runner import MethodTimer
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    cache = keepkv.CompressedCache(config, "keepkv", 0.5, compile=True)
+    step = cache._method_step
+    timer = MethodTimer(torch.device("cpu"))
+    timer.install(cache)
+    assert cache._method_step is not step
+    assert "observe" not in vars(cache.method) and "compress" not in vars(cache.method)
+    assert "attention_entries" in vars(cache.method)
+    timer.uninstall()
+    assert cache._method_step is step and "attention_entries" not in vars(cache.method)

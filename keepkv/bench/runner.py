@@ -163,8 +163,10 @@ class MethodTimer:
     ``install(cache)`` shadows, on the *instances* only, the method's bound ``observe``,
     ``compress`` and ``attention_entries``, every layer's ``append`` and the cache's
     ``forward_layer`` with proxies that time each call and open a ``torch.profiler``
-    ``record_function`` range ``keepkv::<name>``. ``uninstall()`` deletes the instance
-    attributes, so the class methods are visible again.
+    ``record_function`` range ``keepkv::<name>``. With ``compile=True`` the cache's compiled
+    step is timed whole, as ``compress``, instead of ``observe`` and ``compress`` (a proxy inside
+    the graph would stop it compiling). ``uninstall()`` deletes the proxies, putting back what
+    was an instance attribute, so the originals are visible again.
     """
 
     PARTS = (*METHOD_PARTS, "append", "forward_layer")
