@@ -37,6 +37,18 @@ from .methods.base import ScoredEviction, slots_of
 SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o")
 
 
+def servable_method(spec: str) -> ScoredEviction:
+    """The method of ``spec`` (a name or variant, ``"snapkv+window=16"``) if the paged adapter
+    serves it; otherwise ValueError, in one line naming what it serves."""
+    if not isinstance(spec, str) or spec.split("+")[0] not in SERVED_METHODS:
+        raise ValueError(f"keepkv.vllm serves {', '.join(SERVED_METHODS)} (evicting, merge='none'); got {spec!r}")
+    method = get_method(spec)
+    if getattr(method, "merge", "none") != "none":
+        raise ValueError(f"keepkv.vllm serves {', '.join(SERVED_METHODS)} (evicting, merge='none'); got {spec!r}")
+    assert isinstance(method, ScoredEviction)
+    return method
+
+
 @dataclass
 class PagedBatch:
     """One engine step's requests, host-side (built once per step, read by every layer).
@@ -72,12 +84,7 @@ class PagedCompression:
 
     def __init__(self, config, method: str, budget: int | float):
         validate_budget(budget)
-        self.method = get_method(method)
-        if self.method.name not in SERVED_METHODS or getattr(self.method, "merge", "none") != "none":
-            raise ValueError(
-                f"keepkv.vllm serves {', '.join(SERVED_METHODS)} (evicting, merge='none'); got {method!r}"
-            )
-        assert isinstance(self.method, ScoredEviction)
+        self.method = servable_method(method)
         self.config = config
         self.budget = budget
         self.spec = method

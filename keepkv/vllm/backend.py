@@ -22,6 +22,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ..paged import PagedBatch, PagedCompression
+from .settings import engine_settings
 from .spec import KeepKVSpec
 
 _COMPRESSIONS: dict[tuple, PagedCompression] = {}  # one per engine configuration, per process
@@ -30,37 +31,9 @@ _COMPRESSIONS: dict[tuple, PagedCompression] = {}  # one per engine configuratio
 _WORKER: dict = {}
 
 
-def settings(vllm_config: VllmConfig | None) -> dict | None:
-    """The engine's ``additional_config["keepkv"]`` ({"method", "budget"}), checked; None if absent.
-
-    Raises ValueError, in one line, for what phase 1 does not support.
-    """
-    if vllm_config is None or not (vllm_config.additional_config or {}).get("keepkv"):
-        return None
-    given = dict(vllm_config.additional_config["keepkv"])
-    unknown = sorted(set(given) - {"method", "budget"})
-    if unknown or "method" not in given:
-        raise ValueError(f'additional_config["keepkv"] takes "method" and "budget", got {sorted(given)}')
-    problems = []
-    if vllm_config.cache_config.enable_prefix_caching:
-        problems.append("prefix caching (--no-enable-prefix-caching): a shared block cannot be compacted per request")
-    if vllm_config.scheduler_config.enable_chunked_prefill:
-        problems.append("chunked prefill (--no-enable-chunked-prefill): a prompt is compressed once it is whole")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding")
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        problems.append("tensor or pipeline parallelism > 1 (untested)")
-    if getattr(vllm_config.model_config.hf_text_config, "sliding_window", None):
-        problems.append("sliding-window models")
-    if problems:
-        raise ValueError("keepkv.vllm does not support " + "; ".join(problems))
-    return {"method": str(given["method"]), "budget": given.get("budget", 1.0)}
-
-
 def compression(vllm_config: VllmConfig) -> PagedCompression | None:
     """This process's PagedCompression for the engine, or None when keepkv is not configured."""
-    chosen = settings(vllm_config)
+    chosen = engine_settings(vllm_config)
     if chosen is None:
         return None
     key = (chosen["method"], chosen["budget"])
