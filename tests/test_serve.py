@@ -95,3 +95,37 @@ def test_only_serve_takes_flags_it_does_not_know():
     with pytest.raises(SystemExit):
         parse_arguments(["generate", "hi", "--port", "8000"])
     assert parse_arguments(["serve", "--port", "8000"]).server_args == ["--port", "8000"]
+
+
+def test_the_serving_bench_reports_each_engine_as_it_finishes(tmp_path, capsys):
+    """python -m keepkv.vllm.bench: each engine's line is printed (and the JSON rewritten) before
+    the next starts, with progress lines; a failure keeps the engines done; a table at the end."""
+    from keepkv.vllm import bench
+
+    path = tmp_path / "out.json"
+    seen = []
+
+    def run(keepkv, blocks, progress):
+        seen.append((capsys.readouterr(), json.loads(path.read_text())["results"] if path.exists() else []))
+        progress(3, 8, 120, 12.0)
+        if keepkv and keepkv["method"] == "crash":
+            raise KeyboardInterrupt  # a time-out
+        return {"method": keepkv["method"] if keepkv else "full (stock vLLM)", "blocks": blocks, "peak_running": 4,
+                "steps": 1400, "tokens_per_s": 20.0 if keepkv is None else 30.0}
+
+    engines = [(None, 36), ({"method": "snapkv", "budget": 0.1}, 35), ({"method": "crash", "budget": 0.1}, 35)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_all(engines, run, {"budget": 0.1}, str(path))
+    before_second, before_third = seen[1], seen[2]
+    assert json.loads(before_second[0].out.strip())["method"] == "full (stock vLLM)"
+    assert "[1/3] full (stock vLLM): 3/8 requests done, 120 tokens, 12 s" in before_second[0].err
+    assert json.loads(before_third[0].out.strip())["tokens_per_s_vs_full"] == 1.5
+    assert [row["method"] for row in before_third[1]] == ["full (stock vLLM)", "snapkv"]
+    assert [row["method"] for row in json.loads(path.read_text())["results"]] == ["full (stock vLLM)", "snapkv"]
+
+    results = bench.run_all(engines[:2], run, {"budget": 0.1}, None)
+    table = capsys.readouterr().out.strip().splitlines()[-4:]
+    assert table[0].startswith("| engine | KV blocks | peak concurrent requests")
+    assert table[2] == "| full (stock vLLM) | 36 | 4 | 1,400 | 20.0 | 1.00× |"
+    assert table[3] == "| snapkv | 35 | 4 | 1,400 | 30.0 | 1.50× |"
+    assert results[1]["tokens_per_s_vs_full"] == 1.5
