@@ -62,8 +62,10 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
     peak, steps, generated, finished, shown = 0, 0, 0, 0, start
+    so_far: dict[str, int] = {}  # request -> tokens generated so far (for progress)
     while engine.has_unfinished_requests():
         for output in engine.step():
+            so_far[output.request_id] = len(output.outputs[0].token_ids)
             if output.finished:
                 generated += len(output.outputs[0].token_ids)
                 finished += 1
@@ -71,7 +73,7 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
         steps += 1
         if progress is not None and time.perf_counter() - shown >= PROGRESS_EVERY:
             shown = time.perf_counter()
-            progress(finished, len(prompts), generated, shown - start)
+            progress(finished, len(prompts), sum(so_far.values()), shown - start)
     seconds = time.perf_counter() - start
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     block_bytes = layers * scheduler.kv_cache_manager.coordinator.single_type_managers[0].kv_cache_spec.page_size_bytes
