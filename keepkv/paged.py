@@ -27,14 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .budgets import budget_floor, capacity_bound, held_entries, row_budgets, validate_budget
+from .budgets import budget_floor, capacity_bound, held_entries, layer_budgets, row_budgets, validate_budget
 from .cache import CompressedCache
 from .methods import get_method
 from .store import NEG_INF, LayerStore
 from .methods.base import ScoredEviction, slots_of
 
-# Methods the paged adapter serves: eviction with one budget for every layer, no per-layer state.
-SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o")
+# Methods the paged adapter serves: eviction with no per-layer state; a layer's budget may be its
+# own (PyramidKV), drawn from the prompt's length alone.
+SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv")
 
 
 def servable_method(spec: str) -> ScoredEviction:
@@ -94,6 +95,7 @@ class PagedCompression:
         self.extras = list(probe.extras)  # per-entry fp32 scalars (ScoredEviction: "score")
         self.extra_fill = dict(probe.extra_fill)
         self._prompts: dict[int, int] = {}  # first block id -> prompt length of the request in it
+        self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
         self._lock = threading.Lock()
 
     # -- sizes, from token counts only -------------------------------------------------------
@@ -106,18 +108,26 @@ class PagedCompression:
         """Bytes per slot and head of the paged layout (key, value, metadata)."""
         return 2 * head_dim * dtype.itemsize + 4 * self.meta_words
 
-    def kept(self, prompt_length: int) -> int:
-        """Entries per layer and head a request keeps once compressed."""
-        return int(row_budgets(self.budget, torch.tensor([prompt_length]), budget_floor(self.method))[0])
+    def kept(self, prompt_length: int, layer: int = 0) -> int:
+        """Entries per head ``layer`` of a request keeps once compressed: the cache's layer budget
+        (``keepkv.budgets.layer_budgets``; the same for every head of a layer, and for every layer
+        but PyramidKV's), fixed by the prompt's length."""
+        if prompt_length not in self._kept:
+            budgets = layer_budgets(
+                self.method, self.config.num_hidden_layers, self.config.num_key_value_heads, self.budget,
+                torch.tensor([prompt_length]),
+            )
+            self._kept[prompt_length] = budgets[:, 0, 0].tolist()
+        return self._kept[prompt_length][layer]
 
-    def stored(self, prompt_length: int, computed: int) -> int:
-        """Entries a request holds per layer and head after ``computed`` tokens (prompt included).
+    def stored(self, prompt_length: int, computed: int, layer: int = 0) -> int:
+        """Entries ``layer`` of a request holds per head after ``computed`` tokens (prompt included).
 
         A layer keeps min(prompt, budget) after the prefill, takes one entry per decode step and
         shrinks back to its budget every ``interval`` steps: min(P + t, budget + t mod interval)
         after t decode steps.
         """
-        return held_entries(self.kept(prompt_length), prompt_length, computed, self.method.interval)
+        return held_entries(self.kept(prompt_length, layer), prompt_length, computed, self.method.interval)
 
     def capacity(self, prompt_length: int) -> int:
         """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
@@ -142,8 +152,8 @@ class PagedCompression:
             prompts = [self._prompts[block] for block in first_blocks]
         return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)])
 
-    def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float):
-        """One attention call of every request in ``batch``, for one layer.
+    def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float, layer: int = 0):
+        """One attention call of every request in ``batch``, for the model's layer ``layer``.
 
         kv_cache [blocks, H_kv, block_size, C]; query [T, H, D]; key, value [T, H_kv, D] (T: the
         step's new tokens, request after request). Writes the kept entries back into kv_cache and
@@ -158,13 +168,14 @@ class PagedCompression:
         groups = [prefills, compressing, [r for r in decodes if r not in compressing]]
         for rows in groups:
             if rows:
-                self._forward_rows(kv_cache, query, key, value, batch, rows, lengths, scaling, output)
+                self._forward_rows(kv_cache, query, key, value, batch, rows, lengths, scaling, output, layer)
         return output
 
-    def _forward_rows(self, kv_cache, query, key, value, batch, rows, lengths, scaling, output):
+    def _forward_rows(self, kv_cache, query, key, value, batch, rows, lengths, scaling, output, layer: int = 0):
         """Gather ``rows`` into one LayerStore, run CompressedCache.forward_layer, write back.
 
-        The served methods give every layer the same budget, so each call runs as the cache's layer 0.
+        Each call runs as the cache's layer ``layer`` (its budget is that layer's; the other
+        layers of the cache stay empty).
         """
         interval = self.method.interval
         phases = {
@@ -191,17 +202,18 @@ class PagedCompression:
 
         cache = CompressedCache(self.config, self.method, self.budget)
         if is_prefill:
-            cache.layers[0].lazy_initialization(new_keys, new_values)
+            cache.layers[layer].lazy_initialization(new_keys, new_values)
             before = None
         else:
             prompts = [batch.prompt[r] for r in rows]
-            sizes = [self.stored(batch.prompt[r], batch.computed[r]) for r in rows]
-            cache.layers[0], before = self._gather(kv_cache, table, sizes, [batch.computed[r] for r in rows], prompts, new_keys)
-            cache.layers[0].pending = interval - 1 if compressing else 0  # this step's append compresses, or not
-        out = cache.forward_layer(0, new_query, new_keys, new_values, block_mask, scaling)  # [R, q, H, D]
+            sizes = [self.stored(batch.prompt[r], batch.computed[r], layer) for r in rows]
+            computed = [batch.computed[r] for r in rows]
+            cache.layers[layer], before = self._gather(kv_cache, table, sizes, computed, prompts, new_keys, layer)
+            cache.layers[layer].pending = interval - 1 if compressing else 0  # this step's append compresses, or not
+        out = cache.forward_layer(layer, new_query, new_keys, new_values, block_mask, scaling)  # [R, q, H, D]
         output[tokens[real]] = out[real].to(output.dtype)
-        after_sizes = [self.stored(batch.prompt[r], batch.computed[r] + lengths[r]) for r in rows]
-        self._write(kv_cache, table, cache.layers[0], after_sizes, before)
+        after_sizes = [self.stored(batch.prompt[r], batch.computed[r] + lengths[r], layer) for r in rows]
+        self._write(kv_cache, table, cache.layers[layer], after_sizes, before)
 
     # -- gather / write ------------------------------------------------------------------------
     def _split(self, kv_cache: torch.Tensor, head_dim: int):
@@ -220,7 +232,7 @@ class PagedCompression:
         blocks = table[:, slot // block_size].where(valid, 0)
         return blocks, slot % block_size, valid
 
-    def _gather(self, kv_cache, table, sizes, computed: list[int], prompts: list[int], like):
+    def _gather(self, kv_cache, table, sizes, computed: list[int], prompts: list[int], like, layer: int = 0):
         """A decode-ready LayerStore of each request's first ``sizes`` slots (slots past a request's
         size are empty), its budgets fixed by its prompt; and the gathered positions [R, H_kv, S].
 
@@ -247,11 +259,12 @@ class PagedCompression:
         }
         # served methods evict only: the bias is 0 or -inf
         store = LayerStore.from_entries(
-            0, tensors, self.extra_fill, seen=max(computed), real_seen=torch.tensor(computed, device=like.device),
+            layer, tensors, self.extra_fill, seen=max(computed), real_seen=torch.tensor(computed, device=like.device),
             binary=True, headroom=self.method.interval,
         )
-        kept = torch.tensor([self.kept(p) for p in prompts], device=like.device)
-        store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), kept)
+        kept = torch.tensor([self.kept(p, layer) for p in prompts], device=like.device)
+        mean = row_budgets(self.budget, torch.tensor(prompts), budget_floor(self.method)).to(like.device)
+        store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), mean)  # as CompressedCache._end_prefill
         return store, positions
 
     def _write(self, kv_cache, table, layer: LayerStore, sizes: list[int], before: torch.Tensor | None) -> None:

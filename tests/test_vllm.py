@@ -23,7 +23,7 @@ import keepkv  # noqa: E402
 from keepkv.paged import PagedCompression  # noqa: E402
 
 NEW_TOKENS = 24
-SERVED = ["window", "streamingllm", "snapkv", "h2o"]
+SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv"]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -97,15 +98,18 @@ class KeepKVImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.paged = compression(get_current_vllm_config())
+        self.layer_index: int | None = None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if self.paged is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if attn_metadata is None:  # warm-up
             return output
+        if self.layer_index is None:  # the model's layer: its budget is its own (PyramidKV)
+            self.layer_index = extract_layer_index(layer.layer_name)
         tokens = attn_metadata.num_actual_tokens
         output[:tokens] = self.paged.forward(
-            kv_cache, query[:tokens], key[:tokens], value[:tokens], attn_metadata.batch, self.scale
+            kv_cache, query[:tokens], key[:tokens], value[:tokens], attn_metadata.batch, self.scale, self.layer_index
         ).view_as(output[:tokens])
         return output
 
