@@ -81,7 +81,10 @@ def alone(cache: CompressedCache, query, key, value, layer_idx: int = 0) -> torc
     return out[0]
 
 
-@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2"])
+PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None"  # docs/keepkv.md
+
+
+@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2", PAPER_KEEPKV, "keepkv+interval=3"])
 @pytest.mark.parametrize("budget", [0.5, 3, 1, 1.0, 10_000])
 def test_paged_requests_decode_as_alone(method, budget):
     """Requests of unequal prompts, one joining mid-way (a step mixing a prefill with decodes), give
@@ -132,6 +135,33 @@ def test_per_layer_budgets_decode_as_alone_in_every_layer(method, budget):
                 assert held <= paged.capacity(engine.prompt[request])
 
 
+@pytest.mark.parametrize("method", ["keepkv", PAPER_KEEPKV, "keepkv+selection=ema+interval=3"])
+def test_keepkv_merges_and_keeps_its_state_per_request(method):
+    """KeepKV served: requests of unequal prompts merge (votes in the bias word, the EMA in the
+    slots' extra words), each layer decodes as that layer alone, and each request's per-layer
+    state (its lost votes) is its own cache's, filed apart per request."""
+    paged = PagedCompression(CONFIG, method, 6)
+    assert paged.meta_words > 3  # position, bias, the EMA's words (one per query head of a group) and more
+    merged = False
+    for layer in range(CONFIG.num_hidden_layers):
+        generator = torch.Generator().manual_seed(10 + layer)
+        engine = Engine(paged)
+        prompts = {0: 40, 1: 25, 2: 60}
+        references = {r: CompressedCache(CONFIG, method, 6) for r in prompts}
+        for step in range(6):
+            new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
+            outputs = engine.step(new, layer)
+            for request, (query, key, value) in new.items():
+                expected = alone(references[request], query, key, value, layer)
+                torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
+                reference = references[request].layers[layer]
+                assert int(reference.live_counts().max()) == paged.stored(prompts[request], engine.computed[request], layer)
+                state = paged.states[(engine.tables[request][0], layer)]
+                torch.testing.assert_close(state["lost_votes"], reference.state["lost_votes"])
+                merged |= bool((reference.bias > 0).any())  # votes above 1: a merge happened
+    assert merged
+
+
 @pytest.mark.parametrize("method", SERVED_METHODS)
 @pytest.mark.parametrize("prompt", [1, 5, 40])
 @pytest.mark.parametrize("budget", [0.1, 0.5, 2, 64])
@@ -154,10 +184,11 @@ def test_kept_is_the_caches_row_budget(budget):
 
 
 def test_rejects_what_it_cannot_serve():
-    with pytest.raises(ValueError, match="serves window, streamingllm, snapkv, h2o"):
-        PagedCompression(CONFIG, "keepkv", 0.5)
-    with pytest.raises(ValueError, match="merge='none'"):
-        PagedCompression(CONFIG, "snapkv+merge=zip", 0.5)
+    for method in ("cam", "d2o", "kvmerger", "snapkv+merge=zip"):
+        with pytest.raises(ValueError, match=f"serves {', '.join(SERVED_METHODS)} .merge='none' but keepkv's"):
+            PagedCompression(CONFIG, method, 0.5)
+    with pytest.raises(ValueError, match="refresh_interval"):
+        PagedCompression(CONFIG, "keepkv+selection=ema+refresh_interval=4", 0.5)
     with pytest.raises(ValueError, match="budget"):
         PagedCompression(CONFIG, "snapkv", 0.0)
     paged = PagedCompression(CONFIG, "snapkv", 0.5)

@@ -82,7 +82,7 @@ def test_serve_passes_vllm_flags_on_and_adds_what_the_cpu_build_needs(tmp_path, 
     (["--enable-prefix-caching"], {}, "does not support prefix caching: a block shared"),
     (["--enable-chunked-prefill"], {}, "does not support chunked prefill"),
     (["--additional-config", "{}"], {}, "writes --additional-config"),
-    (["--method", "keepkv"], {}, "serves window, streamingllm, snapkv, h2o"),
+    (["--method", "cam"], {}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keepkv"),
     (["--budget", "0"], {}, "budget"),
     ([], {"VLLM_PLUGINS": ""}, "leaves out keepkv's plugin"),
 ])

@@ -23,7 +23,8 @@ import keepkv  # noqa: E402
 from keepkv.paged import PagedCompression  # noqa: E402
 
 NEW_TOKENS = 24
-SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv"]
+PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None"  # docs/keepkv.md
+SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", PAPER_KEEPKV]
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +179,7 @@ def no_engine_core(monkeypatch):
 @pytest.mark.parametrize("overrides, message", [
     ({"enable_prefix_caching": True}, r"does not support prefix caching: a block shared .* \(--no-enable-prefix-caching"),
     ({"enable_chunked_prefill": True}, r"does not support chunked prefill: .* \(--no-enable-chunked-prefill"),
-    ({"config": {"method": "keepkv", "budget": 0.3}}, "serves window, streamingllm, snapkv, h2o"),
+    ({"config": {"method": "cam", "budget": 0.3}}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keepkv"),
     ({"config": {"method": "snapkv", "budget": 0.0}}, "budget"),
     ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method" and "budget"'),
 ])

@@ -1,6 +1,6 @@
 """``keepkv serve``: vLLM's OpenAI-compatible server with a keepkv method, as one command.
 
-    keepkv serve --method snapkv --budget 0.1 --port 8000 --dtype float32
+    keepkv serve --method keepkv --budget 0.1 --port 8000 --dtype float32
 
 It checks the keepkv settings and the flags it is given before anything starts (one line on
 stderr), then replaces itself with ``python -m vllm.entrypoints.openai.api_server`` (the
@@ -45,8 +45,9 @@ OFF_BY_DEFAULT = ["--no-enable-prefix-caching", "--no-enable-chunked-prefill"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model directory or .gguf file "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--method", default="snapkv",
-                        help="served method: window, streamingllm, snapkv or h2o, or a variant (snapkv+window=16)")
+    parser.add_argument("--method", default="keepkv",
+                        help="served method: keepkv, pyramidkv, snapkv, h2o, streamingllm or window, or a variant "
+                        "(snapkv+window=16)")
     parser.add_argument("--budget", type=budget_arg, default=0.1, help="fraction in (0, 1] or entry count")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the server's command line and the environment it adds, start nothing")
