@@ -294,6 +294,6 @@ def test_readme_serving_block_runs_as_a_script(tmp_path):
     env = {name: value for name, value in os.environ.items() if name != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     done = subprocess.run([sys.executable, "serve_readme.py"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=400)
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip()
