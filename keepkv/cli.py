@@ -1,4 +1,4 @@
-"""The `keepkv` command line: generate, methods, demo, perturbation, eval, report, bench."""
+"""The `keepkv` command line: generate, methods, demo, perturbation, eval, report, bench, serve."""
 
 from __future__ import annotations
 
@@ -133,6 +133,12 @@ def cmd_bench(args) -> None:
     return bench.main(args)
 
 
+def cmd_serve(args) -> int:
+    from .vllm import serve
+
+    return serve.main(args, args.server_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .demo import DEMO_BUDGETS, DEMO_METHODS
 
@@ -200,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = add_command("bench", parents=[common], help="throughput and memory benchmark")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
+
+    from .vllm import serve
+
+    # Flags it does not take go to vLLM's server (main() passes them); no abbreviations, so that
+    # none of vLLM's is read as one of keepkv's.
+    serve_parser = add_command("serve", help="vLLM's OpenAI-compatible server with a keepkv method", allow_abbrev=False)
+    serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -226,8 +240,19 @@ def _one_line_warnings():
     return show_warning
 
 
+def parse_arguments(argv=None) -> argparse.Namespace:
+    """The command line's arguments; ``server_args``: the flags ``keepkv serve`` passes on to
+    vLLM's server (any other command refuses flags it does not take)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.server_args = extra
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings()

@@ -201,6 +201,26 @@ def _load_dir(directory: Path, dtype: torch.dtype):
     return model, tokenizer
 
 
+def model_directory(path: str | os.PathLike | None = None) -> Path:
+    """The Hugging Face model directory of ``path`` (as :func:`load_model` takes it): a GGUF's
+    dense copy under :func:`cache_dir`, converted on first use; a directory as given. What a
+    serving engine loads (``keepkv serve``). ValueError, in one line, for a missing path or a
+    file other than ``.gguf``."""
+    source = embedded_gguf_path() if path is None else Path(path).expanduser()
+    if not source.exists():
+        raise ValueError(f"model path does not exist: {source}")
+    if source.is_file():
+        if source.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"{source} is a file but not a .gguf; pass a .gguf file or a model directory"
+            )
+        converted = _converted_dir(source)
+        if not (converted / "config.json").is_file():
+            _convert_gguf(source, converted)
+        source = converted
+    return source
+
+
 def load_model(path: str | os.PathLike | None = None, dtype=torch.float32, device="cpu"):
     """Load a supported causal LM and its tokenizer, without network access.
 
@@ -233,19 +253,7 @@ def load_model(path: str | os.PathLike | None = None, dtype=torch.float32, devic
         :data:`SUPPORTED_ARCHITECTURES`).
     """
     dtype = parse_dtype(dtype)
-    source = embedded_gguf_path() if path is None else Path(path).expanduser()
-    if not source.exists():
-        raise ValueError(f"model path does not exist: {source}")
-    if source.is_file():
-        if source.suffix.lower() != ".gguf":
-            raise ValueError(
-                f"{source} is a file but not a .gguf; pass a .gguf file or a model directory"
-            )
-        converted = _converted_dir(source)
-        if not (converted / "config.json").is_file():
-            _convert_gguf(source, converted)
-        source = converted
-    model, tokenizer = _load_dir(source, dtype)
+    model, tokenizer = _load_dir(model_directory(path), dtype)
     model.to(device).eval()
     if tokenizer is not None:
         if tokenizer.pad_token is None:

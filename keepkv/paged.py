@@ -22,19 +22,40 @@ so neither side ever reads a size back from the other.
 
 from __future__ import annotations
 
+import math
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-from .budgets import budget_floor, capacity_bound, held_entries, row_budgets, validate_budget
+from .budgets import budget_floor, capacity_bound, held_entries, layer_budgets, row_budgets, validate_budget
 from .cache import CompressedCache
 from .methods import get_method
 from .store import NEG_INF, LayerStore
 from .methods.base import ScoredEviction, slots_of
 
-# Methods the paged adapter serves: eviction with one budget for every layer, no per-layer state.
-SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o")
+# Methods the paged adapter serves: scored selections whose layer budgets are drawn from the
+# prompt's length alone (PyramidKV's and KeepKV's differ by layer); KeepKV also merges (its votes
+# are the bias word) and keeps per-entry extras (the EMA) in the slots' words and a little
+# per-layer state per request (:attr:`PagedCompression.states`).
+SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv")
+MERGING_SERVED = ("keepkv",)  # the only served method whose merge may be other than "none"
+
+
+def servable_method(spec: str) -> ScoredEviction:
+    """The method of ``spec`` (a name or variant, ``"snapkv+window=16"``) if the paged adapter
+    serves it; otherwise ValueError, in one line naming what it serves."""
+    served = f"keepkv.vllm serves {', '.join(SERVED_METHODS)} (merge='none' but keepkv's)"
+    if not isinstance(spec, str) or spec.split("+")[0] not in SERVED_METHODS:
+        raise ValueError(f"{served}; got {spec!r}")
+    method = get_method(spec)
+    if getattr(method, "merge", "none") != "none" and method.name not in MERGING_SERVED:
+        raise ValueError(f"{served}; got {spec!r}")
+    if getattr(method, "refresh_interval", None) is not None:  # a full copy of every entry, per request
+        raise ValueError(f"keepkv.vllm does not serve refresh_interval (it keeps a full copy of the cache); got {spec!r}")
+    assert isinstance(method, ScoredEviction)
+    return method
 
 
 @dataclass
@@ -50,6 +71,11 @@ class PagedBatch:
     computed: list[int]
     prompt: list[int]
     block_table: torch.Tensor
+    first_block: list[int] | None = None  # [R] each request's first block: its key while it lives
+
+    def __post_init__(self):
+        if self.first_block is None:
+            self.first_block = self.block_table[:, 0].tolist()
 
     @property
     def query_lengths(self) -> list[int]:
@@ -72,45 +98,80 @@ class PagedCompression:
 
     def __init__(self, config, method: str, budget: int | float):
         validate_budget(budget)
-        self.method = get_method(method)
-        if self.method.name not in SERVED_METHODS or getattr(self.method, "merge", "none") != "none":
-            raise ValueError(
-                f"keepkv.vllm serves {', '.join(SERVED_METHODS)} (evicting, merge='none'); got {method!r}"
-            )
-        assert isinstance(self.method, ScoredEviction)
+        self.method = servable_method(method)
         self.config = config
         self.budget = budget
         self.spec = method
-        probe = LayerStore(0)
-        probe.lazy_initialization(torch.zeros(1, 1, 0, 1), torch.zeros(1, 1, 0, 1))
-        self.method.setup_layer(probe)
-        self.extras = list(probe.extras)  # per-entry fp32 scalars (ScoredEviction: "score")
-        self.extra_fill = dict(probe.extra_fill)
+        self.binary = getattr(self.method, "merge", "none") == "none"  # evicting only: the bias is 0 or -inf
+        self._layout = None  # (extras {name: trailing shape}, extra_fill), probed on first use
+        # (first block, layer) -> the method's per-layer state of the request (KeepKV: its lost votes)
+        self.states: dict[tuple[int, int], dict] = {}
         self._prompts: dict[int, int] = {}  # first block id -> prompt length of the request in it
+        self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
         self._lock = threading.Lock()
 
     # -- sizes, from token counts only -------------------------------------------------------
+    def _probe(self):
+        """The method's per-entry extras ({name: trailing shape}) and their fills, read from a
+        3-token prefill and one decode step of a cache with the model's shapes (KeepKV adds its
+        EMA, whose trailing dimension is the GQA group, at its first observation)."""
+        if self._layout is None:
+            config = self.config
+            heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            cache = CompressedCache(config, self.method, 1)
+            generator = torch.Generator().manual_seed(0)
+            for block in (3, 1):
+                query = torch.randn(1, heads, block, head_dim, generator=generator)
+                key, value = (torch.randn(1, kv_heads, block, head_dim, generator=generator) for _ in range(2))
+                if block == 3:
+                    cache.layers[0].lazy_initialization(key, value)
+                mask = torch.ones(1, 1, block, block, dtype=torch.bool).tril()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the probe's budget of 1 is tiny on purpose
+                    cache.forward_layer(0, query, key, value, mask, 1.0)
+            layer = cache.layers[0]
+            self._layout = ({name: tuple(t.shape[3:]) for name, t in layer.extras.items()}, dict(layer.extra_fill))
+        return self._layout
+
+    @property
+    def extras(self) -> dict[str, tuple]:
+        """The method's per-entry extras: name -> trailing shape (() for one word per entry)."""
+        return self._probe()[0]
+
+    @property
+    def extra_fill(self) -> dict[str, float]:
+        return self._probe()[1]
+
     @property
     def meta_words(self) -> int:
-        """fp32 words of metadata per entry and head: position, bias, extras."""
-        return 2 + len(self.extras)
+        """fp32 words of metadata per entry and head: position, bias, each extra's words."""
+        return 2 + sum(math.prod(shape) for shape in self.extras.values())
 
     def content_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes per slot and head of the paged layout (key, value, metadata)."""
         return 2 * head_dim * dtype.itemsize + 4 * self.meta_words
 
-    def kept(self, prompt_length: int) -> int:
-        """Entries per layer and head a request keeps once compressed."""
-        return int(row_budgets(self.budget, torch.tensor([prompt_length]), budget_floor(self.method))[0])
+    def kept(self, prompt_length: int, layer: int = 0) -> int:
+        """Entries per head ``layer`` of a request keeps once compressed: the cache's layer budget
+        (``keepkv.budgets.layer_budgets``; the same for every head of a layer, and for every layer
+        but PyramidKV's), fixed by the prompt's length."""
+        if prompt_length not in self._kept:
+            budgets = layer_budgets(
+                self.method, self.config.num_hidden_layers, self.config.num_key_value_heads, self.budget,
+                torch.tensor([prompt_length]),
+            )
+            self._kept[prompt_length] = budgets[:, 0, 0].tolist()
+        return self._kept[prompt_length][layer]
 
-    def stored(self, prompt_length: int, computed: int) -> int:
-        """Entries a request holds per layer and head after ``computed`` tokens (prompt included).
+    def stored(self, prompt_length: int, computed: int, layer: int = 0) -> int:
+        """Entries ``layer`` of a request holds per head after ``computed`` tokens (prompt included).
 
         A layer keeps min(prompt, budget) after the prefill, takes one entry per decode step and
         shrinks back to its budget every ``interval`` steps: min(P + t, budget + t mod interval)
         after t decode steps.
         """
-        return held_entries(self.kept(prompt_length), prompt_length, computed, self.method.interval)
+        return held_entries(self.kept(prompt_length, layer), prompt_length, computed, self.method.interval)
 
     def capacity(self, prompt_length: int) -> int:
         """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
@@ -133,10 +194,10 @@ class PagedCompression:
                         f"(got {length} new tokens after {done}): disable chunked prefill and speculative decoding"
                     )
             prompts = [self._prompts[block] for block in first_blocks]
-        return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)])
+        return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], first_blocks)
 
-    def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float):
-        """One attention call of every request in ``batch``, for one layer.
+    def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float, layer: int = 0):
+        """One attention call of every request in ``batch``, for the model's layer ``layer``.
 
         kv_cache [blocks, H_kv, block_size, C]; query [T, H, D]; key, value [T, H_kv, D] (T: the
         step's new tokens, request after request). Writes the kept entries back into kv_cache and
@@ -148,16 +209,20 @@ class PagedCompression:
         decodes = [r for r, done in enumerate(batch.computed) if done > 0]
         interval = self.method.interval
         compressing = [r for r in decodes if (batch.computed[r] - batch.prompt[r]) % interval == interval - 1]
-        groups = [prefills, compressing, [r for r in decodes if r not in compressing]]
+        # Each prefill alone: prompts of unequal length in one call would be left-padded to the
+        # longest (wasted work), and their compression then runs on other shapes than a request's
+        # own cache (float noise; KeepKV's merge decisions follow it).
+        groups = [*([r] for r in prefills), compressing, [r for r in decodes if r not in compressing]]
         for rows in groups:
             if rows:
-                self._forward_rows(kv_cache, query, key, value, batch, rows, lengths, scaling, output)
+                self._forward_rows(kv_cache, query, key, value, batch, rows, lengths, scaling, output, layer)
         return output
 
-    def _forward_rows(self, kv_cache, query, key, value, batch, rows, lengths, scaling, output):
+    def _forward_rows(self, kv_cache, query, key, value, batch, rows, lengths, scaling, output, layer: int = 0):
         """Gather ``rows`` into one LayerStore, run CompressedCache.forward_layer, write back.
 
-        The served methods give every layer the same budget, so each call runs as the cache's layer 0.
+        Each call runs as the cache's layer ``layer`` (its budget is that layer's; the other
+        layers of the cache stay empty).
         """
         interval = self.method.interval
         phases = {
@@ -184,17 +249,56 @@ class PagedCompression:
 
         cache = CompressedCache(self.config, self.method, self.budget)
         if is_prefill:
-            cache.layers[0].lazy_initialization(new_keys, new_values)
+            cache.layers[layer].lazy_initialization(new_keys, new_values)
             before = None
         else:
             prompts = [batch.prompt[r] for r in rows]
-            sizes = [self.stored(batch.prompt[r], batch.computed[r]) for r in rows]
-            cache.layers[0], before = self._gather(kv_cache, table, sizes, [batch.computed[r] for r in rows], prompts, new_keys)
-            cache.layers[0].pending = interval - 1 if compressing else 0  # this step's append compresses, or not
-        out = cache.forward_layer(0, new_query, new_keys, new_values, block_mask, scaling)  # [R, q, H, D]
+            sizes = [self.stored(batch.prompt[r], batch.computed[r], layer) for r in rows]
+            computed = [batch.computed[r] for r in rows]
+            cache.layers[layer], before = self._gather(kv_cache, table, sizes, computed, prompts, new_keys, layer)
+            cache.layers[layer].pending = interval - 1 if compressing else 0  # this step's append compresses, or not
+            cache.layers[layer].state.update(self._join_states([(batch.first_block[r], layer) for r in rows]))
+        out = cache.forward_layer(layer, new_query, new_keys, new_values, block_mask, scaling)  # [R, q, H, D]
         output[tokens[real]] = out[real].to(output.dtype)
-        after_sizes = [self.stored(batch.prompt[r], batch.computed[r] + lengths[r]) for r in rows]
-        self._write(kv_cache, table, cache.layers[0], after_sizes, before)
+        after_sizes = [self.stored(batch.prompt[r], batch.computed[r] + lengths[r], layer) for r in rows]
+        self._write(kv_cache, table, cache.layers[layer], after_sizes, before)
+        self._keep_states(cache.layers[layer].state, [(batch.first_block[r], layer) for r in rows])
+
+    # -- the method's per-layer state, per request ----------------------------------------------
+    def _keep_states(self, state: dict, keys: list[tuple[int, int]]) -> None:
+        """File each row's share of a layer's method state under (its first block, layer): per-row
+        tensors (first dimension the rows) by row, anything else as it is. A request's entries are
+        replaced at its next step, and dropped when a new request's prefill takes its first block."""
+        if not state:
+            return
+        rows = len(keys)
+        for row, key in enumerate(keys):
+            self.states[key] = {
+                name: value[row : row + 1] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows
+                else value
+                for name, value in state.items()
+            }
+
+    def _join_states(self, keys: list[tuple[int, int]]) -> dict:
+        """The rows' filed states as one layer's: per-row tensors concatenated, anything else the
+        first row's (KeepKV's step counter, read only by refresh_interval, which is not served).
+
+        A per-row tensor whose shape differs between rows is tied to one step's slots (KeepKV's
+        newest query's logits, [1, H_kv, g, S]): the method rewrites it before it reads it
+        (tested against each request's own cache), so it is left out."""
+        states = [self.states.get(key) for key in keys]
+        if not states or states[0] is None:
+            return {}
+        joined = {}
+        for name, value in states[0].items():
+            if any(name not in state for state in states[1:]):
+                continue  # a per-step entry not every row's last step wrote (as above)
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == 1:
+                if len({tuple(state[name].shape) for state in states}) == 1:
+                    joined[name] = torch.cat([state[name] for state in states])
+            else:
+                joined[name] = value
+        return joined
 
     # -- gather / write ------------------------------------------------------------------------
     def _split(self, kv_cache: torch.Tensor, head_dim: int):
@@ -213,7 +317,7 @@ class PagedCompression:
         blocks = table[:, slot // block_size].where(valid, 0)
         return blocks, slot % block_size, valid
 
-    def _gather(self, kv_cache, table, sizes, computed: list[int], prompts: list[int], like):
+    def _gather(self, kv_cache, table, sizes, computed: list[int], prompts: list[int], like, layer: int = 0):
         """A decode-ready LayerStore of each request's first ``sizes`` slots (slots past a request's
         size are empty), its budgets fixed by its prompt; and the gathered positions [R, H_kv, S].
 
@@ -230,42 +334,51 @@ class PagedCompression:
         keys, values, meta = self._split(slots, head_dim)
         empty = ~valid[:, None, :]
         positions = meta[..., 0].long().masked_fill_(empty, -1)
-
-        tensors = {
-            "keys": keys,
-            "values": values,
-            "bias": meta[..., 1].masked_fill(empty, NEG_INF),
-            "positions": positions,
-            **{f"extras.{name}": meta[..., 2 + i].masked_fill(empty, self.extra_fill[name]) for i, name in enumerate(self.extras)},
-        }
-        # served methods evict only: the bias is 0 or -inf
+        bias = meta[..., 1].masked_fill(empty, NEG_INF)
+        extras, word = {}, 2
+        for name, shape in self.extras.items():
+            width = math.prod(shape)
+            extra = meta[..., word : word + width].reshape(*meta.shape[:-1], *shape)
+            extras[f"extras.{name}"] = extra.masked_fill(empty.view(*empty.shape, *(1,) * len(shape)), self.extra_fill[name])
+            word += width
+        tensors = {"keys": keys, "values": values, "bias": bias, "positions": positions, **extras}
         store = LayerStore.from_entries(
-            0, tensors, self.extra_fill, seen=max(computed), real_seen=torch.tensor(computed, device=like.device),
-            binary=True, headroom=self.method.interval,
+            layer, tensors, self.extra_fill, seen=max(computed), real_seen=torch.tensor(computed, device=like.device),
+            binary=self.binary, headroom=self.method.interval,
         )
-        kept = torch.tensor([self.kept(p) for p in prompts], device=like.device)
-        store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), kept)
-        return store, positions
+        kept = torch.tensor([self.kept(p, layer) for p in prompts], device=like.device)
+        mean = row_budgets(self.budget, torch.tensor(prompts), budget_floor(self.method)).to(like.device)
+        store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), mean)  # as CompressedCache._end_prefill
+        return store, (positions, bias)
 
-    def _write(self, kv_cache, table, layer: LayerStore, sizes: list[int], before: torch.Tensor | None) -> None:
+    def _write(self, kv_cache, table, layer: LayerStore, sizes: list[int], before) -> None:
         """Write each request's live entries, compacted, into its first ``sizes`` slots.
 
         Metadata is rewritten for every slot (scores change at every step); keys and values only
-        where the slot now holds another token than it did (``before``: the gathered positions; a
-        decode step moves one entry).
+        where the slot now holds another token than it did, or took a merge (``before``: the
+        gathered (positions, bias); a decode step moves one entry, and a merge adds its source's
+        votes to its target's bias).
         """
         index, _ = slots_of(layer.live(), max(sizes))  # [R, H_kv, S] live slots first, in slot order
         positions = layer.positions.gather(2, index)
-        words = [positions.float(), layer.bias.gather(2, index), *(layer.extras[name].gather(2, index) for name in self.extras)]
+        bias = layer.bias.gather(2, index)
+        words = [positions.float()[..., None], bias[..., None]]
+        for name, shape in self.extras.items():
+            extra = layer.extras[name]
+            slot_index = index.view(*index.shape, *(1,) * len(shape)).expand(*index.shape, *shape)
+            words.append(extra.gather(2, slot_index).reshape(*index.shape, -1))
         keys, values, meta = self._split(kv_cache, layer.keys.shape[-1])
         blocks, offset, valid = self._slots(table, sizes, kv_cache.shape[2])
         entry = (blocks[valid], slice(None), offset[None].expand_as(blocks)[valid])
-        meta[entry] = torch.stack(words, dim=-1).transpose(1, 2)[valid]
+        meta[entry] = torch.cat(words, dim=-1).transpose(1, 2)[valid]
         changed = valid[:, None, :].expand_as(positions)
         if before is not None:
             width = positions.shape[-1]
-            old = torch.nn.functional.pad(before, (0, max(0, width - before.shape[-1])), value=-1)[..., :width]
-            changed = changed & (positions != old)
+            old_positions, old_bias = (
+                torch.nn.functional.pad(old, (0, max(0, width - old.shape[-1])), value=fill)[..., :width]
+                for old, fill in zip(before, (-1, NEG_INF))
+            )
+            changed = changed & ((positions != old_positions) | (bias != old_bias))
         row, head, slot = changed.nonzero(as_tuple=True)
         target, source = (blocks[row, slot], head, offset[slot]), (row, head, index[row, head, slot])
         keys[target] = layer.keys[source].to(keys.dtype)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keepkv
-from keepkv.budgets import SCORED_FLOOR, budget_floor, capacity_bound, row_budgets
+from keepkv.budgets import SCORED_FLOOR, budget_floor, capacity_bound, layer_budgets, row_budgets
 from keepkv.cli import build_parser
 from keepkv.methods import METHODS, get_method
 from keepkv.paged import SERVED_METHODS, PagedCompression
@@ -74,7 +74,11 @@ def test_layer_budgets_and_capacity_bound_use_the_floor(length, fraction, method
         assert max(bound) <= length + instance.interval
     if method in SERVED_METHODS:
         paged = PagedCompression(config, method, fraction)
-        assert paged.kept(length) == per_row
+        layers = config.num_hidden_layers
+        expected = layer_budgets(instance, layers, config.num_key_value_heads, fraction, torch.tensor([length]))
+        assert [paged.kept(length, layer) for layer in range(layers)] == expected[:, 0, 0].tolist()
+        if method != "pyramidkv":  # one budget for every layer: the row's
+            assert paged.kept(length) == per_row
         assert paged.capacity(length) == max(bound)
 
 

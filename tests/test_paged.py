@@ -33,8 +33,9 @@ class Engine:
         self.tables: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
 
-    def step(self, new: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, torch.Tensor]:
-        """Feed request -> (query [q, H, D], key, value [q, H_kv, D]); returns request -> output [q, H, D]."""
+    def step(self, new: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], layer: int = 0) -> dict[int, torch.Tensor]:
+        """Feed request -> (query [q, H, D], key, value [q, H_kv, D]) to the model's layer ``layer``;
+        returns request -> output [q, H, D]."""
         requests = list(new)
         for request in requests:
             length = new[request][0].shape[0]
@@ -53,7 +54,7 @@ class Engine:
         seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
         batch = self.paged.batch(starts, seq_lens, table)
         query, key, value = (torch.cat([new[r][i] for r in requests]) for i in range(3))
-        output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING)
+        output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING, layer)
         for request, length in zip(requests, batch.query_lengths):
             self.computed[request] += length
         return {r: output[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}
@@ -67,18 +68,23 @@ def tokens(generator, length):
     )
 
 
-def alone(cache: CompressedCache, query, key, value) -> torch.Tensor:
-    """One attention call of one request in its own CompressedCache: output [q, H, D]."""
+def alone(cache: CompressedCache, query, key, value, layer_idx: int = 0) -> torch.Tensor:
+    """One attention call of one request's layer ``layer_idx`` in its own CompressedCache: output [q, H, D]."""
     q = query.shape[0]
-    layer = cache.layers[0]
+    layer = cache.layers[layer_idx]
     if not layer.is_initialized:
         layer.lazy_initialization(key.transpose(0, 1)[None], value.transpose(0, 1)[None])
     mask = torch.ones(1, 1, q, q, dtype=torch.bool).tril()
-    out = cache.forward_layer(0, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], mask, SCALING)
+    out = cache.forward_layer(
+        layer_idx, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], mask, SCALING
+    )
     return out[0]
 
 
-@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2"])
+PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None"  # docs/keepkv.md
+
+
+@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2", PAPER_KEEPKV, "keepkv+interval=3"])
 @pytest.mark.parametrize("budget", [0.5, 3, 1, 1.0, 10_000])
 def test_paged_requests_decode_as_alone(method, budget):
     """Requests of unequal prompts, one joining mid-way (a step mixing a prefill with decodes), give
@@ -102,6 +108,60 @@ def test_paged_requests_decode_as_alone(method, budget):
     assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
 
 
+@pytest.mark.parametrize("method", ["pyramidkv+window=2+kernel=1", "pyramidkv+window=2+kernel=1+interval=3"])
+@pytest.mark.parametrize("budget", [6, 0.3])
+def test_per_layer_budgets_decode_as_alone_in_every_layer(method, budget):
+    """PyramidKV's layers keep budgets of their own (larger below): each layer of paged requests
+    gives that layer's output in a CompressedCache of its own, and holds what ``stored`` says for it.
+
+    kernel=1: SnapKV's max-pooling gives random keys' neighbours equal scores, and a batch may
+    then keep the other of two tied entries (the Hugging Face path's batches too)."""
+    paged = PagedCompression(CONFIG, method, budget)
+    kept = [paged.kept(40, layer) for layer in range(CONFIG.num_hidden_layers)]
+    assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]  # a pyramid, for a 40-token prompt
+    for layer in range(CONFIG.num_hidden_layers):
+        generator = torch.Generator().manual_seed(layer)
+        engine = Engine(paged)
+        prompts = {0: 40, 1: 25, 2: 60}
+        references = {r: CompressedCache(CONFIG, method, budget) for r in prompts}
+        for step in range(7):
+            new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
+            outputs = engine.step(new, layer)
+            for request, (query, key, value) in new.items():
+                expected = alone(references[request], query, key, value, layer)
+                torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
+                held = int(references[request].layers[layer].live_counts().max())
+                assert held == paged.stored(engine.prompt[request], engine.computed[request], layer)
+                assert held <= paged.capacity(engine.prompt[request])
+
+
+@pytest.mark.parametrize("method", ["keepkv", PAPER_KEEPKV, "keepkv+selection=ema+interval=3"])
+def test_keepkv_merges_and_keeps_its_state_per_request(method):
+    """KeepKV served: requests of unequal prompts merge (votes in the bias word, the EMA in the
+    slots' extra words), each layer decodes as that layer alone, and each request's per-layer
+    state (its lost votes) is its own cache's, filed apart per request."""
+    paged = PagedCompression(CONFIG, method, 6)
+    assert paged.meta_words > 3  # position, bias, the EMA's words (one per query head of a group) and more
+    merged = False
+    for layer in range(CONFIG.num_hidden_layers):
+        generator = torch.Generator().manual_seed(10 + layer)
+        engine = Engine(paged)
+        prompts = {0: 40, 1: 25, 2: 60}
+        references = {r: CompressedCache(CONFIG, method, 6) for r in prompts}
+        for step in range(6):
+            new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
+            outputs = engine.step(new, layer)
+            for request, (query, key, value) in new.items():
+                expected = alone(references[request], query, key, value, layer)
+                torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
+                reference = references[request].layers[layer]
+                assert int(reference.live_counts().max()) == paged.stored(prompts[request], engine.computed[request], layer)
+                state = paged.states[(engine.tables[request][0], layer)]
+                torch.testing.assert_close(state["lost_votes"], reference.state["lost_votes"])
+                merged |= bool((reference.bias > 0).any())  # votes above 1: a merge happened
+    assert merged
+
+
 @pytest.mark.parametrize("method", SERVED_METHODS)
 @pytest.mark.parametrize("prompt", [1, 5, 40])
 @pytest.mark.parametrize("budget", [0.1, 0.5, 2, 64])
@@ -109,9 +169,10 @@ def test_stored_entries_never_exceed_capacity(method, prompt, budget):
     """What a request holds after each of its first steps fits the capacity its blocks are sized by."""
     paged = PagedCompression(CONFIG, method, budget)
     capacity = paged.capacity(prompt)
-    sizes = [paged.stored(prompt, prompt + t) for t in range(50)]
-    assert max(sizes) <= capacity
-    assert sizes[0] == min(prompt, paged.kept(prompt))
+    for layer in range(CONFIG.num_hidden_layers):
+        sizes = [paged.stored(prompt, prompt + t, layer) for t in range(50)]
+        assert max(sizes) <= capacity
+        assert sizes[0] == min(prompt, paged.kept(prompt, layer))
 
 
 @pytest.mark.parametrize("budget", [0.1, 0.25, 0.5, 1.0, 7])
@@ -123,10 +184,11 @@ def test_kept_is_the_caches_row_budget(budget):
 
 
 def test_rejects_what_it_cannot_serve():
-    with pytest.raises(ValueError, match="serves window, streamingllm, snapkv, h2o"):
-        PagedCompression(CONFIG, "keepkv", 0.5)
-    with pytest.raises(ValueError, match="merge='none'"):
-        PagedCompression(CONFIG, "snapkv+merge=zip", 0.5)
+    for method in ("cam", "d2o", "kvmerger", "snapkv+merge=zip"):
+        with pytest.raises(ValueError, match=f"serves {', '.join(SERVED_METHODS)} .merge='none' but keepkv's"):
+            PagedCompression(CONFIG, method, 0.5)
+    with pytest.raises(ValueError, match="refresh_interval"):
+        PagedCompression(CONFIG, "keepkv+selection=ema+refresh_interval=4", 0.5)
     with pytest.raises(ValueError, match="budget"):
         PagedCompression(CONFIG, "snapkv", 0.0)
     paged = PagedCompression(CONFIG, "snapkv", 0.5)

@@ -23,7 +23,8 @@ import keepkv  # noqa: E402
 from keepkv.paged import PagedCompression  # noqa: E402
 
 NEW_TOKENS = 24
-SERVED = ["window", "streamingllm", "snapkv", "h2o"]
+PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None"  # docs/keepkv.md
+SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", PAPER_KEEPKV]
 
 
 @pytest.fixture(scope="module")
@@ -164,18 +165,135 @@ def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monke
     assert max(blocks) <= math.ceil((300 + 1) / block_size)
 
 
-def test_rejects_unsupported_engine_settings(model_dir):
-    with pytest.raises(Exception, match="keepkv.vllm does not support prefix caching"):
-        Engine(model_dir, {"method": "snapkv", "budget": 0.3}, enable_prefix_caching=True)
-    with pytest.raises(Exception, match="serves window, streamingllm, snapkv, h2o"):
-        Engine(model_dir, {"method": "keepkv", "budget": 0.3})
+@pytest.fixture
+def no_engine_core(monkeypatch):
+    """Records every EngineCore started (in this process: multiprocessing is off here)."""
+    from vllm.v1.engine.core import EngineCore
+
+    started = []
+    init = EngineCore.__init__
+    monkeypatch.setattr(EngineCore, "__init__", lambda self, *a, **k: started.append(1) or init(self, *a, **k))
+    return started
 
 
-def test_readme_serving_block_runs(tmp_path, monkeypatch, capsys):
-    """README "Serving (vLLM)"'s Python block runs as written (test_readme.py skips it)."""
+@pytest.mark.parametrize("overrides, message", [
+    ({"enable_prefix_caching": True}, r"does not support prefix caching: a block shared .* \(--no-enable-prefix-caching"),
+    ({"enable_chunked_prefill": True}, r"does not support chunked prefill: .* \(--no-enable-chunked-prefill"),
+    ({"config": {"method": "cam", "budget": 0.3}}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keepkv"),
+    ({"config": {"method": "snapkv", "budget": 0.0}}, "budget"),
+    ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method" and "budget"'),
+])
+def test_rejects_unsupported_settings_before_any_worker_starts(model_dir, no_engine_core, overrides, message):
+    """Refused where the engine's config is built, in one line (not inside a worker's traceback),
+    naming the servable methods or the flag that turns a setting off."""
+    from keepkv.vllm import SettingError
+
+    config = overrides.pop("config", {"method": "snapkv", "budget": 0.3})
+    with pytest.raises(SettingError, match=message) as raised:
+        Engine(model_dir, config, **overrides)
+    assert "\n" not in str(raised.value)
+    assert not no_engine_core
+
+
+def test_refuses_keepkv_settings_off_cpu(model_dir, no_engine_core, monkeypatch):
+    """On another platform than CPU (CUDA: not built), keepkv settings are refused, not ignored."""
+    from vllm.platforms import current_platform
+
+    from keepkv.vllm import SettingError
+    from keepkv.vllm.settings import engine_settings
+
+    engine = type("Config", (), {"additional_config": {"keepkv": {"method": "snapkv", "budget": 0.3}}})()
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with pytest.raises(SettingError, match="CPU build only.*CUDA design"):
+        engine_settings(engine)
+    assert engine_settings(type("Config", (), {"additional_config": {}})()) is None  # stock: untouched
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _stop(process) -> None:
+    """Stop a process started in its own session, and its children, by its PID."""
+    import signal
+    import subprocess
+
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+def test_keepkv_serve_answers_a_chat_request_as_stock(model_dir, hf_model, tmp_path):
+    """`keepkv serve` on 127.0.0.1 (vLLM's CPU build, multiprocessing on, no VLLM_CPU_KVCACHE_SPACE
+    given): one chat request, greedy, answered with the tokens of the full cache: a short chat
+    prompt is under snapkv's budget floor at 0.1, so it is not compressed (README "Serving")."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    port = _free_port()
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "keepkv.cli", "serve", "--model", model_dir, "--method", "snapkv", "--budget", "0.1",
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+         "--enforce-eager"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "server did not start in 300 s"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        body = json.dumps({"model": model_dir, "messages": messages, "max_tokens": 12, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        reply = json.load(urllib.request.urlopen(request, timeout=120))
+    finally:
+        _stop(server)
+        log.close()
+    text = reply["choices"][0]["message"]["content"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(rendered, add_special_tokens=False).input_ids  # as vLLM's chat endpoint does
+    assert PagedCompression(hf_model.config, "snapkv", 0.1).kept(len(prompt)) >= len(prompt)  # under the floor
+    stock = hf_greedy(hf_model, prompt, "full", 1.0, new_tokens=12)
+    assert text == tokenizer.decode(stock, skip_special_tokens=True)
+    assert "Paris" in text
+
+
+def test_readme_serving_block_runs_as_a_script(tmp_path):
+    """README "Serving (vLLM)"'s Python block, saved as a script and run as one, with vLLM's
+    multiprocessing on (its engine runs in a spawned process: the block needs its __main__ guard)."""
+    import subprocess
+    import sys
+
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     block = next(part.split("```")[0] for part in readme.split("```python\n") if "from vllm" in part.split("```")[0])
-    monkeypatch.chdir(tmp_path)
-    exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})
-    assert capsys.readouterr().out.strip()
-
+    assert 'if __name__ == "__main__":' in block
+    (tmp_path / "serve_readme.py").write_text(block)
+    env = {name: value for name, value in os.environ.items() if name != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    done = subprocess.run([sys.executable, "serve_readme.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip()

@@ -3,28 +3,92 @@
 Installed with ``pip install -e ".[vllm]"`` (its own venv: vLLM pins its own transformers), the
 plugin loads in every vLLM process and stays inert until the engine is given::
 
-    LLM(model, additional_config={"keepkv": {"method": "snapkv", "budget": 0.1}},
+    LLM(model, additional_config=keepkv.vllm.config("snapkv", 0.1),
         enable_prefix_caching=False, enable_chunked_prefill=False)
 
-or ``vllm serve MODEL --additional-config '{"keepkv": {...}}' --no-enable-prefix-caching
---no-enable-chunked-prefill``. Then the attention backend (:mod:`keepkv.vllm.backend`) runs the
-method on each request's paged entries (:mod:`keepkv.paged`) and the KV cache manager
-(:mod:`keepkv.vllm.spec`) caps each request's blocks at ``keepkv.capacity_bound``.
+(``config`` returns ``{"keepkv": {"method": ..., "budget": ...}}``, checked) or ``keepkv serve``
+(:mod:`keepkv.vllm.serve`, vLLM's OpenAI-compatible server). Then the attention backend
+(:mod:`keepkv.vllm.backend`) runs the method on each request's paged entries (:mod:`keepkv.paged`)
+and the KV cache manager (:mod:`keepkv.vllm.spec`) caps each request's blocks at
+``keepkv.capacity_bound``.
+
+The settings are checked in the process that builds the engine's config, before any worker
+starts (:func:`register` hooks the platform's ``check_and_update_config``): a setting keepkv would
+not honour is refused in one line, never ignored.
 """
 
 from __future__ import annotations
 
+import os
+
 BACKEND = "keepkv.vllm.backend.KeepKVBackend"
+PLUGIN = "keepkv"  # the entry point's name (pyproject.toml), as VLLM_PLUGINS lists it
+
+
+class SettingError(RuntimeError):
+    """A keepkv setting the engine would not honour (raised where the engine's config is built;
+    not a ValueError, which vLLM's pydantic config would wrap in a three-line validation error)."""
+
+
+def check(given) -> dict:
+    """``additional_config["keepkv"]`` checked, without vLLM: {"method", "budget"}.
+
+    Raises ValueError in one line: unknown keys, a method the paged adapter does not serve (the
+    message names those it serves), a bad budget.
+    """
+    from ..budgets import validate_budget
+    from ..paged import servable_method
+
+    if not isinstance(given, dict):
+        raise ValueError(f'additional_config["keepkv"] is a dict {{"method": ..., "budget": ...}}, got {given!r}')
+    unknown = sorted(set(given) - {"method", "budget"})
+    if unknown or "method" not in given:
+        raise ValueError(f'additional_config["keepkv"] takes "method" and "budget", got {sorted(given)}')
+    budget = given.get("budget", 0.1)
+    validate_budget(budget)
+    servable_method(given["method"])
+    return {"method": str(given["method"]), "budget": budget}
+
+
+def plugin_enabled(environ=None) -> bool:
+    """Whether vLLM will load this plugin: VLLM_PLUGINS unset, or listing ``keepkv``
+    (``environ``: os.environ by default)."""
+    allowed = (os.environ if environ is None else environ).get("VLLM_PLUGINS")
+    return allowed is None or PLUGIN in [name.strip() for name in allowed.split(",")]
+
+
+def require_plugin(environ=None) -> None:
+    """Raise RuntimeError, in one line, when vLLM would not load the plugin (keepkv's settings
+    would then be ignored, and every request served with the full cache)."""
+    environ = os.environ if environ is None else environ
+    if not plugin_enabled(environ):
+        raise RuntimeError(
+            f"VLLM_PLUGINS={environ['VLLM_PLUGINS']!r} leaves out keepkv's plugin, so vLLM would ignore "
+            "additional_config['keepkv']: add keepkv to VLLM_PLUGINS or unset it"
+        )
+
+
+def config(method: str = "snapkv", budget: int | float = 0.1) -> dict:
+    """The engine's ``additional_config`` for keepkv, checked in the caller's process: the method
+    is served, the budget valid, and vLLM will load the plugin."""
+    require_plugin()
+    return {"keepkv": check({"method": method, "budget": budget})}
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: route CPU attention through keepkv's backend
-    (which delegates to vLLM's own while keepkv is not configured) and register the KV cache
-    spec whose manager frees blocks."""
+    """The ``vllm.general_plugins`` entry point.
+
+    In every process: hook the platform's config check, so that an engine given
+    ``additional_config["keepkv"]`` is checked where its config is built (the main process),
+    before any worker starts. On CPU also route attention through keepkv's backend (which
+    delegates to vLLM's own while keepkv is not configured) and register the KV cache spec whose
+    manager frees blocks.
+    """
     from vllm.platforms import current_platform
 
+    _hook_config_check(type(current_platform))
     if not current_platform.is_cpu():
-        return  # phase 1: CPU only (docs/serving.md)
+        return  # phase 1: CPU only; the hook refuses keepkv settings here (docs/serving.md)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
@@ -34,3 +98,21 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
     KVCacheSpecRegistry._ensure_registered()  # else the built-in specs are never registered
     KVCacheSpecRegistry.register(KeepKVSpec, KeepKVManager)
+
+
+def _hook_config_check(platform_class) -> None:
+    """Wrap ``platform_class.check_and_update_config`` (a classmethod VllmConfig calls once its
+    settings are resolved) to refuse keepkv settings it will not honour. Idempotent."""
+    original = platform_class.check_and_update_config
+    if getattr(original, "_keepkv", False):
+        return
+
+    def checked(cls, vllm_config) -> None:
+        original(vllm_config)  # the platform's own check first: it may still change settings
+        if (vllm_config.additional_config or {}).get("keepkv"):
+            from .settings import engine_settings
+
+            engine_settings(vllm_config)
+
+    checked._keepkv = True
+    platform_class.check_and_update_config = classmethod(checked)

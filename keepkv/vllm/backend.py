@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -22,6 +23,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ..paged import PagedBatch, PagedCompression
+from .settings import engine_settings
 from .spec import KeepKVSpec
 
 _COMPRESSIONS: dict[tuple, PagedCompression] = {}  # one per engine configuration, per process
@@ -30,37 +32,9 @@ _COMPRESSIONS: dict[tuple, PagedCompression] = {}  # one per engine configuratio
 _WORKER: dict = {}
 
 
-def settings(vllm_config: VllmConfig | None) -> dict | None:
-    """The engine's ``additional_config["keepkv"]`` ({"method", "budget"}), checked; None if absent.
-
-    Raises ValueError, in one line, for what phase 1 does not support.
-    """
-    if vllm_config is None or not (vllm_config.additional_config or {}).get("keepkv"):
-        return None
-    given = dict(vllm_config.additional_config["keepkv"])
-    unknown = sorted(set(given) - {"method", "budget"})
-    if unknown or "method" not in given:
-        raise ValueError(f'additional_config["keepkv"] takes "method" and "budget", got {sorted(given)}')
-    problems = []
-    if vllm_config.cache_config.enable_prefix_caching:
-        problems.append("prefix caching (--no-enable-prefix-caching): a shared block cannot be compacted per request")
-    if vllm_config.scheduler_config.enable_chunked_prefill:
-        problems.append("chunked prefill (--no-enable-chunked-prefill): a prompt is compressed once it is whole")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding")
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        problems.append("tensor or pipeline parallelism > 1 (untested)")
-    if getattr(vllm_config.model_config.hf_text_config, "sliding_window", None):
-        problems.append("sliding-window models")
-    if problems:
-        raise ValueError("keepkv.vllm does not support " + "; ".join(problems))
-    return {"method": str(given["method"]), "budget": given.get("budget", 1.0)}
-
-
 def compression(vllm_config: VllmConfig) -> PagedCompression | None:
     """This process's PagedCompression for the engine, or None when keepkv is not configured."""
-    chosen = settings(vllm_config)
+    chosen = engine_settings(vllm_config)
     if chosen is None:
         return None
     key = (chosen["method"], chosen["budget"])
@@ -124,15 +98,18 @@ class KeepKVImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.paged = compression(get_current_vllm_config())
+        self.layer_index: int | None = None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if self.paged is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if attn_metadata is None:  # warm-up
             return output
+        if self.layer_index is None:  # the model's layer: its budget is its own (PyramidKV)
+            self.layer_index = extract_layer_index(layer.layer_name)
         tokens = attn_metadata.num_actual_tokens
         output[:tokens] = self.paged.forward(
-            kv_cache, query[:tokens], key[:tokens], value[:tokens], attn_metadata.batch, self.scale
+            kv_cache, query[:tokens], key[:tokens], value[:tokens], attn_metadata.batch, self.scale, self.layer_index
         ).view_as(output[:tokens])
         return output
 

@@ -22,6 +22,9 @@ import tempfile
 import time
 
 BLOCK_SIZE = 128  # vLLM's CPU default
+PROGRESS_EVERY = 10.0  # seconds between progress lines of one engine
+COLUMNS = [("engine", "method"), ("KV blocks", "blocks"), ("peak concurrent requests", "peak_running"),
+           ("scheduler steps", "steps"), ("tokens/s", "tokens_per_s"), ("vs stock", "tokens_per_s_vs_full")]
 
 
 def stdlib_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -37,8 +40,9 @@ def stdlib_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     raise SystemExit(f"keepkv.vllm.bench: only {len(prompts)} stdlib files have {length} tokens; lower --requests")
 
 
-def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None) -> dict:
-    """Serve every prompt at once with ``blocks`` KV blocks; tokens/s and peak concurrency."""
+def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None) -> dict:
+    """Serve every prompt at once with ``blocks`` KV blocks; tokens/s and peak concurrency.
+    ``progress(finished, total, generated, seconds)`` is called every few seconds while it runs."""
     import vllm
 
     args = dict(
@@ -57,13 +61,19 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-    peak, steps, generated = 0, 0, 0
+    peak, steps, generated, finished, shown = 0, 0, 0, 0, start
+    so_far: dict[str, int] = {}  # request -> tokens generated so far (for progress)
     while engine.has_unfinished_requests():
         for output in engine.step():
+            so_far[output.request_id] = len(output.outputs[0].token_ids)
             if output.finished:
                 generated += len(output.outputs[0].token_ids)
+                finished += 1
         peak = max(peak, len(scheduler.running))
         steps += 1
+        if progress is not None and time.perf_counter() - shown >= PROGRESS_EVERY:
+            shown = time.perf_counter()
+            progress(finished, len(prompts), sum(so_far.values()), shown - start)
     seconds = time.perf_counter() - start
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     block_bytes = layers * scheduler.kv_cache_manager.coordinator.single_type_managers[0].kv_cache_spec.page_size_bytes
@@ -107,19 +117,49 @@ def main(argv=None) -> None:
     head_dim = config.hidden_size // config.num_attention_heads
     stock_slot = 2 * head_dim * 4  # fp32 key + value per head
     full_blocks = args.full_requests * math.ceil((args.prompt_len + args.gen_len) / BLOCK_SIZE)
-    results = [run_engine(model_dir, prompts, args.gen_len, full_blocks, None)]
+    engines = [(None, full_blocks)]
     for method in args.methods.split(","):
         paged = PagedCompression(config, method, args.budget)
         slot = paged.content_bytes(head_dim, model.dtype)
-        blocks = full_blocks * stock_slot // slot  # the same bytes
-        results.append(run_engine(model_dir, prompts, args.gen_len, blocks, {"method": method, "budget": args.budget}))
-        results[-1]["tokens_per_s_vs_full"] = round(results[-1]["tokens_per_s"] / results[0]["tokens_per_s"], 2)
-    report = {"settings": vars(args), "results": results}
+        engines.append(({"method": method, "budget": args.budget}, full_blocks * stock_slot // slot))  # same bytes
+    run_all(engines, lambda keepkv, blocks, progress: run_engine(model_dir, prompts, args.gen_len, blocks, keepkv, progress),
+            vars(args), args.json)
+
+
+def run_all(engines, run, settings: dict, json_path: str | None, out=None, err=None) -> list[dict]:
+    """Run each engine ((keepkv settings or None for stock, blocks)) with ``run(keepkv, blocks,
+    progress)``; print its JSON line on ``out`` as it finishes (progress lines on ``err``), rewrite
+    ``json_path`` after each (a time-out keeps the engines done), and print a table at the end."""
+    out, err = out or sys.stdout, err or sys.stderr
+    results = []
+    for index, (keepkv, blocks) in enumerate(engines, 1):
+        name = keepkv["method"] if keepkv else "full (stock vLLM)"
+        label = f"[{index}/{len(engines)}] {name}"
+        print(f"{label}: starting ({blocks} KV blocks)", file=err, flush=True)
+
+        def progress(finished, total, generated, seconds, label=label):
+            print(f"{label}: {finished}/{total} requests done, {generated} tokens, {seconds:.0f} s", file=err, flush=True)
+
+        row = run(keepkv, blocks, progress)
+        if results:
+            row["tokens_per_s_vs_full"] = round(row["tokens_per_s"] / results[0]["tokens_per_s"], 2)
+        results.append(row)
+        print(json.dumps(row), file=out, flush=True)
+        if json_path:
+            with open(json_path, "w") as handle:
+                json.dump({"settings": settings, "results": results}, handle, indent=2)
+    print(table(results), file=out, flush=True)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    """The results as a Markdown table (docs/serving.md's columns); stock's ratio is 1.00×."""
+    lines = ["| " + " | ".join(title for title, _ in COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 1)]
     for row in results:
-        print(json.dumps(row), file=sys.stdout, flush=True)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+        values = {**row, "tokens_per_s_vs_full": f"{row.get('tokens_per_s_vs_full', 1.0):.2f}×"}
+        lines.append("| " + " | ".join(f"{values[key]:,}" if isinstance(values[key], int) else str(values[key])
+                                       for _, key in COLUMNS) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
