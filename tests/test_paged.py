@@ -108,6 +108,23 @@ def test_paged_requests_decode_as_alone(method, budget):
     assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
 
 
+def decode_beside_alone(paged, method, budget, layer, seed, steps):
+    """Three requests of unequal prompts (40, 25, 60 tokens), then one token each per step, through
+    one layer of ``paged``; each output is checked against that request decoded alone. Yields
+    (engine, request, its prompt length, its own CompressedCache) after each check."""
+    generator = torch.Generator().manual_seed(seed)
+    engine = Engine(paged)
+    prompts = {0: 40, 1: 25, 2: 60}
+    references = {r: CompressedCache(CONFIG, method, budget) for r in prompts}
+    for step in range(steps):
+        new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
+        outputs = engine.step(new, layer)
+        for request, (query, key, value) in new.items():
+            expected = alone(references[request], query, key, value, layer)
+            torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
+            yield engine, request, prompts[request], references[request]
+
+
 @pytest.mark.parametrize("method", ["pyramidkv+window=2+kernel=1", "pyramidkv+window=2+kernel=1+interval=3"])
 @pytest.mark.parametrize("budget", [6, 0.3])
 def test_per_layer_budgets_decode_as_alone_in_every_layer(method, budget):
@@ -120,19 +137,10 @@ def test_per_layer_budgets_decode_as_alone_in_every_layer(method, budget):
     kept = [paged.kept(40, layer) for layer in range(CONFIG.num_hidden_layers)]
     assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]  # a pyramid, for a 40-token prompt
     for layer in range(CONFIG.num_hidden_layers):
-        generator = torch.Generator().manual_seed(layer)
-        engine = Engine(paged)
-        prompts = {0: 40, 1: 25, 2: 60}
-        references = {r: CompressedCache(CONFIG, method, budget) for r in prompts}
-        for step in range(7):
-            new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
-            outputs = engine.step(new, layer)
-            for request, (query, key, value) in new.items():
-                expected = alone(references[request], query, key, value, layer)
-                torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
-                held = int(references[request].layers[layer].live_counts().max())
-                assert held == paged.stored(engine.prompt[request], engine.computed[request], layer)
-                assert held <= paged.capacity(engine.prompt[request])
+        for engine, request, _, reference in decode_beside_alone(paged, method, budget, layer, layer, 7):
+            held = int(reference.layers[layer].live_counts().max())
+            assert held == paged.stored(engine.prompt[request], engine.computed[request], layer)
+            assert held <= paged.capacity(engine.prompt[request])
 
 
 @pytest.mark.parametrize("method", ["keepkv", PAPER_KEEPKV, "keepkv+selection=ema+interval=3"])
@@ -144,21 +152,12 @@ def test_keepkv_merges_and_keeps_its_state_per_request(method):
     assert paged.meta_words > 3  # position, bias, the EMA's words (one per query head of a group) and more
     merged = False
     for layer in range(CONFIG.num_hidden_layers):
-        generator = torch.Generator().manual_seed(10 + layer)
-        engine = Engine(paged)
-        prompts = {0: 40, 1: 25, 2: 60}
-        references = {r: CompressedCache(CONFIG, method, 6) for r in prompts}
-        for step in range(6):
-            new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
-            outputs = engine.step(new, layer)
-            for request, (query, key, value) in new.items():
-                expected = alone(references[request], query, key, value, layer)
-                torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
-                reference = references[request].layers[layer]
-                assert int(reference.live_counts().max()) == paged.stored(prompts[request], engine.computed[request], layer)
-                state = paged.states[(engine.tables[request][0], layer)]
-                torch.testing.assert_close(state["lost_votes"], reference.state["lost_votes"])
-                merged |= bool((reference.bias > 0).any())  # votes above 1: a merge happened
+        for engine, request, prompt, cache in decode_beside_alone(paged, method, 6, layer, 10 + layer, 6):
+            reference = cache.layers[layer]
+            assert int(reference.live_counts().max()) == paged.stored(prompt, engine.computed[request], layer)
+            state = paged.states[(engine.tables[request][0], layer)]
+            torch.testing.assert_close(state["lost_votes"], reference.state["lost_votes"])
+            merged |= bool((reference.bias > 0).any())  # votes above 1: a merge happened
     assert merged
 
 
