@@ -477,8 +477,9 @@ class KeepKV(ZipChoice, ScoredEviction):
             dropped = plan.evict_valid & ~merge
             lost = layer.bias.gather(-1, plan.evict_idx).exp().masked_fill(~dropped, 0.0).sum(-1)
             layer.state["lost_votes"] += lost
-            # On CPU skip the merge when nothing merges (reading the flag stalls nothing); on an
-            # accelerator always run it, with no host sync: an empty merge changes nothing, bit for bit.
+            # Eager on CPU, skip the merge when nothing merges (reading the flag stalls nothing); on
+            # an accelerator or compiled, always run it, with no host sync: an empty merge changes
+            # nothing, bit for bit.
             skip_if_empty = layer.device.type == "cpu" and not torch.compiler.is_compiling()
             if self.merge == "zip" and (not skip_if_empty or bool(merge.any())):
                 self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema)
