@@ -558,3 +558,18 @@ def test_ruler_preset_end_to_end_has_an_average_per_setting(model, tokenizer, tm
             assert average["score"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
             assert average["n"] == len(RULER_SUITES) and average["budget"] == budget
     assert "ruler-average 200 @0.3" in capsys.readouterr().out
+
+
+def test_summary_round_trips_missing_values_as_none(tmp_path):
+    """An average row has no CI or cache bytes: written as empty, read back as None (a file from
+    before, with the text "None", reads the same), so ``keepkv report`` renders it."""
+    from keepkv.eval.summary import write_summary
+
+    row = {"suite": "ruler-average", "length": 1024, "method": "keepkv", "budget": 0.2, "score": 0.6,
+           "ci95": None, "cache_bytes": None, "n": 5, "higher_is_better": True}
+    write_summary([row], tmp_path / "summary.csv")
+    (back,) = read_summary(tmp_path)
+    assert back["ci95"] is None and back["cache_bytes"] is None and back["score"] == 0.6
+    (tmp_path / "old.csv").write_text((tmp_path / "summary.csv").read_text().replace(",,", ",None,"))
+    (old,) = read_summary(tmp_path / "old.csv")
+    assert old["ci95"] is None

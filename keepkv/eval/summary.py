@@ -120,6 +120,8 @@ def summary_rows(groups, reference: str | None = None) -> list[dict]:
 
 
 def _fmt(value) -> str:
+    if value is None:
+        return ""  # read back as None
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float):
@@ -141,7 +143,7 @@ def write_summary(rows: list[dict], path: Path) -> None:
 
 
 def _parse_value(text: str):
-    if text == "":
+    if text in ("", "None"):  # "None": what runs before the writer wrote "" for it
         return None
     if text in ("true", "false", "True", "False"):
         return text.lower() == "true"
