@@ -79,6 +79,8 @@ class _Groups(NamedTuple):
 
 def _group_plan(src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, num_slots: int) -> _Groups:
     """Number the distinct merge targets of each (row, head) by sorting the plan's targets."""
+    if merge.shape[-1] == 1:  # one entry per (row, head), a decode step's usual plan: nothing to sort
+        return _Groups(torch.zeros_like(dst), dst.where(merge, 0), merge, src.where(merge, 0))
     target_key = dst.where(merge, num_slots)  # [..., E]; unmerged entries sort last, into one invalid group
     sorted_key, order = target_key.sort(dim=-1)
     is_first = torch.ones_like(merge)
@@ -98,6 +100,11 @@ def _gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(-2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
 
 
+def _per_entry(x: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
+    """Each plan entry's group value: x [..., E(, D)] in group space -> [..., E(, D)] per entry."""
+    return x if entry_group.shape[-1] == 1 else _gather_entries(x, entry_group)
+
+
 def _own_and_incoming(x: torch.Tensor, groups: _Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, H_kv, S(, D)] at each group's target and at each plan entry, in fp32."""
     return _gather_entries(x, groups.slot).float(), _gather_entries(x, groups.src).float()
@@ -105,6 +112,8 @@ def _own_and_incoming(x: torch.Tensor, groups: _Groups) -> tuple[torch.Tensor, t
 
 def _group_sum(own: torch.Tensor, incoming: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
     """Sum over each group: own [..., E(, D)] (the target's term) plus incoming [..., E(, D)] per entry."""
+    if entry_group.shape[-1] == 1:  # one group of one entry: the same single addition, unscattered
+        return own + incoming
     if own.dim() == entry_group.dim():
         return own.scatter_add(-1, entry_group, incoming)
     return own.scatter_add(-2, entry_group.unsqueeze(-1).expand_as(incoming), incoming)
@@ -167,6 +176,9 @@ def _group_weights(
     own_weight : [..., E] exp(log_own - group_max), in [0, 1].
     incoming_weight : [..., E] exp(log_incoming - group_max of the entry's group), in [0, 1].
     """
+    if entry_group.shape[-1] == 1:  # one group of one entry (see _group_plan)
+        group_max = torch.maximum(log_own, log_incoming)
+        return group_max, (log_own - group_max).exp(), (log_incoming - group_max).exp()
     group_max = log_own.scatter_reduce(-1, entry_group, log_incoming, "amax", include_self=True)
     own_weight = (log_own - group_max).exp()
     incoming_weight = (log_incoming - group_max.gather(-1, entry_group)).exp()
@@ -251,11 +263,11 @@ def gate_merges(
     keep = incoming_sum <= max_share * weight_sum
     if math.isfinite(max_value_change):
         own_values, incoming_values = _own_and_incoming(values, groups)  # [B, H_kv, E, D]
-        entry_target = _gather_entries(own_values, entry_group)  # v_t of each entry's target
+        entry_target = _per_entry(own_values, entry_group)  # v_t of each entry's target
         pull = _group_sum(torch.zeros_like(own_values), incoming_w[..., None] * (incoming_values - entry_target), entry_group)
         change = pull.norm(dim=-1) / weight_sum  # ‖v_r - v_t‖
         keep &= change <= max_value_change * own_values.norm(dim=-1)
-    return merge & keep.gather(-1, entry_group)
+    return merge & _per_entry(keep, entry_group)
 
 
 def zip_merge_rows(

@@ -38,7 +38,7 @@ class ConvexMerge(KeepKV):
 
     name = "convex-merge-test"
 
-    def merge_entries(self, layer, src, dst, merge, exact, ema=None):
+    def merge_entries(self, layer, src, dst, merge, exact, ema=None, pooled=None):
         weights = torch.ones(src.shape, device=src.device)
         layer.merge_into(convex_merge_rows(layer.keys, layer.values, src, dst, merge, weights))
 

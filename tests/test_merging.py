@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keepkv.merging import (
     convex_merge,
@@ -513,3 +515,45 @@ def test_zip_merge_rejects_missing_inputs():
         zip_merge(keys, values, bias, bias, src, dst, merge, key_rule="projection")
     with pytest.raises(ValueError):
         zip_merge(keys, values, bias, bias, src, dst, merge, key_rule="bogus")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), key_rule=st.sampled_from(["paper", "projection", "group", "mean"]),
+       gate=st.sampled_from([(math.inf, 1.0), (1.0, 1.0), (0.3, 0.6)]))
+def test_one_entry_plans_merge_as_the_sorted_plan_does(seed, key_rule, gate):
+    """A decode step's plan, one entry per (row, head), takes the unsorted shortcut of the group
+    arithmetic; padded with an unmerged entry it takes the general (sorted, scattered) path. Both
+    give the same merged rows and gates, bit for bit, merged or not, on every key rule."""
+    from keepkv.merging import convex_merge_rows, gate_merges, zip_merge_rows
+
+    generator = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(2, B, H_KV, S, D, generator=generator)
+    bias = torch.randn(B, H_KV, S, generator=generator).abs().log1p()
+    log_scores = torch.randn(B, H_KV, S, generator=generator) * 3
+    group_scores = torch.randn(B, H_KV, 2, S, generator=generator)
+    queries = torch.randn(B, H_KV, 2, D, generator=generator)
+    src = torch.randint(0, S, (B, H_KV, 1), generator=generator)
+    dst = (src + torch.randint(1, S, (B, H_KV, 1), generator=generator)) % S
+    merge = torch.rand(B, H_KV, 1, generator=generator) < 0.7
+
+    def padded(x, fill):
+        return torch.cat([x, torch.full_like(x, fill)], dim=-1)
+
+    one = (src, dst, merge)
+    two = (padded(src, 0), padded(dst, 0), padded(merge, False))
+    options = dict(key_rule=key_rule, scaling=SCALING, queries=queries if key_rule == "group" else queries.mean(2),
+                   group_log_scores=group_scores if key_rule == "group" else None)
+    if key_rule == "mean":
+        options.pop("queries"), options.pop("scaling")
+    short = zip_merge(keys, values, bias, log_scores, *one, **options)
+    full = zip_merge(keys, values, bias, log_scores, *two, **options)
+    for a, b in zip(short, full):
+        assert torch.equal(a, b)
+    gated = gate_merges(values, bias, log_scores, *one, *gate)
+    assert torch.equal(gated, gate_merges(values, bias, log_scores, *two, *gate)[..., :1])
+    assert torch.equal(gated, merge & gated)
+    weights = log_scores.exp()[..., :1]
+    convex = convex_merge_rows(keys, values, *one, weights).applied(keys=keys, values=values)
+    twice = convex_merge_rows(keys, values, *two, padded(weights, 0.5)).applied(keys=keys, values=values)
+    for a, b in zip(convex, twice):
+        assert torch.equal(a, b)

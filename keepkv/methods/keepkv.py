@@ -9,29 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
-from ..merging import cosine_nearest
+from ..merging import MergedRows, _Groups, _group_logsumexp, _own_and_incoming, cosine_nearest
 from ..offload import FullKVCopy, offload_report
 from ..store import NEG_INF, slots_of
 from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register
-from .zip_merging import ZipChoice, pool_log_scores, zip_into
+from .zip_merging import ZipChoice, pool_log_scores, zip_rows
 
 SCORE_MODES = ("ema", "exact")
 SCORE_NORMS = ("none", "row")
 PREFILL_ORDERS = ("merge_first", "evict_first")
-
-
-def _slot_logsumexp(own: torch.Tensor, incoming: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """Per-slot logsumexp over its merge group, overflow-free, in slot space [..., S] (the merge
-    arithmetic's ``merging._group_logsumexp`` works in the plan's compact group space instead).
-
-    own [..., S] the slot's own log-value; incoming [..., E] log-values of the merged entries
-    (-inf where an entry does not merge); dst [..., E] their target slots (any valid index where
-    they do not merge).
-    """
-    peak = own.scatter_reduce(-1, dst, incoming, "amax", include_self=True)
-    peak = peak.where(torch.isfinite(peak), 0.0)
-    total = (own - peak).exp().scatter_add(-1, dst, (incoming - peak.gather(-1, dst)).exp())
-    return peak + total.log()
 
 
 def ema_log_scores(
@@ -48,25 +34,23 @@ def ema_log_scores(
     return heads, pool_log_scores(heads, bias)
 
 
-def merged_ema(
-    ema_log_s: torch.Tensor, ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, src: torch.Tensor,
-    dst: torch.Tensor, merge: torch.Tensor, log_scale: torch.Tensor | float,
+def merged_ema_rows(
+    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: _Groups, log_scale: torch.Tensor | float,
 ) -> torch.Tensor:
-    """The stored EMA [B, H_kv, S, g] with each merge target's set to the per-vote group mean
-    Σ p ŝ^h / Σ p (pre-merge bias [B, H_kv, S] and EMA log-scores ``heads`` [B, H_kv, g, S]);
-    src, dst, merge [B, H_kv, E] the merge plan."""
-    src_idx, dst_idx = src.where(merge, 0), dst.where(merge, 0)
+    """[B, H_kv, E, g]: the stored EMA row of each merge target (``groups``, the merge's group
+    space), the per-vote group mean Σ p ŝ^h / Σ p of its EMA log-scores, on the stored scale.
+
+    ema_log_n, bias [B, H_kv, S] and heads [B, H_kv, g, S] (EMA log-scores ln ŝ^h) from before the merge.
+    """
     group = heads.shape[2]
     log_w = bias[:, :, None] + heads  # ln(p ŝ^h)
-    head_src = src_idx[:, :, None].expand(-1, -1, group, -1)
-    head_dst = dst_idx[:, :, None].expand(-1, -1, group, -1)
-    incoming_w = log_w.gather(-1, head_src).masked_fill(~merge[:, :, None], NEG_INF)
-    incoming_p = bias.gather(-1, src_idx).masked_fill(~merge, NEG_INF)
-    votes = _slot_logsumexp(bias, incoming_p, dst_idx)
-    mean_score = _slot_logsumexp(log_w, incoming_w, head_dst) - votes[:, :, None]
-    is_target = torch.zeros_like(bias, dtype=torch.int32).scatter_add(-1, dst_idx, merge.int()) > 0
-    log_s = (mean_score - log_scale + ema_log_n[:, :, None]).permute(0, 1, 3, 2)
-    return torch.where(is_target[..., None], log_s, ema_log_s)
+    own_w = log_w.gather(-1, groups.slot[:, :, None].expand(-1, -1, group, -1))  # [B, H_kv, g, E]
+    incoming_w = log_w.gather(-1, groups.src[:, :, None].expand(-1, -1, group, -1))
+    votes = _group_logsumexp(*_own_and_incoming(bias, groups), groups.entry_group)  # ln Σ p
+    head_groups = groups.entry_group[:, :, None].expand(-1, -1, group, -1)
+    mean_score = _group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
+    log_n = ema_log_n.gather(-1, groups.slot)[:, :, None]
+    return (mean_score - log_scale + log_n).transpose(-1, -2)
 
 
 @register
@@ -395,23 +379,32 @@ class KeepKV(ZipChoice, ScoredEviction):
 
     # -- compression -------------------------------------------------------------------------
     def merge_entries(
-        self, layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, exact: bool, ema=None
+        self, layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, exact: bool, ema=None,
+        pooled: torch.Tensor | None = None,
     ) -> None:
         """ZIP-merge the plan (src -> dst where ``merge``) into the layer's store, in place.
 
         ``exact``: merge with the newest query's logits, else with the EMA scores; ``ema``: the
-        (per-head, pooled) EMA log-scores if already computed.
+        (per-head, pooled) EMA log-scores if already computed; ``pooled``: the merge's scores
+        pooled over the query group (:meth:`_merge_scores`), if already computed.
         """
-        heads_ema = (ema if ema is not None else self._ema(layer))[0]
+        ema = ema if ema is not None else self._ema(layer)
+        heads_ema = ema[0]
         heads = layer.state["exact_logits"] if exact else heads_ema
-        # The targets' EMA from the votes before the merge.
-        layer.overwrite(
-            ema_log_s=merged_ema(
-                layer.extras["ema_log_s"], layer.extras["ema_log_n"], layer.bias, heads_ema, src, dst, merge,
-                self._log_scale(layer),
-            )
-        )
-        zip_into(layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key)
+        if pooled is None:
+            pooled = self._merge_scores(layer, exact, ema)[1]
+        rows = zip_rows(layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key, pooled)
+        # The targets' EMA, from the votes before the merge, written with the merged entries.
+        ema_rows = merged_ema_rows(layer.extras["ema_log_n"], layer.bias, heads_ema, rows.groups, self._log_scale(layer))
+        layer.merge_into(MergedRows(rows.groups, {**rows.rows, "ema_log_s": ema_rows}))
+
+    def _merge_scores(self, layer, exact: bool, ema) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-head [B, H_kv, g, S], pooled [B, H_kv, S]) log-scores a merge weighs with: the
+        newest query's logits if ``exact``, else the EMA's (``ema``, as :meth:`_ema` returns it)."""
+        if not exact:
+            return ema
+        logits = layer.state["exact_logits"]
+        return logits, pool_log_scores(logits, layer.bias)
 
     def _ema(self, layer, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-head [B, H_kv, g, S], pooled [B, H_kv, S]) EMA log-scores, see :func:`ema_log_scores`."""
@@ -468,21 +461,18 @@ class KeepKV(ZipChoice, ScoredEviction):
         plan = plan_eviction(layer, self.priority(layer, None if ema is None else ema[1]))
         if plan.evict_idx.shape[-1] > 0:
             if self.merge == "zip":
-                if ema is None and not exact and (self.max_value_change is not None or self.max_share < 1.0):
-                    ema = self._ema(layer, live)  # the gate weighs with the scores the merge uses
-                scores = (lambda: layer.state["exact_logits"]) if exact else (lambda: ema[0])
-                dst, merge = self.zip.targets(layer, plan, scores)
+                ema = self._ema(layer, live) if ema is None else ema  # the merge's votes and EMA need it
+                pooled = self._merge_scores(layer, exact, ema)[1]  # the gate weighs as the merge does
+                dst, merge = self.zip.targets(layer, plan, lambda: pooled)
             else:
                 dst, merge = plan.evict_idx, torch.zeros_like(plan.evict_valid)
             dropped = plan.evict_valid & ~merge
             lost = layer.bias.gather(-1, plan.evict_idx).exp().masked_fill(~dropped, 0.0).sum(-1)
             layer.state["lost_votes"] += lost
-            # Eager on CPU, skip the merge when nothing merges (reading the flag stalls nothing); on
-            # an accelerator or compiled, always run it, with no host sync: an empty merge changes
-            # nothing, bit for bit.
-            skip_if_empty = layer.device.type == "cpu" and not torch.compiler.is_compiling()
-            if self.merge == "zip" and (not skip_if_empty or bool(merge.any())):
-                self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema)
+            # Always run the merge, on every device: reading "does anything merge?" would be a host
+            # sync, and an empty merge changes nothing, bit for bit.
+            if self.merge == "zip":
+                self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema, pooled)
         if self.kernel > 1:  # the pooled ranking needs slots in position order
             layer.select(plan.keep_idx, plan.keep_valid)
         else:

@@ -634,14 +634,8 @@ class KVReviver(Method):
         vague_sorted, vague_idx = vague_score.topk(width, largest=True)
         swap = swap_counts(cand_sorted, vague_sorted, self.replace_rate)
         cand_score = score.gather(-1, cand_idx)  # an unswapped slot keeps its own score, not the +inf it ranked by
-        if layer.device.type == "cpu":
-            # On CPU, trim to the swaps that happen (reading the count costs no device stall); on an
-            # accelerator the whole exchange runs, with no host sync.
-            most = int(swap.sum(-1).max())
-            if most == 0:
-                return
-            cand_idx, vague_idx, swap = cand_idx[..., :most], vague_idx[..., :most], swap[..., :most]
-            cand_score, vague_sorted = cand_score[..., :most], vague_sorted[..., :most]
+        # The whole exchange runs on every device, with no host sync: an unswapped pair writes its
+        # own entries back and leaves the sketch as it was.
         in_score = vague_sorted
         out_pos = layer.positions.gather(-1, cand_idx)
         out_keys, out_values = self._gather_kv(layer, cand_idx)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Needs, scaled_logits
-from ..merging import KEY_RULES, cosine_nearest, gate_merges, zip_merge_rows
+from ..merging import KEY_RULES, MergedRows, cosine_nearest, gate_merges, zip_merge_rows
 from ..store import NEG_INF
 from .base import EVICT, EvictionPlan, Merge, check_range
 
@@ -67,20 +67,23 @@ def nearest_kept(
     return dst, plan.evict_valid & (sim >= threshold)
 
 
-def zip_into(
+def zip_rows(
     layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, head_log_scores: torch.Tensor,
-    query: torch.Tensor, scaling: float, zip_key: str,
-) -> None:
-    """ZIP-merge ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]) in the layer's store (in place).
+    query: torch.Tensor, scaling: float, zip_key: str, pooled: torch.Tensor | None = None,
+) -> MergedRows:
+    """The merged rows of ZIP-merging ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]) in
+    the layer's store (:func:`zip_into` writes them).
 
     head_log_scores [B, H_kv, g, S]: ln s^h per query head (-inf on empty slots), pooled over the
     group by :func:`pool_log_scores` for the merge weights; query [B, H_kv, g, D]: the queries the
-    key rule moves the key along (their mean, or each of them for ``zip_key="group"``).
+    key rule moves the key along (their mean, or each of them for ``zip_key="group"``); pooled
+    [B, H_kv, S]: ``pool_log_scores(head_log_scores, layer.bias)`` if the caller has it.
     """
     group = zip_key == "group"
-    pooled = pool_log_scores(head_log_scores, layer.bias)
+    if pooled is None:
+        pooled = pool_log_scores(head_log_scores, layer.bias)
     # Empty slots never take part in a merge; zero them so no 0·(-inf) can reach a scatter.
-    merged = zip_merge_rows(
+    return zip_merge_rows(
         layer.keys,
         layer.values,
         layer.bias,
@@ -93,7 +96,11 @@ def zip_into(
         scaling=scaling,
         group_log_scores=head_log_scores.where(torch.isfinite(head_log_scores), 0.0) if group else None,
     )
-    layer.merge_into(merged)
+
+
+def zip_into(layer, src, dst, merge, head_log_scores, query, scaling, zip_key, pooled=None) -> None:
+    """ZIP-merge ``src`` into ``dst`` where ``merge`` in the layer's store, in place (:func:`zip_rows`)."""
+    layer.merge_into(zip_rows(layer, src, dst, merge, head_log_scores, query, scaling, zip_key, pooled))
 
 
 @dataclass(frozen=True)
@@ -121,22 +128,21 @@ class ZipMerge(Merge):
         if self.max_value_change is not None:
             check_range("max_value_change", self.max_value_change, 0.0, math.inf)
 
-    def targets(self, layer, plan: EvictionPlan, head_log_scores) -> tuple[torch.Tensor, torch.Tensor]:
+    def targets(self, layer, plan: EvictionPlan, pooled_log_scores) -> tuple[torch.Tensor, torch.Tensor]:
         """(dst, merge) [B, H_kv, E]: each evicted entry's most similar kept entry that may take
         merges (``protect``: the share of the kept scored entries, the selection's highest-ranked
         first, that take none), if at least ``threshold`` similar, and only where the targets pass
         the value gate (a target's value moves by at most ``max_value_change`` relative) and the
         weight cap (merges bring at most ``max_share`` of its weight).
 
-        head_log_scores: a function returning the per-query-head log-scores [B, H_kv, g, S] the
-        merge weights come from (called only if a gate is on).
+        pooled_log_scores: a function returning the log-scores [B, H_kv, S] the merge weights come
+        from, pooled over the query group (:func:`pool_log_scores`; called only if a gate is on).
         """
         candidates = plan.kept & ~plan.top_kept(self.protect) if self.protect > 0 else None
         dst, merge = nearest_kept(layer, plan, self.threshold, candidates)
         if self.max_value_change is not None or self.max_share < 1.0:
-            pooled = pool_log_scores(head_log_scores(), layer.bias)
             merge = gate_merges(
-                layer.values, layer.bias, pooled, plan.evict_idx, dst, merge,
+                layer.values, layer.bias, pooled_log_scores(), plan.evict_idx, dst, merge,
                 math.inf if self.max_value_change is None else self.max_value_change, self.max_share,
             )
         return dst, merge
@@ -153,8 +159,9 @@ class ZipMerge(Merge):
             else:
                 logits = stats.logits[:, :, :, -1]
             logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
-            dst, merge = self.targets(layer, plan, lambda: logits)
-            zip_into(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key)
+            pooled = pool_log_scores(logits, layer.bias)
+            dst, merge = self.targets(layer, plan, lambda: pooled)
+            zip_into(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key, pooled)
         layer.keep(plan.kept, plan.slots)
 
 
