@@ -294,8 +294,9 @@ class CountSketch:
         return self._hashes(token_ids)[1]
 
     # ---------------------------------------------------------------- index helpers
-    def _flat_index(self, token_ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
-        """Linear slot index [B, H, N, r] into keys.view(-1, D), and signs [B, H, N, r]."""
+    def _flat_index(self, token_ids: Tensor, n: int, limit: int | None = None) -> tuple[Tensor, Tensor]:
+        """Linear slot index [B, H, N, r] into keys.view(-1, D), and signs [B, H, N, r]
+        (``limit``: see :meth:`_raw_hashes`)."""
         B, H, r, b = self.batch, self.kv_heads, self.rows, self.buckets
         if token_ids.dim() != 3:
             raise ValueError(
@@ -308,7 +309,7 @@ class CountSketch:
                 f"token_ids shape {tuple(token_ids.shape)} does not broadcast to {(B, H, n)}"
             )
         # Hash before broadcasting: ids shared by all rows/heads are hashed once.
-        bucket, sign = self._hashes(token_ids)
+        bucket, sign = self._hashes(token_ids, limit)
         base = torch.arange(B * H * r, device=self.keys.device, dtype=torch.int64)
         base = base.view(B, H, 1, r) * b
         return base + bucket, sign.expand(B, H, n, r)
@@ -328,12 +329,12 @@ class CountSketch:
             )
         return keys.shape[2]
 
-    def _accumulate(self, token_ids, keys, values, mask, sign_of_update: float) -> None:
+    def _accumulate(self, token_ids, keys, values, mask, sign_of_update: float, limit=None) -> None:
         n = self._check_kv(token_ids, keys, values)
         if n == 0:
             return
         B, H, r, D = self.batch, self.kv_heads, self.rows, self.head_dim
-        idx, g = self._flat_index(token_ids, n)
+        idx, g = self._flat_index(token_ids, n, limit)
         dt, dev = self.keys.dtype, self.keys.device
         k = keys.to(device=dev, dtype=dt)
         v = values.to(device=dev, dtype=dt)
@@ -354,20 +355,23 @@ class CountSketch:
 
     # ------------------------------------------------------------------- operations
     def insert(
-        self, token_ids: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None
+        self, token_ids: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None,
+        limit: int | None = None,
     ) -> None:
         """Add tokens: keys[j, h_j(t)] += k (× g_j(t) if sign_keys), values[j, h_j(t)] += v·g_j(t).
 
         token_ids [B, H_kv, N]; keys/values [B, H_kv, N, D]; mask [B, H_kv, N] bool
-        (None = all): only True entries go in. In place.
+        (None = all): only True entries go in. In place. ``limit``: the ids lie in [0, limit)
+        (or are masked out), so their hashes come from a table (:meth:`_raw_hashes`; the same bits).
         """
-        self._accumulate(token_ids, keys, values, mask, +1.0)
+        self._accumulate(token_ids, keys, values, mask, +1.0, limit)
 
     def delete(
-        self, token_ids: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None
+        self, token_ids: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None,
+        limit: int | None = None,
     ) -> None:
         """Subtract a contribution: the exact inverse of :meth:`insert` (same arguments)."""
-        self._accumulate(token_ids, keys, values, mask, -1.0)
+        self._accumulate(token_ids, keys, values, mask, -1.0, limit)
 
     def row_estimates(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:
         """Per-row estimates before the median: keys, values [B, H_kv, N, r, D].

@@ -372,3 +372,23 @@ def test_cuda_matches_cpu(dtype):
     qk_g, qv_g = gpu.query(ids.cuda())
     torch.testing.assert_close(qk_g.cpu(), qk_c, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(qv_g.cpu(), qv_c, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sign_keys", [False, True])
+def test_a_position_bound_reads_the_same_hashes_from_the_table(sign_keys):
+    """insert/delete with ``limit`` (positions below it, or masked out) take their hashes from the
+    position table: the sketch ends bit-identical to the one hashed position by position."""
+    gen = torch.Generator().manual_seed(7)
+    B, H, N, D, limit = 2, 3, 40, 8, 3000
+    hashed = CountSketch.empty(B, H, 3, 16, D, seed=11, sign_keys=sign_keys)
+    tabled = _copy(hashed)
+    for step in range(3):
+        pos = _positions(B, H, N, gen=gen, span=limit)
+        pos[0, 0, :5] = -1  # empty slots, masked
+        keys, values = torch.randn(2, B, H, N, D, generator=gen)
+        mask = (torch.rand(B, H, N, generator=gen) < 0.8) & (pos >= 0)
+        update = "delete" if step == 2 else "insert"
+        getattr(hashed, update)(pos, keys, values, mask=mask)
+        getattr(tabled, update)(pos, keys, values, mask=mask, limit=limit)
+        assert torch.equal(hashed.keys, tabled.keys) and torch.equal(hashed.values, tabled.values)
+    assert hashed.keys.abs().sum() > 0

@@ -493,20 +493,21 @@ class KVReviver(Method):
         minus = torch.cat([-keys if sketch.sign_keys else keys, -values], dim=-1)
         return torch.stack([plus, minus], dim=3).view(-1, plus.shape[-1])
 
-    def query(self, state, token_ids):
-        """Estimates [B, H_kv, n, D] of keys and values of ``token_ids`` from the layer's sketch."""
+    def query(self, state, token_ids, limit=None):
+        """Estimates [B, H_kv, n, D] of keys and values of ``token_ids`` (in [0, ``limit``) or
+        masked by the caller, if given) from the layer's sketch."""
         table = self._slot_estimates(state)
-        estimates = table.index_select(0, self._slots(state["sketch"], token_ids, signed=True).reshape(-1))
+        estimates = table.index_select(0, self._slots(state["sketch"], token_ids, limit, signed=True).reshape(-1))
         median = median_rows(estimates.view(*token_ids.shape, state["sketch"].rows, -1))
         key_dim = state["sketch"].head_dim
         return median[..., :key_dim], median[..., key_dim:]  # fp32: the caller casts to the cache dtype
 
-    def _count(self, state, token_ids, mask, delta: float) -> None:
+    def _count(self, state, token_ids, mask, delta: float, limit=None) -> None:
         """Add ``delta`` to the occupancy of the slots of the masked ``token_ids`` ("mean")."""
         if self.estimate != "mean":
             return
         sketch = state["sketch"]
-        flat = self._slots(sketch, token_ids)
+        flat = self._slots(sketch, token_ids, limit)
         weight = mask.to(torch.float32)[..., None].expand(flat.shape) * delta
         state["slot_counts"].view(-1).index_put_((flat.reshape(-1),), weight.reshape(-1), accumulate=True)
 
@@ -603,8 +604,8 @@ class KVReviver(Method):
         state = layer.state
         positions = layer.positions.gather(-1, index)
         keys, values = self._gather_kv(layer, index)
-        state["sketch"].insert(positions, keys, values, mask=valid)
-        self._count(state, positions, valid, 1.0)
+        state["sketch"].insert(positions, keys, values, mask=valid, limit=layer.seen)
+        self._count(state, positions, valid, 1.0, layer.seen)
         new_scores = layer.extras["score"].gather(-1, index)
 
         old_pos, old_score = state["vague_pos"], state["vague_score"]
@@ -642,11 +643,12 @@ class KVReviver(Method):
         in_pos = vague_pos.gather(-1, vague_idx)
 
         sketch = state["sketch"]
-        in_keys, in_values = self.query(state, in_pos)  # Algorithm 3: query, then delete the estimate
-        sketch.delete(in_pos, in_keys, in_values, mask=swap)
-        self._count(state, in_pos, swap, -1.0)
-        sketch.insert(out_pos, out_keys, out_values, mask=swap)
-        self._count(state, out_pos, swap, 1.0)
+        # Positions lie below layer.seen: their hashes come from a table (one gather, the same bits).
+        in_keys, in_values = self.query(state, in_pos, layer.seen)  # Algorithm 3: query, then delete the estimate
+        sketch.delete(in_pos, in_keys, in_values, mask=swap, limit=layer.seen)
+        self._count(state, in_pos, swap, -1.0, layer.seen)
+        sketch.insert(out_pos, out_keys, out_values, mask=swap, limit=layer.seen)
+        self._count(state, out_pos, swap, 1.0, layer.seen)
 
         flag = swap[..., None]
         layer.write(
