@@ -128,18 +128,17 @@ def _write_groups(x: torch.Tensor, groups: _Groups, merged: torch.Tensor, in_pla
     target stays bit-identical.
     """
     merged = merged.to(x.dtype)
-    row_merges = groups.valid[..., :1]  # group 0 is valid iff the (row, head) merges anything
-    slot = groups.slot.where(groups.valid, groups.slot[..., :1])  # [B, H_kv, E]
-    if x.dim() == slot.dim():
-        first = merged[..., :1].where(row_merges, x[..., :1])
-        rows = merged.where(groups.valid, first)
+    trailing = (1,) * (x.dim() - 3)  # the feature axis D, if any
+    valid = groups.valid.view(*groups.valid.shape, *trailing)
+    # group 0 is valid iff the (row, head) merges anything; else slot 0 gets its own value back
+    first = merged.narrow(2, 0, 1).where(valid.narrow(2, 0, 1), x.narrow(2, 0, 1))
+    if groups.valid.shape[-1] == 1:  # one group: its row is ``first``
+        rows, slot = first, groups.slot
     else:
-        first = merged[..., :1, :].where(row_merges.unsqueeze(-1), x[..., :1, :])
-        rows = merged.where(groups.valid.unsqueeze(-1), first)
-    batch, heads = x.shape[:2]
-    batch_idx = torch.arange(batch, device=x.device).view(batch, 1, 1)
-    head_idx = torch.arange(heads, device=x.device).view(1, heads, 1)
-    return (x if in_place else x.clone()).index_put_((batch_idx, head_idx, slot), rows)
+        rows = merged.where(valid, first)
+        slot = groups.slot.where(groups.valid, groups.slot[..., :1])  # [B, H_kv, E]
+    index = slot.view(*slot.shape, *trailing).expand(rows.shape)
+    return (x if in_place else x.clone()).scatter_(2, index, rows)
 
 
 class MergedRows(NamedTuple):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
-from ..merging import MergedRows, _Groups, _group_logsumexp, _own_and_incoming, cosine_nearest
+from ..merging import MergedRows, _Groups, _group_logsumexp, cosine_nearest
 from ..offload import FullKVCopy, offload_report
 from ..store import NEG_INF, slots_of
 from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register
@@ -35,18 +35,19 @@ def ema_log_scores(
 
 
 def merged_ema_rows(
-    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: _Groups, log_scale: torch.Tensor | float,
+    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: _Groups, votes: torch.Tensor,
+    log_scale: torch.Tensor | float,
 ) -> torch.Tensor:
     """[B, H_kv, E, g]: the stored EMA row of each merge target (``groups``, the merge's group
     space), the per-vote group mean Σ p ŝ^h / Σ p of its EMA log-scores, on the stored scale.
 
-    ema_log_n, bias [B, H_kv, S] and heads [B, H_kv, g, S] (EMA log-scores ln ŝ^h) from before the merge.
+    ema_log_n, bias [B, H_kv, S] and heads [B, H_kv, g, S] (EMA log-scores ln ŝ^h) from before the
+    merge; votes [B, H_kv, E]: each group's merged ln Σ p (the merged bias rows).
     """
     group = heads.shape[2]
     log_w = bias[:, :, None] + heads  # ln(p ŝ^h)
     own_w = log_w.gather(-1, groups.slot[:, :, None].expand(-1, -1, group, -1))  # [B, H_kv, g, E]
     incoming_w = log_w.gather(-1, groups.src[:, :, None].expand(-1, -1, group, -1))
-    votes = _group_logsumexp(*_own_and_incoming(bias, groups), groups.entry_group)  # ln Σ p
     head_groups = groups.entry_group[:, :, None].expand(-1, -1, group, -1)
     mean_score = _group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
     log_n = ema_log_n.gather(-1, groups.slot)[:, :, None]
@@ -395,7 +396,9 @@ class KeepKV(ZipChoice, ScoredEviction):
             pooled = self._merge_scores(layer, exact, ema)[1]
         rows = zip_rows(layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key, pooled)
         # The targets' EMA, from the votes before the merge, written with the merged entries.
-        ema_rows = merged_ema_rows(layer.extras["ema_log_n"], layer.bias, heads_ema, rows.groups, self._log_scale(layer))
+        ema_rows = merged_ema_rows(
+            layer.extras["ema_log_n"], layer.bias, heads_ema, rows.groups, rows.rows["bias"], self._log_scale(layer)
+        )
         layer.merge_into(MergedRows(rows.groups, {**rows.rows, "ema_log_s": ema_rows}))
 
     def _merge_scores(self, layer, exact: bool, ema) -> tuple[torch.Tensor, torch.Tensor]:
