@@ -394,12 +394,12 @@ class KeepKV(ZipChoice, ScoredEviction):
         heads = layer.state["exact_logits"] if exact else heads_ema
         if pooled is None:
             pooled = self._merge_scores(layer, exact, ema)[1]
-        rows = zip_rows(layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key, pooled)
+        merged = zip_rows(layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key, pooled)
         # The targets' EMA, from the votes before the merge, written with the merged entries.
         ema_rows = merged_ema_rows(
-            layer.extras["ema_log_n"], layer.bias, heads_ema, rows.groups, rows.rows["bias"], self._log_scale(layer)
+            layer.extras["ema_log_n"], layer.bias, heads_ema, merged.groups, merged.rows["bias"], self._log_scale(layer)
         )
-        layer.merge_into(MergedRows(rows.groups, {**rows.rows, "ema_log_s": ema_rows}))
+        layer.merge_into(MergedRows(merged.groups, {**merged.rows, "ema_log_s": ema_rows}))
 
     def _merge_scores(self, layer, exact: bool, ema) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-head [B, H_kv, g, S], pooled [B, H_kv, S]) log-scores a merge weighs with: the
