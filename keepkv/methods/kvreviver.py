@@ -660,7 +660,8 @@ class KVReviver(Method):
         )
         state["vague_pos"] = vague_pos.scatter(-1, vague_idx, torch.where(swap, out_pos.to(torch.int32), in_pos))
         state["vague_score"] = vague_score.scatter(-1, vague_idx, torch.where(swap, cand_score, in_score))
-        state["swaps"] = state.get("swaps", 0) + swap.sum()  # a tensor: no host sync per step
+        # [B] swaps per batch row (a tensor: no host sync per step; per row: it follows reordered rows)
+        state["swaps"] = state.get("swaps", 0) + swap.sum(dim=(1, 2))
 
     # -- reporting -----------------------------------------------------------------------------
     def memory_report(self, cache) -> dict:
@@ -688,5 +689,5 @@ class KVReviver(Method):
             "largest_layer_rebuilt_bytes": max(layer.state.get("peak_rebuilt_bytes", 0) for layer in cache.layers),
             "rebuilt_bytes_alive": tracker.live,
             "full_cache_bytes": int(first.real_seen.sum()) * per_token * cache.num_layers,
-            "swaps": int(sum(layer.state.get("swaps", 0) for layer in cache.layers)),
+            "swaps": int(sum(layer.state["swaps"].sum() for layer in cache.layers if "swaps" in layer.state)),
         }
