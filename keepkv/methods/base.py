@@ -278,12 +278,21 @@ class EvictionPlan:
 
     def top_kept(self, share: float) -> torch.Tensor:
         """[B, H_kv, S] bool: the ceil(share · n) highest-ranked of the n kept entries that the
-        selection ranked by score (its own protected entries, priority +inf, are not counted)."""
+        selection ranked by score (its own protected entries, priority +inf, are not counted);
+        equal priorities rank in slot order, as a stable sort would.
+
+        Not a sort of S: a top-k of the n - ceil(share · n) lowest-ranked, the few that are left
+        out, over keys that order the entries exactly as that stable sort (:func:`rank_keys`).
+        """
         scored = self.kept & torch.isfinite(self.priority)
-        order = self.priority.masked_fill(~scored, NEG_INF).argsort(dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-        count = (scored.sum(-1, keepdim=True) * share).ceil()
-        return scored & (rank < count)
+        size = scored.shape[-1]
+        count = (scored.sum(-1, keepdim=True) * share).ceil().long()
+        left_out = scored.sum(-1, keepdim=True) - count  # [B, H_kv, 1]
+        most_left_out = min(size, size - math.floor(share * size))  # a bound on every row's, known on the host
+        keys = rank_keys(self.priority).masked_fill(~scored, torch.iinfo(torch.int64).max)
+        lowest = keys.topk(most_left_out, dim=-1, largest=False).indices
+        is_left_out = torch.arange(most_left_out, device=keys.device) < left_out
+        return scored & ~torch.zeros_like(scored).scatter_(-1, lowest, is_left_out)
 
     @functools.cached_property
     def _keep_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,6 +310,20 @@ class EvictionPlan:
         """``keep_idx`` where :func:`keepkv.merging.cosine_nearest` would search only the kept slots of
         a layer of ``size`` slots (a prefill compression), else None: a decode step skips the sort."""
         return self.keep_idx if compacts(self.slots, size) else None
+
+
+def rank_keys(priority: torch.Tensor) -> torch.Tensor:
+    """[..., S] int64 keys, distinct along the last axis, whose ascending order is the reverse of
+    a stable descending sort of the float32 ``priority`` [..., S] (finite where it matters):
+    lower priority first, and among equal priorities the later slot first.
+
+    The float's bits, flipped for negative values, order as the float does (-0.0 is first made
+    +0.0, which it equals); the slot breaks ties in the low 32 bits.
+    """
+    bits = (priority.float() + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    size = priority.shape[-1]
+    return ordered * 2**32 + torch.arange(size - 1, -1, -1, device=priority.device)
 
 
 def plan_eviction(
