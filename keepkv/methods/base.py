@@ -345,8 +345,11 @@ def plan_eviction(
     drops = torch.arange(most_dropped, device=live.device) < (size - budget)[..., None]
     kept = live & ~torch.zeros_like(live).scatter_(-1, lowest, drops)  # top-k indices are distinct
     evicted = drops & live.gather(-1, lowest)
-    order = (lowest + (~evicted).long() * size).argsort(dim=-1)  # position order, evicted first
-    evict_idx, evict_valid = lowest.gather(-1, order), evicted.gather(-1, order)
+    if most_dropped == 1:  # one entry per row and head (a decode step's plan): already in order
+        evict_idx, evict_valid = lowest, evicted
+    else:
+        order = (lowest + (~evicted).long() * size).argsort(dim=-1)  # position order, evicted first
+        evict_idx, evict_valid = lowest.gather(-1, order), evicted.gather(-1, order)
     return EvictionPlan(kept, min(size, capacity), evict_idx, evict_valid, priority)
 
 
