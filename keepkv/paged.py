@@ -22,6 +22,7 @@ so neither side ever reads a size back from the other.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -56,6 +57,28 @@ def servable_method(spec: str) -> ScoredEviction:
         raise ValueError(f"keepkv.vllm does not serve refresh_interval (it keeps a full copy of the cache); got {spec!r}")
     assert isinstance(method, ScoredEviction)
     return method
+
+
+# Intra-op threads of one paged step. The step is hundreds of small tensor ops (a method's
+# scoring, selection and merges over [R, H_kv, S] with S near the budget); each one that forks
+# a parallel region waits for every one of the engine's threads, which vLLM pins to cores, so
+# on a busy host an op of microseconds waits for a scheduler tick (docs/serving.md has the
+# figures). One thread runs them back to back; the model's own matmuls keep the engine's threads.
+STEP_THREADS = 1
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    """Run the block with ``count`` intra-op threads (``torch._C``'s setter: vLLM's CPU worker
+    replaces ``torch.set_num_threads`` with a no-op after pinning its threads)."""
+    before = torch.get_num_threads()
+    if count and count != before:
+        torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if count and count != before:
+            torch._C.set_num_threads(before)
 
 
 @dataclass
@@ -203,6 +226,10 @@ class PagedCompression:
         step's new tokens, request after request). Writes the kept entries back into kv_cache and
         returns the attention output [T, H, D].
         """
+        with _threads(STEP_THREADS):
+            return self._forward(kv_cache, query, key, value, batch, scaling, layer)
+
+    def _forward(self, kv_cache, query, key, value, batch, scaling, layer):
         output = query.new_empty(query.shape)
         lengths = batch.query_lengths
         prefills = [r for r, done in enumerate(batch.computed) if done == 0]
