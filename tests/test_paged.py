@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from keepkv import CompressedCache
 from keepkv.budgets import budget_floor, row_budgets
-from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression
+from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression, _Group
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 CONFIG = LlamaConfig(
@@ -210,9 +210,8 @@ def test_rows_of_mixed_phase_are_refused_not_run_as_the_first_rows_phase():
                          dtype=torch.int32)
     batch = paged.batch([0, 1, 6], [8, 5], table)
     query, key, value = (torch.cat([new[r][i] for r in (0, 1)]) for i in range(3))
-    output = query.new_empty(query.shape)
     with pytest.raises(ValueError, match="mix phases"):
-        paged._forward_rows(engine.kv_cache, query, key, value, batch, [0, 1], batch.query_lengths, SCALING, output)
+        _Group.build(batch, [0, 1], paged.method.interval, query.device)
     decodes = PagedBatch([0, 1, 2], [7, 7], [6, 5], table)  # 1 and 2 decode steps into interval 3
     with pytest.raises(ValueError, match="mix phases"):
-        paged._forward_rows(engine.kv_cache, query[:2], key[:2], value[:2], decodes, [0, 1], [1, 1], SCALING, output)
+        _Group.build(decodes, [0, 1], paged.method.interval, query.device)
