@@ -5,8 +5,8 @@ listed in a block table, and frees whole blocks. Here a request keeps its entrie
 its leading slots, so its scheduler can free every block past ``capacity_bound``. One attention
 call over a batch of requests runs through the very code of :class:`~keepkv.cache.CompressedCache`:
 the requests' slots are gathered into a :class:`~keepkv.store.LayerStore` (one row per request),
-``CompressedCache.forward_layer`` appends, attends, scores and compresses, and what changed is
-written back. This module knows nothing of vLLM (``keepkv.vllm`` wires it in).
+``CompressedCache.forward_layer`` appends, attends, scores and compresses, and the kept entries
+are written back, compacted (the index tensors of a step are built at its first layer). This module knows nothing of vLLM (``keepkv.vllm`` wires it in).
 
 Paged layout, per layer::
 
@@ -366,6 +366,7 @@ class PagedCompression:
         ], dim=-1)  # [N, H_kv, C'] the slots' new contents
         flat = kv_cache.view(-1, slot_words)  # vLLM's per-layer cache is one contiguous tensor
         flat[slots.written, : content.shape[-1]] = content.flatten(0, 1)
+
 
 @dataclass
 class _Slots:
