@@ -5,8 +5,8 @@ listed in a block table, and frees whole blocks. Here a request keeps its entrie
 its leading slots, so its scheduler can free every block past ``capacity_bound``. One attention
 call over a batch of requests runs through the very code of :class:`~keepkv.cache.CompressedCache`:
 the requests' slots are gathered into a :class:`~keepkv.store.LayerStore` (one row per request),
-``CompressedCache.forward_layer`` appends, attends, scores and compresses, and what changed is
-written back. This module knows nothing of vLLM (``keepkv.vllm`` wires it in).
+``CompressedCache.forward_layer`` appends, attends, scores and compresses, and the kept entries
+are written back, compacted (the index tensors of a step are built at its first layer). This module knows nothing of vLLM (``keepkv.vllm`` wires it in).
 
 Paged layout, per layer::
 
@@ -22,10 +22,11 @@ so neither side ever reads a size back from the other.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +59,28 @@ def servable_method(spec: str) -> ScoredEviction:
     return method
 
 
+# Intra-op threads of one paged step. The step is hundreds of small tensor ops (a method's
+# scoring, selection and merges over [R, H_kv, S] with S near the budget); each one that forks
+# a parallel region waits for every one of the engine's threads, which vLLM pins to cores, so
+# on a busy host an op of microseconds waits for a scheduler tick (docs/serving.md has the
+# figures). One thread runs them back to back; the model's own matmuls keep the engine's threads.
+STEP_THREADS = 1
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    """Run the block with ``count`` intra-op threads (``torch._C``'s setter: vLLM's CPU worker
+    replaces ``torch.set_num_threads`` with a no-op after pinning its threads)."""
+    before = torch.get_num_threads()
+    if count and count != before:
+        torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if count and count != before:
+            torch._C.set_num_threads(before)
+
+
 @dataclass
 class PagedBatch:
     """One engine step's requests, host-side (built once per step, read by every layer).
@@ -72,6 +95,7 @@ class PagedBatch:
     prompt: list[int]
     block_table: torch.Tensor
     first_block: list[int] | None = None  # [R] each request's first block: its key while it lives
+    plans: dict = field(default_factory=dict, repr=False)  # index tensors built at the step's first layer
 
     def __post_init__(self):
         if self.first_block is None:
@@ -203,65 +227,50 @@ class PagedCompression:
         step's new tokens, request after request). Writes the kept entries back into kv_cache and
         returns the attention output [T, H, D].
         """
-        output = query.new_empty(query.shape)
-        lengths = batch.query_lengths
-        prefills = [r for r, done in enumerate(batch.computed) if done == 0]
-        decodes = [r for r, done in enumerate(batch.computed) if done > 0]
-        interval = self.method.interval
-        compressing = [r for r in decodes if (batch.computed[r] - batch.prompt[r]) % interval == interval - 1]
-        # Each prefill alone: prompts of unequal length in one call would be left-padded to the
-        # longest (wasted work), and their compression then runs on other shapes than a request's
-        # own cache (float noise; KeepKV's merge decisions follow it).
-        groups = [*([r] for r in prefills), compressing, [r for r in decodes if r not in compressing]]
-        for rows in groups:
-            if rows:
-                self._forward_rows(kv_cache, query, key, value, batch, rows, lengths, scaling, output, layer)
-        return output
+        with _threads(STEP_THREADS):
+            output = query.new_empty(query.shape)
+            for group in self._groups(batch, query.device):
+                self._forward_rows(kv_cache, query, key, value, batch, group, scaling, output, layer)
+            return output
 
-    def _forward_rows(self, kv_cache, query, key, value, batch, rows, lengths, scaling, output, layer: int = 0):
-        """Gather ``rows`` into one LayerStore, run CompressedCache.forward_layer, write back.
+    def _groups(self, batch: PagedBatch, device) -> list["_Group"]:
+        """The step's groups of rows run together, with their index tensors (built at the step's
+        first layer, read by every layer): each prefill alone, then the decodes that compress now,
+        then those that do not (interval > 1).
+
+        Each prefill alone: prompts of unequal length in one call would be left-padded to the
+        longest (wasted work), and their compression then runs on other shapes than a request's
+        own cache (float noise; KeepKV's merge decisions follow it)."""
+        if "groups" not in batch.plans:
+            interval = self.method.interval
+            decodes = [r for r, done in enumerate(batch.computed) if done > 0]
+            compressing = [r for r in decodes if (batch.computed[r] - batch.prompt[r]) % interval == interval - 1]
+            rows = [*([r] for r, done in enumerate(batch.computed) if done == 0), compressing,
+                    [r for r in decodes if r not in compressing]]
+            batch.plans["groups"] = [_Group.build(batch, group, interval, device) for group in rows if group]
+        return batch.plans["groups"]
+
+    def _forward_rows(self, kv_cache, query, key, value, batch, group: "_Group", scaling, output, layer: int = 0):
+        """Gather the group's rows into one LayerStore, run CompressedCache.forward_layer, write back.
 
         Each call runs as the cache's layer ``layer`` (its budget is that layer's; the other
         layers of the cache stay empty).
         """
-        interval = self.method.interval
-        phases = {
-            (True, False) if batch.computed[r] == 0 else (False, (batch.computed[r] - batch.prompt[r]) % interval == interval - 1)
-            for r in rows
-        }
-        if len(phases) > 1:  # one LayerStore has one prefill flag and one pending count for its rows
-            raise ValueError(f"paged: rows {rows} mix phases (prefill, compressing or plain decode): call them apart")
-        is_prefill, compressing = phases.pop()
-        block = max(lengths[r] for r in rows)
-        table = batch.block_table[rows].long().to(query.device)
-        # The new tokens, left-padded to one block: [R, q] flat token indices (padding: 0, masked).
-        device = query.device
-        starts = torch.tensor([batch.query_start[r] for r in rows], device=device)
-        counts = torch.tensor([lengths[r] for r in rows], device=device)
-        offsets = torch.arange(block, device=device) - (block - counts)[:, None]
-        real = offsets >= 0
-        tokens = (starts[:, None] + offsets).where(real, 0)
+        rows, tokens, real = group.rows, group.tokens, group.real
         new_query = query[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H, q, D]
         new_keys = key[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H_kv, q, D]
         new_values = value[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)
-        block_mask = torch.ones(block, block, dtype=torch.bool, device=device).tril() & real[:, None, :]
-        block_mask = block_mask[:, None]  # [R, 1, q, q]
 
         cache = CompressedCache(self.config, self.method, self.budget)
-        if is_prefill:
+        if group.is_prefill:
             cache.layers[layer].lazy_initialization(new_keys, new_values)
-            before = None
         else:
-            prompts = [batch.prompt[r] for r in rows]
-            sizes = [self.stored(batch.prompt[r], batch.computed[r], layer) for r in rows]
-            computed = [batch.computed[r] for r in rows]
-            cache.layers[layer], before = self._gather(kv_cache, table, sizes, computed, prompts, new_keys, layer)
-            cache.layers[layer].pending = interval - 1 if compressing else 0  # this step's append compresses, or not
+            cache.layers[layer] = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer)
+            cache.layers[layer].pending = self.method.interval - 1 if group.compressing else 0  # this step's append compresses, or not
             cache.layers[layer].state.update(self._join_states([(batch.first_block[r], layer) for r in rows]))
-        out = cache.forward_layer(layer, new_query, new_keys, new_values, block_mask, scaling)  # [R, q, H, D]
-        output[tokens[real]] = out[real].to(output.dtype)
-        after_sizes = [self.stored(batch.prompt[r], batch.computed[r] + lengths[r], layer) for r in rows]
-        self._write(kv_cache, table, cache.layers[layer], after_sizes, before)
+        out = cache.forward_layer(layer, new_query, new_keys, new_values, group.mask, scaling)  # [R, q, H, D]
+        output.index_copy_(0, group.token_index, out.flatten(0, 1).index_select(0, group.real_index).to(output.dtype))
+        self._write(kv_cache, batch, group, cache.layers[layer], group.sizes(self, batch, layer, after=True))
         self._keep_states(cache.layers[layer].state, [(batch.first_block[r], layer) for r in rows])
 
     # -- the method's per-layer state, per request ----------------------------------------------
@@ -308,31 +317,19 @@ class PagedCompression:
         meta = kv_cache[..., 2 * head_dim : 2 * head_dim + words].view(torch.float32)
         return kv_cache[..., :head_dim], kv_cache[..., head_dim : 2 * head_dim], meta
 
-    @staticmethod
-    def _slots(table: torch.Tensor, sizes: list[int], block_size: int):
-        """(block [R, S], offset [S], valid [R, S]) of each request's first ``sizes`` slots."""
-        width = max(sizes)
-        slot = torch.arange(width, device=table.device)
-        valid = slot < torch.tensor(sizes, device=table.device)[:, None]
-        blocks = table[:, slot // block_size].where(valid, 0)
-        return blocks, slot % block_size, valid
-
-    def _gather(self, kv_cache, table, sizes, computed: list[int], prompts: list[int], like, layer: int = 0):
-        """A decode-ready LayerStore of each request's first ``sizes`` slots (slots past a request's
-        size are empty), its budgets fixed by its prompt; and the gathered positions [R, H_kv, S].
+    def _gather(self, kv_cache, batch: PagedBatch, group: "_Group", sizes: tuple, like, layer: int = 0) -> LayerStore:
+        """A decode-ready LayerStore of each row's first ``sizes`` slots (slots past a row's size
+        are empty), its budgets fixed by its prompt.
 
         One index_select reads whole slots; each tensor is then the prefix of a buffer with room for
         the step's append (``LayerStore._extend`` appends in place). ``like``: [R, H_kv, q, D] of
         the model's dtype.
         """
-        blocks_count, kv_heads, block_size, words = kv_cache.shape
-        head_dim = like.shape[-1]
-        blocks, offset, valid = self._slots(table, sizes, block_size)
-        heads = torch.arange(kv_heads, device=table.device)
-        rows = (blocks[:, None, :] * kv_heads + heads[None, :, None]) * block_size + offset
-        slots = kv_cache.reshape(-1, words).index_select(0, rows.view(-1)).view(*rows.shape, words)
-        keys, values, meta = self._split(slots, head_dim)
-        empty = ~valid[:, None, :]
+        kv_heads, block_size, words = kv_cache.shape[1:]
+        slots = group.slots(sizes, kv_heads, block_size)
+        gathered = kv_cache.reshape(-1, words).index_select(0, slots.flat.view(-1)).view(*slots.flat.shape, words)
+        keys, values, meta = self._split(gathered, like.shape[-1])
+        empty = slots.empty
         positions = meta[..., 0].long().masked_fill_(empty, -1)
         bias = meta[..., 1].masked_fill(empty, NEG_INF)
         extras, word = {}, 2
@@ -343,43 +340,136 @@ class PagedCompression:
             word += width
         tensors = {"keys": keys, "values": values, "bias": bias, "positions": positions, **extras}
         store = LayerStore.from_entries(
-            layer, tensors, self.extra_fill, seen=max(computed), real_seen=torch.tensor(computed, device=like.device),
+            layer, tensors, self.extra_fill, seen=group.seen, real_seen=group.computed,
             binary=self.binary, headroom=self.method.interval,
         )
-        kept = torch.tensor([self.kept(p, layer) for p in prompts], device=like.device)
-        mean = row_budgets(self.budget, torch.tensor(prompts), budget_floor(self.method)).to(like.device)
+        kept, mean = group.budgets(self, batch, layer)
         store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), mean)  # as CompressedCache._end_prefill
-        return store, (positions, bias)
+        return store
 
-    def _write(self, kv_cache, table, layer: LayerStore, sizes: list[int], before) -> None:
-        """Write each request's live entries, compacted, into its first ``sizes`` slots.
-
-        Metadata is rewritten for every slot (scores change at every step); keys and values only
-        where the slot now holds another token than it did, or took a merge (``before``: the
-        gathered (positions, bias); a decode step moves one entry, and a merge adds its source's
-        votes to its target's bias).
-        """
+    def _write(self, kv_cache, batch: PagedBatch, group: "_Group", layer: LayerStore, sizes: tuple) -> None:
+        """Write each row's live entries, compacted, into its first ``sizes`` slots: whole slots
+        (key, value, metadata), one index_put over slot indices built once per step, no host sync
+        (which slots a step's eviction or merge changed is data; writing every kept slot is not)."""
+        kv_heads, block_size, slot_words = kv_cache.shape[1:]
+        slots = group.slots(sizes, kv_heads, block_size)
         index, _ = slots_of(layer.live(), max(sizes))  # [R, H_kv, S] live slots first, in slot order
-        positions = layer.positions.gather(2, index)
-        bias = layer.bias.gather(2, index)
-        words = [positions.float()[..., None], bias[..., None]]
-        for name, shape in self.extras.items():
-            extra = layer.extras[name]
-            slot_index = index.view(*index.shape, *(1,) * len(shape)).expand(*index.shape, *shape)
-            words.append(extra.gather(2, slot_index).reshape(*index.shape, -1))
-        keys, values, meta = self._split(kv_cache, layer.keys.shape[-1])
-        blocks, offset, valid = self._slots(table, sizes, kv_cache.shape[2])
-        entry = (blocks[valid], slice(None), offset[None].expand_as(blocks)[valid])
-        meta[entry] = torch.cat(words, dim=-1).transpose(1, 2)[valid]
-        changed = valid[:, None, :].expand_as(positions)
-        if before is not None:
-            width = positions.shape[-1]
-            old_positions, old_bias = (
-                torch.nn.functional.pad(old, (0, max(0, width - old.shape[-1])), value=fill)[..., :width]
-                for old, fill in zip(before, (-1, NEG_INF))
+        # Each written slot's source entry: [N, H_kv] (row, head, slot) of the store.
+        row, head, source = slots.row[:, None], slots.heads[None, :], index[slots.row, :, slots.slot]
+        dtype = kv_cache.dtype
+        words = [layer.positions[row, head, source].float()[..., None], layer.bias[row, head, source][..., None]]
+        for name in self.extras:
+            words.append(layer.extras[name][row, head, source].reshape(*source.shape, -1))
+        content = torch.cat([
+            layer.keys[row, head, source].to(dtype), layer.values[row, head, source].to(dtype),
+            torch.cat(words, dim=-1).view(dtype),
+        ], dim=-1)  # [N, H_kv, C'] the slots' new contents
+        flat = kv_cache.view(-1, slot_words)  # vLLM's per-layer cache is one contiguous tensor
+        flat[slots.written, : content.shape[-1]] = content.flatten(0, 1)
+
+
+@dataclass
+class _Slots:
+    """Index tensors of a group's first ``sizes`` slots (built once per step and sizes).
+
+    flat [R, H_kv, S]: each slot's row in ``kv_cache.view(-1, C)`` (block 0 past a row's size);
+    empty [R, H_kv, S]: past the row's size; row, slot [N]: the (row, slot) pairs within sizes;
+    written [N·H_kv]: their flat rows, head after head (the order of ``[N, H_kv]``)."""
+
+    flat: torch.Tensor
+    empty: torch.Tensor
+    row: torch.Tensor
+    slot: torch.Tensor
+    written: torch.Tensor
+    heads: torch.Tensor  # [H_kv] 0..H_kv-1
+
+
+@dataclass
+class _Group:
+    """Rows of one step run together, and their index tensors (built once per step).
+
+    tokens, real [R, q]: the rows' new tokens left-padded to one block (flat token indices,
+    padding 0); mask [R, 1, q, q]; token_index, real_index [n]: where the real tokens are in the
+    step's flat token axis and in the group's [R·q]; computed [R]: tokens before this step."""
+
+    rows: list[int]
+    lengths: list[int]
+    is_prefill: bool
+    compressing: bool
+    table: torch.Tensor
+    tokens: torch.Tensor
+    real: torch.Tensor
+    mask: torch.Tensor
+    token_index: torch.Tensor
+    real_index: torch.Tensor
+    computed: torch.Tensor
+    seen: int
+    cache: dict
+
+    @classmethod
+    def build(cls, batch: PagedBatch, rows: list[int], interval: int, device) -> "_Group":
+        """The group of ``rows``; ValueError if they mix phases (a prefill, a decode that
+        compresses now, one that does not): one LayerStore has one prefill flag and one pending
+        count for its rows."""
+        lengths = batch.query_lengths
+        computed = [batch.computed[r] for r in rows]
+        phases = {(True, False) if done == 0 else (False, (done - batch.prompt[r]) % interval == interval - 1)
+                  for r, done in zip(rows, computed)}
+        if len(phases) > 1:
+            raise ValueError(f"paged: rows {rows} mix phases (prefill, compressing or plain decode): call them apart")
+        is_prefill, compressing = phases.pop()
+        counts = [lengths[r] for r in rows]
+        block = max(counts)
+        starts = torch.tensor([batch.query_start[r] for r in rows])
+        offsets = torch.arange(block) - (block - torch.tensor(counts))[:, None]
+        real = offsets >= 0
+        tokens = (starts[:, None] + offsets).where(real, 0)
+        mask = (torch.ones(block, block, dtype=torch.bool).tril() & real[:, None, :])[:, None]
+        return cls(
+            rows=list(rows), lengths=counts, is_prefill=is_prefill, compressing=compressing,
+            table=batch.block_table[rows].long().to(device),
+            tokens=tokens.to(device), real=real.to(device), mask=mask.to(device),
+            token_index=tokens[real].to(device), real_index=real.flatten().nonzero().flatten().to(device),
+            computed=torch.tensor(computed, device=device), seen=max(computed), cache={},
+        )
+
+    def slots(self, sizes: tuple, kv_heads: int, block_size: int) -> _Slots:
+        """The rows' first ``sizes`` slots (:class:`_Slots`), built at the first layer that asks."""
+        if sizes not in self.cache:
+            device = self.table.device
+            width, total = max(sizes), sum(sizes)
+            count = torch.tensor(sizes)
+            slot = torch.arange(width)
+            valid = slot < count[:, None]  # [R, S]
+            blocks = self.table.cpu()[:, slot // block_size].where(valid, 0)
+            heads = torch.arange(kv_heads)
+            flat = (blocks[:, None, :] * kv_heads + heads[None, :, None]) * block_size + (slot % block_size)
+            # The (row, slot) pairs within sizes, from the host's sizes (no device sync):
+            row = torch.repeat_interleave(torch.arange(len(sizes)), count, output_size=total)
+            slot_of_row = torch.arange(total) - (count.cumsum(0) - count)[row]
+            written = flat[row, :, slot_of_row].flatten()
+            self.cache[sizes] = _Slots(*(t.to(device) for t in (
+                flat, ~valid[:, None, :].expand(-1, kv_heads, -1), row, slot_of_row, written, heads)))
+        return self.cache[sizes]
+
+    def sizes(self, paged: PagedCompression, batch: PagedBatch, layer: int, after: bool) -> tuple:
+        """Entries each row of layer ``layer`` holds before the step's append, or after the step
+        (``PagedCompression.stored``); the same for every layer but PyramidKV's."""
+        key = ("sizes", layer, after)
+        if key not in self.cache:
+            self.cache[key] = tuple(
+                paged.stored(batch.prompt[r], batch.computed[r] + (length if after else 0), layer)
+                for r, length in zip(self.rows, self.lengths)
             )
-            changed = changed & ((positions != old_positions) | (bias != old_bias))
-        row, head, slot = changed.nonzero(as_tuple=True)
-        target, source = (blocks[row, slot], head, offset[slot]), (row, head, index[row, head, slot])
-        keys[target] = layer.keys[source].to(keys.dtype)
-        values[target] = layer.values[source].to(values.dtype)
+        return self.cache[key]
+
+    def budgets(self, paged: PagedCompression, batch: PagedBatch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R] entries layer ``layer`` keeps, [R] mean budgets), as CompressedCache._end_prefill sets them."""
+        key = ("budgets", layer)
+        if key not in self.cache:
+            prompts = [batch.prompt[r] for r in self.rows]
+            device = self.table.device
+            kept = torch.tensor([paged.kept(p, layer) for p in prompts], device=device)
+            mean = row_budgets(paged.budget, torch.tensor(prompts), budget_floor(paged.method)).to(device)
+            self.cache[key] = (kept, mean)
+        return self.cache[key]

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from keepkv import CompressedCache
 from keepkv.budgets import budget_floor, row_budgets
-from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression
+from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression, _Group
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 CONFIG = LlamaConfig(
@@ -210,9 +210,61 @@ def test_rows_of_mixed_phase_are_refused_not_run_as_the_first_rows_phase():
                          dtype=torch.int32)
     batch = paged.batch([0, 1, 6], [8, 5], table)
     query, key, value = (torch.cat([new[r][i] for r in (0, 1)]) for i in range(3))
-    output = query.new_empty(query.shape)
     with pytest.raises(ValueError, match="mix phases"):
-        paged._forward_rows(engine.kv_cache, query, key, value, batch, [0, 1], batch.query_lengths, SCALING, output)
+        _Group.build(batch, [0, 1], paged.method.interval, query.device)
     decodes = PagedBatch([0, 1, 2], [7, 7], [6, 5], table)  # 1 and 2 decode steps into interval 3
     with pytest.raises(ValueError, match="mix phases"):
-        paged._forward_rows(engine.kv_cache, query[:2], key[:2], value[:2], decodes, [0, 1], [1, 1], SCALING, output)
+        _Group.build(decodes, [0, 1], paged.method.interval, query.device)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "keepkv"])
+def test_a_step_builds_its_index_tensors_once_for_every_layer(method, monkeypatch):
+    """One engine step over every layer of the model: each group's index tensors are built at the
+    step's first layer (one _Group per group, one set of slots per distinct sizes: one for every
+    layer but PyramidKV's, whose layers keep different budgets), not once per layer."""
+    generator = torch.Generator().manual_seed(5)
+    paged = PagedCompression(CONFIG, method, 0.5)
+    caches = [Engine(paged) for _ in range(CONFIG.num_hidden_layers)]  # one KV cache per layer, same tables
+    prompts = {0: tokens(generator, 9), 1: tokens(generator, 6)}
+    for layer, engine in enumerate(caches):
+        engine.step(prompts, layer)
+    built, slots = [], []
+    original_build, original_slots = _Group.build.__func__, _Group.slots
+    monkeypatch.setattr(_Group, "build", classmethod(lambda cls, *a: built.append(a[1]) or original_build(cls, *a)))
+    monkeypatch.setattr(_Group, "slots", lambda self, sizes, *a: slots.append(sizes) or original_slots(self, sizes, *a))
+    engine = caches[0]
+    new = {0: tokens(generator, 1), 1: tokens(generator, 1)}
+    width = max(len(engine.tables[r]) for r in (0, 1))
+    table = torch.tensor([engine.tables[r] + [0] * (width - len(engine.tables[r])) for r in (0, 1)], dtype=torch.int32)
+    batch = paged.batch([0, 1, 2], [10, 7], table)
+    query, key, value = (torch.cat([new[r][i] for r in (0, 1)]) for i in range(3))
+    for layer, each in enumerate(caches):
+        each.paged.forward(each.kv_cache, query, key, value, batch, SCALING, layer)
+    assert built == [[0, 1]]  # one decode group, built once
+    sizes = {tuple(paged.stored(p, c + n, layer) for p, c in ((9, 9), (6, 6))) for layer in range(3) for n in (0, 1)}
+    assert set(slots) == sizes
+    assert len(slots) == 2 * CONFIG.num_hidden_layers  # read at every layer (gather and write), built once per sizes
+
+
+def test_the_step_runs_on_one_thread_and_gives_the_engine_its_threads_back(monkeypatch):
+    """The paged step's small ops run on STEP_THREADS intra-op threads; the caller's count is back
+    afterwards, also when the step raises."""
+    import keepkv.paged as paged_module
+
+    engine = Engine(PagedCompression(CONFIG, "snapkv", 0.5))  # its layout probe runs a cache of its own
+    seen = []
+    forward_layer = CompressedCache.forward_layer
+    monkeypatch.setattr(CompressedCache, "forward_layer", lambda *a: seen.append(torch.get_num_threads()) or forward_layer(*a))
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(2)  # torch.set_num_threads may be vLLM's no-op (its in-process worker replaces it)
+    try:
+        generator = torch.Generator().manual_seed(6)
+        engine.step({0: tokens(generator, 7)})
+        engine.step({0: tokens(generator, 1)})
+        assert seen == [paged_module.STEP_THREADS] * 2 and torch.get_num_threads() == 2
+        monkeypatch.setattr(CompressedCache, "forward_layer", lambda *a: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            engine.step({0: tokens(generator, 1)})
+        assert torch.get_num_threads() == 2
+    finally:
+        torch._C.set_num_threads(before)

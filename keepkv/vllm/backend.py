@@ -86,10 +86,11 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         common = common_attn_metadata
         rows = common.num_reqs
+        # Host copies vLLM keeps (exact without speculative decoding, which keepkv refuses):
+        # nothing waits on the device to build the step.
+        seq_lens = common.seq_lens_cpu_upper_bound if common.seq_lens_cpu_upper_bound is not None else common.seq_lens.cpu()
         batch = self.paged.batch(
-            common.query_start_loc_cpu[: rows + 1].tolist(),
-            common.seq_lens[:rows].cpu().tolist(),
-            common.block_table_tensor[:rows].cpu(),
+            common.query_start_loc_cpu[: rows + 1].tolist(), seq_lens[:rows].tolist(), common.block_table_tensor[:rows],
         )
         return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch)
 

@@ -1,10 +1,12 @@
 """Time keepkv.paged's decode step alone: 8 requests of 512 prompt tokens, SmolLM2-135M's
-attention shapes (9 heads, 3 KV heads, D = 64), budget 0.1, blocks of 128, two threads.
+attention shapes (9 heads, 3 KV heads, D = 64, 30 layers), budget 0.1, blocks of 128, two
+threads (the paged step itself runs on ``keepkv.paged.STEP_THREADS``).
 
     python docs/results/vllm_cpu/paged_step.py [method ...]    # default: snapkv window
 
-Prints the mean milliseconds of PagedCompression.forward per layer and decode step (over 30
-steps after 3 warm-up steps), three runs per method.
+Each engine step builds one batch and runs PagedCompression.forward for every layer (its own
+KV cache), as vLLM does. Prints the mean milliseconds per layer and decode step (over 30 steps
+after 3 warm-up steps), three runs per method.
 """
 
 import math
@@ -16,9 +18,9 @@ from transformers import LlamaConfig
 
 from keepkv.paged import PagedCompression
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, REQUESTS, PROMPT = 9, 3, 64, 128, 8, 512
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, REQUESTS, PROMPT, LAYERS = 9, 3, 64, 128, 8, 512, 30
 CONFIG = LlamaConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                     num_hidden_layers=30, intermediate_size=16, vocab_size=32)
+                     num_hidden_layers=LAYERS, intermediate_size=16, vocab_size=32)
 
 
 def run(method: str) -> float:
@@ -26,7 +28,7 @@ def run(method: str) -> float:
     paged = PagedCompression(CONFIG, method, 0.1)
     blocks = math.ceil(paged.capacity(PROMPT) / BLOCK)
     words = 2 * HEAD_DIM + paged.meta_words
-    kv_cache = torch.randn(1 + REQUESTS * blocks, KV_HEADS, BLOCK, words, generator=generator)
+    caches = [torch.randn(1 + REQUESTS * blocks, KV_HEADS, BLOCK, words, generator=generator) for _ in range(LAYERS)]
     table = torch.arange(1, 1 + REQUESTS * blocks, dtype=torch.int32).view(REQUESTS, blocks)
 
     def step(length: int, computed: int) -> None:
@@ -34,7 +36,8 @@ def run(method: str) -> float:
         query = torch.randn(tokens, HEADS, HEAD_DIM, generator=generator)
         key, value = (torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
         batch = paged.batch(list(range(0, tokens + 1, length)), [computed + length] * REQUESTS, table)
-        paged.forward(kv_cache, query, key, value, batch, HEAD_DIM**-0.5)
+        for layer, kv_cache in enumerate(caches):
+            paged.forward(kv_cache, query, key, value, batch, HEAD_DIM**-0.5, layer)
 
     step(PROMPT, 0)
     for t in range(3):
@@ -42,7 +45,7 @@ def run(method: str) -> float:
     start = time.perf_counter()
     for t in range(3, 33):
         step(1, PROMPT + t)
-    return (time.perf_counter() - start) / 30 * 1000
+    return (time.perf_counter() - start) / 30 / LAYERS * 1000
 
 
 if __name__ == "__main__":
