@@ -263,7 +263,6 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
     cache.method.prepare(model)  # as keepkv.generate and the bench do (KVReviver's Fisher scores)
 
     def forward(tokens):
-        nonlocal mask
         out = model(input_ids=tokens, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1:].argmax(-1)
 

@@ -167,8 +167,6 @@ def run_sizes(args) -> dict:
 
 def run(args) -> list[dict]:
     """``keepkv eval``: load the model, run, print the table (or JSON rows with --json)."""
-    from ..models import load_model
-
     data = _data_paths(args.data)
     # --data alone evaluates that data; --suite names the suites explicitly.
     suites = args.suite or (list(data) if data else list(_runner.DEFAULT_SUITES))

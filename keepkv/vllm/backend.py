@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import torch
 from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import CommonAttentionMetadata
