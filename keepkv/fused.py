@@ -8,13 +8,10 @@ the counts). :func:`method_step` (``observe`` then, when due, ``compress``) trac
 mutations, and the fused kernels plus the library calls inductor keeps (sort, top-k, cumsum,
 scatter-reduce) are what a step launches (``keepkv bench --ops --compile`` counts them).
 
-The traced code is the eager code, so the outputs are the eager path's. Two things differ:
-
-- no host sync: eager KeepKV on CPU skips an empty merge by reading a flag (free there); the
-  compiled step always runs it, which changes nothing, bit for bit, when nothing merges;
-- guards: dynamo specialises on the Python values the step reads (the layer's sizes, the store's
-  binary-bias flag), so a steady decode reuses one or two graphs; prefill never compiles
-  (prompt shapes change with every prompt).
+The traced code is the eager code (which makes no host sync in a decode step either), so the
+outputs are the eager path's. What the compiler adds are guards: dynamo specialises on the
+Python values the step reads (the layer's sizes, the store's binary-bias flag), so a steady
+decode reuses one or two graphs; prefill never compiles (prompt shapes change with every prompt).
 
 The step compiles whole (``fullgraph``) or not at all: if compiling fails (no C++ compiler, an
 unsupported operation, a method whose step needs a host sync), one warning names the error and
