@@ -282,6 +282,17 @@ class CompressedCache(Cache):
             layer.pending = 0
         return output
 
+    def finish_prefill(self, layer_idx: int) -> None:
+        """Compress layer ``layer_idx`` of a prompt fed in chunks whose length was not announced
+        (a serving engine's chunked prefill: ``keepkv.paged``), once it is known to be whole: what
+        the last chunk does under ``start_prefill``, over the statistics its chunks summed
+        (``layer.prefill_stats``). Not for methods that allocate from all layers at once."""
+        layer = self.layers[layer_idx]
+        if layer.prefill_stats is None or self.method.allocates_from_all_layers:
+            raise ValueError("finish_prefill: the layer has no summed prefill, or the method allocates from all layers")
+        self.method.observe(layer, layer.prefill_stats)
+        self._end_prefill([layer])
+
     def _end_prefill(self, layers: list[LayerStore]) -> None:
         """Compress ``layers`` as their prefill ends (each layer at once, so the uncompressed prompt
         is held for one layer at a time); the first call fixes every layer's budget."""

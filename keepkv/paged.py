@@ -86,8 +86,10 @@ class PagedBatch:
     """One engine step's requests, host-side (built once per step, read by every layer).
 
     query_start [R+1]: where each request's new tokens start in the flat token axis;
-    computed [R]: tokens each request had before this step; prompt [R]: its prompt length (the
-    tokens of its first step); block_table [R, max_blocks] int tensor.
+    computed [R]: tokens each request had before this step; prompt [R]: its prompt length (0
+    while it is read in chunks); block_table [R, max_blocks] int tensor; phases [R]: "prefill",
+    "chunk", "close" or "decode" (:meth:`PagedCompression.batch`; by default "prefill" where
+    nothing was computed, else "decode").
     """
 
     query_start: list[int]
@@ -95,11 +97,14 @@ class PagedBatch:
     prompt: list[int]
     block_table: torch.Tensor
     first_block: list[int] | None = None  # [R] each request's first block: its key while it lives
+    phases: list[str] | None = None
     plans: dict = field(default_factory=dict, repr=False)  # index tensors built at the step's first layer
 
     def __post_init__(self):
         if self.first_block is None:
             self.first_block = self.block_table[:, 0].tolist()
+        if self.phases is None:
+            self.phases = ["prefill" if done == 0 else "decode" for done in self.computed]
 
     @property
     def query_lengths(self) -> list[int]:
@@ -118,19 +123,28 @@ class PagedCompression:
     budget : float or int
         As :class:`~keepkv.cache.CompressedCache`'s: a fraction of each request's prompt, or an
         entry count.
+    chunked : bool
+        The engine may split a prompt over several steps (vLLM's chunked prefill). Every prompt
+        then goes through :meth:`batch`'s "chunk" rows: its entries are written whole, its
+        statistics summed chunk by chunk, and it is compressed at its first decode step, when
+        it is known to be whole (the engine says only whether a prompt is still being read, so
+        its last chunk is not known while it runs).
     """
 
-    def __init__(self, config, method: str, budget: int | float):
+    def __init__(self, config, method: str, budget: int | float, chunked: bool = False):
         validate_budget(budget)
         self.method = servable_method(method)
         self.config = config
         self.budget = budget
+        self.chunked = chunked
         self.spec = method
         self.binary = getattr(self.method, "merge", "none") == "none"  # evicting only: the bias is 0 or -inf
         self._layout = None  # (extras {name: trailing shape}, extra_fill), probed on first use
         # (first block, layer) -> the method's per-layer state of the request (KeepKV: its lost votes)
         self.states: dict[tuple[int, int], dict] = {}
-        self._prompts: dict[int, int] = {}  # first block id -> prompt length of the request in it
+        self._prompts: dict[int, int | None] = {}  # first block id -> prompt length (None: chunks still coming)
+        # (first block, layer) -> (method state, prefill statistics, extras so far) of a prompt read in chunks
+        self.chunks: dict[tuple[int, int], tuple[dict, object, tuple[str, ...]]] = {}
         self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
         self._lock = threading.Lock()
 
@@ -202,23 +216,55 @@ class PagedCompression:
         return max(capacity_bound(self.method, prompt_length, self.budget, self.config))
 
     # -- one step -----------------------------------------------------------------------------
-    def batch(self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor) -> PagedBatch:
-        """The step's :class:`PagedBatch`; a request whose first step this is (nothing computed)
-        registers its prompt length under its first block, which it holds until it ends."""
+    def batch(
+        self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
+        prefilling: list[bool] | None = None,
+    ) -> PagedBatch:
+        """The step's :class:`PagedBatch`.
+
+        ``prefilling`` [R]: whether each request was still reading its prompt before this step
+        (vLLM's ``is_prefilling``; needed when ``chunked``). Each row gets a phase:
+
+        - "prefill": a whole prompt in one step (not ``chunked``), compressed in this step;
+        - "chunk": a part of a prompt (``chunked``), written whole, not compressed yet;
+        - "close": the first decode step of a prompt read in chunks: its prompt is compressed,
+          then the step decodes;
+        - "decode": one new token of a compressed request.
+
+        A request's prompt length is filed under its first block, which it holds until it ends.
+        """
         lengths = [end - start for start, end in zip(query_start, query_start[1:])]
         computed = [seq - length for seq, length in zip(seq_lens, lengths)]
         first_blocks = block_table[: len(lengths), 0].tolist()
+        if self.chunked and prefilling is None:
+            raise ValueError("a chunked PagedCompression needs each request's prefilling flag")
+        phases = []
         with self._lock:
-            for block, done, length in zip(first_blocks, computed, lengths):
-                if done == 0:
+            for row, (block, done, length) in enumerate(zip(first_blocks, computed, lengths)):
+                reading = self.chunked and (prefilling[row] or length > 1)  # a resumed request replays its outputs too
+                if done == 0 and not self.chunked:
                     self._prompts[block] = length
+                    phases.append("prefill")
+                elif reading or (self.chunked and done == 0):
+                    if done == 0:
+                        self._prompts[block] = None
+                    elif self._prompts.get(block, 0) is not None:
+                        raise ValueError(f"paged: a request read more prompt tokens after its prompt was compressed "
+                                         f"({length} new tokens after {done})")
+                    phases.append("chunk")
                 elif length != 1:
                     raise ValueError(
-                        "keepkv.vllm needs whole-prompt prefills and one token per decode step "
-                        f"(got {length} new tokens after {done}): disable chunked prefill and speculative decoding"
+                        "keepkv.vllm needs one token per decode step "
+                        f"(got {length} new tokens after {done}): disable speculative decoding"
+                        + ("" if self.chunked else ", or let keepkv.vllm read prompts in chunks (chunked prefill)")
                     )
-            prompts = [self._prompts[block] for block in first_blocks]
-        return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], first_blocks)
+                elif self._prompts[block] is None:
+                    self._prompts[block] = done
+                    phases.append("close")
+                else:
+                    phases.append("decode")
+            prompts = [self._prompts[block] or 0 for block in first_blocks]
+        return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], first_blocks, phases)
 
     def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float, layer: int = 0):
         """One attention call of every request in ``batch``, for the model's layer ``layer``.
@@ -235,17 +281,17 @@ class PagedCompression:
 
     def _groups(self, batch: PagedBatch, device) -> list["_Group"]:
         """The step's groups of rows run together, with their index tensors (built at the step's
-        first layer, read by every layer): each prefill alone, then the decodes that compress now,
-        then those that do not (interval > 1).
+        first layer, read by every layer): each prefill, chunk and close alone, then the decodes
+        that compress now, then those that do not (interval > 1).
 
-        Each prefill alone: prompts of unequal length in one call would be left-padded to the
+        Each prompt alone: prompts of unequal length in one call would be left-padded to the
         longest (wasted work), and their compression then runs on other shapes than a request's
         own cache (float noise; KeepKV's merge decisions follow it)."""
         if "groups" not in batch.plans:
             interval = self.method.interval
-            decodes = [r for r, done in enumerate(batch.computed) if done > 0]
+            decodes = [r for r, phase in enumerate(batch.phases) if phase == "decode"]
             compressing = [r for r in decodes if (batch.computed[r] - batch.prompt[r]) % interval == interval - 1]
-            rows = [*([r] for r, done in enumerate(batch.computed) if done == 0), compressing,
+            rows = [*([r] for r, phase in enumerate(batch.phases) if phase != "decode"), compressing,
                     [r for r in decodes if r not in compressing]]
             batch.plans["groups"] = [_Group.build(batch, group, interval, device) for group in rows if group]
         return batch.plans["groups"]
@@ -254,24 +300,50 @@ class PagedCompression:
         """Gather the group's rows into one LayerStore, run CompressedCache.forward_layer, write back.
 
         Each call runs as the cache's layer ``layer`` (its budget is that layer's; the other
-        layers of the cache stay empty).
+        layers of the cache stay empty). A prompt read in chunks runs as the Hugging Face path's
+        chunked prefill does (``CompressedCache.start_prefill``): each chunk attends over the
+        chunks before it and sums the method's statistics, and the prompt is compressed once
+        whole, here at the request's first decode step ("close"), before that step's token.
         """
         rows, tokens, real = group.rows, group.tokens, group.real
         new_query = query[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H, q, D]
         new_keys = key[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H_kv, q, D]
         new_values = value[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)
+        keys = [(batch.first_block[r], layer) for r in rows]
 
         cache = CompressedCache(self.config, self.method, self.budget)
-        if group.is_prefill:
+        if group.phase in ("prefill", "chunk") and group.seen == 0:
             cache.layers[layer].lazy_initialization(new_keys, new_values)
+        elif group.phase in ("chunk", "close"):  # the prompt so far, whole, and what its chunks summed
+            state, stats, extras = self.chunks.pop(keys[0])
+            store = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer, extras)
+            store.state.update(state)
+            store.prefill_stats = stats
+            cache.layers[layer] = store
+            if group.phase == "close":
+                cache.finish_prefill(layer)
         else:
             cache.layers[layer] = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer)
             cache.layers[layer].pending = self.method.interval - 1 if group.compressing else 0  # this step's append compresses, or not
-            cache.layers[layer].state.update(self._join_states([(batch.first_block[r], layer) for r in rows]))
+            cache.layers[layer].state.update(self._join_states(keys))
+        if group.phase == "chunk":  # the prompt goes on: the cache attends and sums, and compresses nothing yet
+            cache.prompt_mask = torch.ones(1, group.seen + group.lengths[0] + 1, dtype=torch.bool)
         out = cache.forward_layer(layer, new_query, new_keys, new_values, group.mask, scaling)  # [R, q, H, D]
         output.index_copy_(0, group.token_index, out.flatten(0, 1).index_select(0, group.real_index).to(output.dtype))
-        self._write(kv_cache, batch, group, cache.layers[layer], group.sizes(self, batch, layer, after=True))
-        self._keep_states(cache.layers[layer].state, [(batch.first_block[r], layer) for r in rows])
+        store = cache.layers[layer]
+        self._write(kv_cache, batch, group, store, group.sizes(self, batch, layer, after=True))
+        if group.phase == "chunk":
+            self.chunks[keys[0]] = (dict(store.state), self._trimmed(store.prefill_stats), tuple(store.extras))
+        else:
+            self._keep_states(store.state, keys)
+
+    def _trimmed(self, stats):
+        """A chunked prompt's summed statistics, kept until its next chunk: the newest query rows
+        only, as many as a served method reads of a prefill's queries (KeepKV: its window; its merge:
+        the last), not the whole prompt's."""
+        rows = max(1, self.method.needs(True).window, getattr(self.method, "window", 0) or 0)
+        stats.query = stats.query[:, :, :, -rows:]
+        return stats
 
     # -- the method's per-layer state, per request ----------------------------------------------
     def _keep_states(self, state: dict, keys: list[tuple[int, int]]) -> None:
@@ -317,9 +389,11 @@ class PagedCompression:
         meta = kv_cache[..., 2 * head_dim : 2 * head_dim + words].view(torch.float32)
         return kv_cache[..., :head_dim], kv_cache[..., head_dim : 2 * head_dim], meta
 
-    def _gather(self, kv_cache, batch: PagedBatch, group: "_Group", sizes: tuple, like, layer: int = 0) -> LayerStore:
+    def _gather(self, kv_cache, batch: PagedBatch, group: "_Group", sizes: tuple, like, layer: int = 0,
+                extras: tuple[str, ...] | None = None) -> LayerStore:
         """A decode-ready LayerStore of each row's first ``sizes`` slots (slots past a row's size
-        are empty), its budgets fixed by its prompt.
+        are empty), its budgets fixed by its prompt; or, for a prompt read in chunks (``extras``:
+        the extras its method has added so far), the prompt so far, without budgets.
 
         One index_select reads whole slots; each tensor is then the prefix of a buffer with room for
         the step's append (``LayerStore._extend`` appends in place). ``like``: [R, H_kv, q, D] of
@@ -332,17 +406,21 @@ class PagedCompression:
         empty = slots.empty
         positions = meta[..., 0].long().masked_fill_(empty, -1)
         bias = meta[..., 1].masked_fill(empty, NEG_INF)
-        extras, word = {}, 2
+        reading = extras is not None
+        chosen = set(self.extras if extras is None else extras)
+        tensors, word = {"keys": keys, "values": values, "bias": bias, "positions": positions}, 2
         for name, shape in self.extras.items():
             width = math.prod(shape)
-            extra = meta[..., word : word + width].reshape(*meta.shape[:-1], *shape)
-            extras[f"extras.{name}"] = extra.masked_fill(empty.view(*empty.shape, *(1,) * len(shape)), self.extra_fill[name])
+            if name in chosen:
+                extra = meta[..., word : word + width].reshape(*meta.shape[:-1], *shape)
+                tensors[f"extras.{name}"] = extra.masked_fill(empty.view(*empty.shape, *(1,) * len(shape)), self.extra_fill[name])
             word += width
-        tensors = {"keys": keys, "values": values, "bias": bias, "positions": positions, **extras}
         store = LayerStore.from_entries(
-            layer, tensors, self.extra_fill, seen=group.seen, real_seen=group.computed,
+            layer, tensors, {name: self.extra_fill[name] for name in chosen}, seen=group.seen, real_seen=group.computed,
             binary=self.binary, headroom=self.method.interval,
         )
+        if reading:
+            return store
         kept, mean = group.budgets(self, batch, layer)
         store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), mean)  # as CompressedCache._end_prefill
         return store
@@ -358,8 +436,11 @@ class PagedCompression:
         row, head, source = slots.row[:, None], slots.heads[None, :], index[slots.row, :, slots.slot]
         dtype = kv_cache.dtype
         words = [layer.positions[row, head, source].float()[..., None], layer.bias[row, head, source][..., None]]
-        for name in self.extras:
-            words.append(layer.extras[name][row, head, source].reshape(*source.shape, -1))
+        for name, shape in self.extras.items():
+            if name in layer.extras:
+                words.append(layer.extras[name][row, head, source].reshape(*source.shape, -1))
+            else:  # a prompt read in chunks: the method adds its extras when it compresses
+                words.append(words[0].new_full((*source.shape, math.prod(shape)), self.extra_fill[name]))
         content = torch.cat([
             layer.keys[row, head, source].to(dtype), layer.values[row, head, source].to(dtype),
             torch.cat(words, dim=-1).view(dtype),
@@ -394,7 +475,7 @@ class _Group:
 
     rows: list[int]
     lengths: list[int]
-    is_prefill: bool
+    phase: str  # PagedBatch.phases: "prefill", "chunk", "close" or "decode"
     compressing: bool
     table: torch.Tensor
     tokens: torch.Tensor
@@ -408,16 +489,17 @@ class _Group:
 
     @classmethod
     def build(cls, batch: PagedBatch, rows: list[int], interval: int, device) -> "_Group":
-        """The group of ``rows``; ValueError if they mix phases (a prefill, a decode that
-        compresses now, one that does not): one LayerStore has one prefill flag and one pending
-        count for its rows."""
+        """The group of ``rows``; ValueError if they mix phases (a prefill, a chunk, a close, a
+        decode that compresses now, one that does not): one LayerStore has one prefill flag and
+        one pending count for its rows."""
         lengths = batch.query_lengths
         computed = [batch.computed[r] for r in rows]
-        phases = {(True, False) if done == 0 else (False, (done - batch.prompt[r]) % interval == interval - 1)
+        phases = {(batch.phases[r], batch.phases[r] == "decode" and (done - batch.prompt[r]) % interval == interval - 1)
                   for r, done in zip(rows, computed)}
-        if len(phases) > 1:
-            raise ValueError(f"paged: rows {rows} mix phases (prefill, compressing or plain decode): call them apart")
-        is_prefill, compressing = phases.pop()
+        if len(phases) > 1 or (len(rows) > 1 and batch.phases[rows[0]] != "decode"):
+            raise ValueError(f"paged: rows {rows} mix phases (prefill, compressing or plain decode), or share a "
+                             "prompt step: call them apart")
+        phase, compressing = phases.pop()
         counts = [lengths[r] for r in rows]
         block = max(counts)
         starts = torch.tensor([batch.query_start[r] for r in rows])
@@ -426,7 +508,7 @@ class _Group:
         tokens = (starts[:, None] + offsets).where(real, 0)
         mask = (torch.ones(block, block, dtype=torch.bool).tril() & real[:, None, :])[:, None]
         return cls(
-            rows=list(rows), lengths=counts, is_prefill=is_prefill, compressing=compressing,
+            rows=list(rows), lengths=counts, phase=phase, compressing=compressing,
             table=batch.block_table[rows].long().to(device),
             tokens=tokens.to(device), real=real.to(device), mask=mask.to(device),
             token_index=tokens[real].to(device), real_index=real.flatten().nonzero().flatten().to(device),
@@ -454,13 +536,16 @@ class _Group:
 
     def sizes(self, paged: PagedCompression, batch: PagedBatch, layer: int, after: bool) -> tuple:
         """Entries each row of layer ``layer`` holds before the step's append, or after the step
-        (``PagedCompression.stored``); the same for every layer but PyramidKV's."""
+        (``PagedCompression.stored``; the same for every layer but PyramidKV's). A prompt read in
+        chunks holds all its tokens until its close step compresses it."""
         key = ("sizes", layer, after)
         if key not in self.cache:
-            self.cache[key] = tuple(
-                paged.stored(batch.prompt[r], batch.computed[r] + (length if after else 0), layer)
-                for r, length in zip(self.rows, self.lengths)
-            )
+            def held(r, length):
+                done = batch.computed[r] + (length if after else 0)
+                if self.phase == "chunk" or (self.phase == "close" and not after):
+                    return done
+                return paged.stored(batch.prompt[r], done, layer)
+            self.cache[key] = tuple(held(r, length) for r, length in zip(self.rows, self.lengths))
         return self.cache[key]
 
     def budgets(self, paged: PagedCompression, batch: PagedBatch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,17 +33,22 @@ class Engine:
         self.tables: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
 
-    def step(self, new: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], layer: int = 0) -> dict[int, torch.Tensor]:
+    def step(self, new: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], layer: int = 0,
+             prompts: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
         """Feed request -> (query [q, H, D], key, value [q, H_kv, D]) to the model's layer ``layer``;
-        returns request -> output [q, H, D]."""
+        returns request -> output [q, H, D]. ``prompts``: each new request's prompt length, as
+        vLLM's scheduler knows it (a chunked engine's prompt may come in several steps; its
+        blocks then hold the whole prompt until its first decode step has compressed it, and the
+        surplus is freed, overwritten with garbage, after that step)."""
         requests = list(new)
         for request in requests:
             length = new[request][0].shape[0]
             if request not in self.tables:
                 self.tables[request], self.computed[request] = [], 0
-                self.prompt = getattr(self, "prompt", {}) | {request: length}
-            tokens = self.computed[request] + length
-            needed = math.ceil(min(tokens, self.paged.capacity(self.prompt[request])) / BLOCK)
+                self.prompt = getattr(self, "prompt", {}) | {request: (prompts or {}).get(request, length)}
+            tokens, prompt = self.computed[request] + length, self.prompt[request]
+            capacity = self.paged.capacity(prompt)
+            needed = math.ceil((tokens if self.paged.chunked and tokens <= prompt else min(tokens, capacity)) / BLOCK)
             while len(self.tables[request]) < needed:
                 self.tables[request].append(self.free.pop())
         width = max(len(self.tables[r]) for r in requests)
@@ -52,11 +57,18 @@ class Engine:
         for request in requests:
             starts.append(starts[-1] + new[request][0].shape[0])
         seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
-        batch = self.paged.batch(starts, seq_lens, table)
+        prefilling = [self.computed[r] < self.prompt[r] for r in requests]
+        batch = self.paged.batch(starts, seq_lens, table, prefilling if self.paged.chunked else None)
         query, key, value = (torch.cat([new[r][i] for r in requests]) for i in range(3))
         output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING, layer)
         for request, length in zip(requests, batch.query_lengths):
             self.computed[request] += length
+            keep = math.ceil(self.paged.capacity(self.prompt[request]) / BLOCK)
+            if self.paged.chunked and self.computed[request] > self.prompt[request] and len(self.tables[request]) > keep:
+                surplus = self.tables[request][keep:]
+                del self.tables[request][keep:]
+                self.kv_cache[surplus] = torch.randn_like(self.kv_cache[surplus])  # a later read of them shows
+                self.free.extend(surplus)
         return {r: output[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}
 
 
@@ -105,6 +117,43 @@ def test_paged_requests_decode_as_alone(method, budget):
             torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
             layer = references[request].layers[0]
             assert int(layer.live_counts().max()) == paged.stored(engine.prompt[request], engine.computed[request])
+    assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
+
+
+@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", PAPER_KEEPKV, "keepkv+interval=3"])
+@pytest.mark.parametrize("budget", [0.5, 3, 1.0])
+def test_prompts_read_in_chunks_decode_as_the_hf_paths_chunked_prefill(method, budget):
+    """A chunked engine (vLLM's chunked prefill) feeds prompts in pieces, the last one of a single
+    token too, and one prompt whole: each output equals the request's own CompressedCache fed the
+    same chunks (``start_prefill``), which compresses once the prompt is whole; the request holds
+    every prompt token until then, and what ``stored`` says after; its surplus blocks, freed and
+    overwritten after its first decode step, are never read again."""
+    generator = torch.Generator().manual_seed(7)
+    paged = PagedCompression(CONFIG, method, budget, chunked=True)
+    engine = Engine(paged)
+    plans = {0: (22, 7), 1: (9, 9), 2: (40, 16), 3: (13, 5)}  # request: (prompt, chunk); 3 joins at step 2
+    references = {r: CompressedCache(CONFIG, method, budget) for r in plans}
+    for request, (prompt, _) in plans.items():
+        references[request].start_prefill(torch.ones(1, prompt, dtype=torch.bool))
+    null_block = engine.kv_cache[0].clone()
+    fed = dict.fromkeys(plans, 0)
+    for step in range(12):
+        new = {}
+        for request, (prompt, chunk) in plans.items():
+            if request == 3 and step < 2:
+                continue
+            length = min(chunk, prompt - fed[request]) if fed[request] < prompt else 1
+            new[request] = tokens(generator, length)
+            fed[request] += length
+        outputs = engine.step(new, prompts={r: plan[0] for r, plan in plans.items()})
+        for request, (query, key, value) in new.items():
+            expected = alone(references[request], query, key, value)
+            torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
+            prompt, done = plans[request][0], engine.computed[request]
+            held = int(references[request].layers[0].live_counts().max())
+            assert held == (done if done < prompt else paged.stored(prompt, done))
+    assert all(fed[r] > plans[r][0] + 3 for r in plans)  # every request decoded past its close step
+    assert not paged.chunks  # nothing of a prompt's statistics kept past its compression
     assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
 
 
@@ -191,8 +240,10 @@ def test_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match="budget"):
         PagedCompression(CONFIG, "snapkv", 0.0)
     paged = PagedCompression(CONFIG, "snapkv", 0.5)
-    with pytest.raises(ValueError, match="whole-prompt prefills"):
+    with pytest.raises(ValueError, match="one token per decode step .*chunked prefill"):
         paged.batch([0, 5], [9], torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="prefilling flag"):
+        PagedCompression(CONFIG, "snapkv", 0.5, chunked=True).batch([0, 5], [5], torch.ones(1, 2, dtype=torch.int32))
 
 
 def test_rows_of_mixed_phase_are_refused_not_run_as_the_first_rows_phase():

@@ -75,7 +75,7 @@ class Engine:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         names = [f"r{i}" for i in range(len(prompts))]
         internal = [engine.add_request(name, {"prompt_token_ids": p}, params) for name, p in zip(names, prompts)]
-        outputs, peak_blocks = {}, {}
+        outputs, peak_blocks, last_blocks = {}, {}, {}
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:
@@ -83,6 +83,8 @@ class Engine:
             for request_id, blocks in self.manager().req_to_blocks.items():
                 held = sum(not block.is_null for block in blocks)
                 peak_blocks[request_id] = max(peak_blocks.get(request_id, 0), held)
+                last_blocks[request_id] = held
+        self.last_blocks = [last_blocks[request_id] for request_id in internal]  # held at their last step
         return [outputs[name] for name in names], [peak_blocks[request_id] for request_id in internal]
 
     def close(self):
@@ -90,11 +92,18 @@ class Engine:
         gc.collect()
 
 
-def hf_greedy(model, prompt, method, budget, new_tokens=NEW_TOKENS):
-    """keepkv's Hugging Face path: greedy tokens of one prompt alone in a CompressedCache."""
+def hf_greedy(model, prompt, method, budget, new_tokens=NEW_TOKENS, chunks=None):
+    """keepkv's Hugging Face path: greedy tokens of one prompt alone in a CompressedCache;
+    ``chunks``: the prompt's pieces, in tokens, fed as a chunked prefill (``start_prefill``)."""
     cache = keepkv.CompressedCache(model.config, method, budget)
     tokens, step = [], torch.tensor([prompt])
     with torch.no_grad(), keepkv.enabled(model):
+        if chunks:
+            cache.start_prefill(torch.ones(1, len(prompt), dtype=torch.bool))
+            ends = torch.tensor(chunks).cumsum(0).tolist()
+            for start, end in zip([0, *ends[:-1]], ends[:-1]):
+                model(input_ids=step[:, start:end], past_key_values=cache, use_cache=True)
+            step = step[:, ends[-2] if len(ends) > 1 else 0 :]
         for _ in range(new_tokens):
             logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[0, -1]
             tokens.append(int(logits.argmax()))
@@ -145,6 +154,41 @@ def test_matches_hf_path_and_caps_blocks(model_dir, prompts, stock, hf_model, me
             assert held < stock_held
 
 
+@pytest.mark.parametrize("method", SERVED)
+def test_chunked_prefill_matches_hf_paths_chunked_prefill_and_frees_the_prompts_blocks(
+    model_dir, prompts, hf_model, method, monkeypatch
+):
+    """vLLM's chunked prefill on, 128 tokens a step: the prompts come in pieces (the engine
+    decides where), are compressed at their first decode step, and each request's greedy tokens
+    are the Hugging Face path's for that prompt fed in the same pieces; a long prompt's blocks,
+    held whole while it is read, are freed down to its capacity once it is compressed."""
+    budget = 0.3
+    pieces = {}  # first block -> the prompt's pieces, in tokens
+    batch = PagedCompression.batch
+
+    def recording(self, *args):
+        made = batch(self, *args)
+        for first, done, new, phase in zip(made.first_block, made.computed, made.query_lengths, made.phases):
+            if phase == "chunk":
+                pieces[first] = [*(pieces.get(first, []) if done else []), new]
+        return made
+
+    monkeypatch.setattr(PagedCompression, "batch", recording)
+    engine = Engine(model_dir, {"method": method, "budget": budget}, enable_chunked_prefill=True, max_num_batched_tokens=128)
+    tokens, blocks = engine.run(prompts)
+    block_size = engine.manager().block_size
+    engine.close()
+    by_length = {sum(chunks): chunks for chunks in pieces.values()}
+    paged = PagedCompression(hf_model.config, method, budget, chunked=True)
+    for prompt, got, peak, last in zip(prompts, tokens, blocks, engine.last_blocks):
+        chunks = by_length[len(prompt)]
+        assert got == hf_greedy(hf_model, prompt, method, budget, chunks=chunks)
+        whole, capacity = math.ceil(len(prompt) / block_size), math.ceil(paged.capacity(len(prompt) + 1) / block_size)
+        assert whole <= peak <= max(whole, capacity)  # the whole prompt while it is read
+        assert last <= capacity  # then its capacity
+    assert max(len(chunks) for chunks in by_length.values()) > 2
+
+
 def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monkeypatch):
     """KV memory for two grown requests and six in flight: the scheduler preempts (a resumed
     request is recomputed as a new prompt, on both sides), every request still finishes, and none
@@ -178,7 +222,6 @@ def no_engine_core(monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"enable_prefix_caching": True}, r"does not support prefix caching: a block shared .* \(--no-enable-prefix-caching"),
-    ({"enable_chunked_prefill": True}, r"does not support chunked prefill: .* \(--no-enable-chunked-prefill"),
     ({"config": {"method": "cam", "budget": 0.3}}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keepkv"),
     ({"config": {"method": "snapkv", "budget": 0.0}}, "budget"),
     ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method" and "budget"'),

@@ -3,8 +3,7 @@
 Installed with ``pip install -e ".[vllm]"`` (its own venv: vLLM pins its own transformers), the
 plugin loads in every vLLM process and stays inert until the engine is given::
 
-    LLM(model, additional_config=keepkv.vllm.config("snapkv", 0.1),
-        enable_prefix_caching=False, enable_chunked_prefill=False)
+    LLM(model, additional_config=keepkv.vllm.config("snapkv", 0.1), enable_prefix_caching=False)
 
 (``config`` returns ``{"keepkv": {"method": ..., "budget": ...}}``, checked) or ``keepkv serve``
 (:mod:`keepkv.vllm.serve`, vLLM's OpenAI-compatible server). Then the attention backend

@@ -36,7 +36,7 @@ def compression(vllm_config: VllmConfig) -> PagedCompression | None:
     chosen = engine_settings(vllm_config)
     if chosen is None:
         return None
-    key = (chosen["method"], chosen["budget"])
+    key = (chosen["method"], chosen["budget"], chosen["chunked"])
     if key not in _COMPRESSIONS:
         _COMPRESSIONS[key] = PagedCompression(vllm_config.model_config.hf_text_config, **chosen)
     _WORKER.update(paged=_COMPRESSIONS[key], num_layers=vllm_config.model_config.hf_text_config.num_hidden_layers)
@@ -72,7 +72,8 @@ class KeepKVBackend(CPUAttentionBackend):
             return super().customize_spec(spec)
         values = {field.name: getattr(spec, field.name) for field in fields(spec) if field.init}
         values["state_content_bytes"] = paged.content_bytes(spec.head_size, spec.dtype)
-        return KeepKVSpec(**values, method=paged.spec, budget=paged.budget, num_layers=_WORKER["num_layers"])
+        return KeepKVSpec(**values, method=paged.spec, budget=paged.budget, num_layers=_WORKER["num_layers"],
+                          chunked=paged.chunked)
 
 
 class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -88,8 +89,11 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
         # Host copies vLLM keeps (exact without speculative decoding, which keepkv refuses):
         # nothing waits on the device to build the step.
         seq_lens = common.seq_lens_cpu_upper_bound if common.seq_lens_cpu_upper_bound is not None else common.seq_lens.cpu()
+        # is_prefilling: computed < prompt before the step (a host tensor), read by a chunked engine.
+        prefilling = common.is_prefilling[:rows].tolist() if self.paged.chunked else None
         batch = self.paged.batch(
             common.query_start_loc_cpu[: rows + 1].tolist(), seq_lens[:rows].tolist(), common.block_table_tensor[:rows],
+            prefilling,
         )
         return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch)
 

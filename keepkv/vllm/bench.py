@@ -40,18 +40,21 @@ def stdlib_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     raise SystemExit(f"keepkv.vllm.bench: only {len(prompts)} stdlib files have {length} tokens; lower --requests")
 
 
-def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None) -> dict:
+def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None,
+               chunked_prefill: bool = False) -> dict:
     """Serve every prompt at once with ``blocks`` KV blocks; tokens/s and peak concurrency.
-    ``progress(finished, total, generated, seconds)`` is called every few seconds while it runs."""
+    ``progress(finished, total, generated, seconds)`` is called every few seconds while it runs.
+    ``chunked_prefill``: vLLM's chunked prefill, with its CPU default of tokens per step."""
     import vllm
 
     args = dict(
         model=model_dir, dtype="float32", max_model_len=len(prompts[0]) + gen_len, enforce_eager=True,
-        enable_prefix_caching=False, enable_chunked_prefill=False, num_gpu_blocks_override=blocks, seed=0,
+        enable_prefix_caching=False, enable_chunked_prefill=chunked_prefill, num_gpu_blocks_override=blocks, seed=0,
         block_size=BLOCK_SIZE,
         max_num_seqs=256,
     )
-    args["max_num_batched_tokens"] = args["max_model_len"]
+    if not chunked_prefill:  # each prompt in one step
+        args["max_num_batched_tokens"] = args["max_model_len"]
     if keepkv:
         args["additional_config"] = {"keepkv": keepkv}
     llm = vllm.LLM(**args)
@@ -94,6 +97,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
     parser.add_argument("--gen-len", type=int, default=128, help="generated tokens per request (default 128)")
     parser.add_argument("--full-requests", type=int, default=4, help="full-cache requests the KV memory holds (default 4)")
+    parser.add_argument("--chunked-prefill", action="store_true",
+                        help="vLLM's chunked prefill on, for every engine (default: off, each prompt in one step)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     for name in ("requests", "prompt_len", "gen_len", "full_requests"):
@@ -122,8 +127,8 @@ def main(argv=None) -> None:
         paged = PagedCompression(config, method, args.budget)
         slot = paged.content_bytes(head_dim, model.dtype)
         engines.append(({"method": method, "budget": args.budget}, full_blocks * stock_slot // slot))  # same bytes
-    run_all(engines, lambda keepkv, blocks, progress: run_engine(model_dir, prompts, args.gen_len, blocks, keepkv, progress),
-            vars(args), args.json)
+    run_all(engines, lambda keepkv, blocks, progress: run_engine(
+        model_dir, prompts, args.gen_len, blocks, keepkv, progress, args.chunked_prefill), vars(args), args.json)
 
 
 def run_all(engines, run, settings: dict, json_path: str | None, out=None, err=None) -> list[dict]:

@@ -9,8 +9,10 @@ command asks for ``vllm``'s metadata). Every flag keepkv does not take goes to v
 as given. What it adds:
 
 - ``--additional-config '{"keepkv": {...}}'`` from ``--method`` and ``--budget``;
-- ``--no-enable-prefix-caching --no-enable-chunked-prefill`` (vLLM's defaults are on, and
-  keepkv.vllm refuses both: docs/serving.md);
+- ``--no-enable-prefix-caching`` (vLLM's default is on, and keepkv.vllm refuses it:
+  docs/serving.md). Chunked prefill stays as vLLM sets it (on by default);
+  ``--no-enable-chunked-prefill`` lets keepkv compress each prompt in the step that reads it,
+  so a prompt never holds blocks for all its tokens.
 - ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) on vLLM's CPU build when unset, else vLLM's memory check
   refuses to start on a busy host; ``HF_HUB_OFFLINE=1`` when unset and the model is local.
 
@@ -37,9 +39,8 @@ REFUSED_FLAGS = {
     "--additional-config": "keepkv serve writes --additional-config from --method and --budget",
     "--enable-prefix-caching": "keepkv.vllm does not support prefix caching: a block shared between requests "
                                "cannot be compacted per request",
-    "--enable-chunked-prefill": "keepkv.vllm does not support chunked prefill: a prompt is compressed once, whole",
 }
-OFF_BY_DEFAULT = ["--no-enable-prefix-caching", "--no-enable-chunked-prefill"]
+OFF_BY_DEFAULT = ["--no-enable-prefix-caching"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

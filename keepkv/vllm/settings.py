@@ -13,17 +13,16 @@ from . import SettingError, check
 REFUSED = {
     "prefix caching": "a block shared between requests cannot be compacted per request "
                       "(--no-enable-prefix-caching, enable_prefix_caching=False)",
-    "chunked prefill": "a prompt is compressed once, whole "
-                       "(--no-enable-chunked-prefill, enable_chunked_prefill=False)",
 }
 
 
 def engine_settings(vllm_config) -> dict | None:
-    """The engine's ``additional_config["keepkv"]`` ({"method", "budget"}), checked; None if absent.
+    """The engine's ``additional_config["keepkv"]`` ({"method", "budget"}) checked, with
+    "chunked" (whether the engine reads prompts in chunks); None if absent.
 
     Raises :class:`~keepkv.vllm.SettingError`, in one line, for what keepkv.vllm does not serve: another platform than
-    CPU, a method it does not serve, prefix caching, chunked prefill, speculative decoding,
-    tensor or pipeline parallelism, sliding-window models.
+    CPU, a method it does not serve, prefix caching, speculative decoding, tensor or pipeline
+    parallelism, sliding-window models.
     """
     if vllm_config is None or not (vllm_config.additional_config or {}).get("keepkv"):
         return None
@@ -41,8 +40,6 @@ def engine_settings(vllm_config) -> dict | None:
     problems = []
     if vllm_config.cache_config.enable_prefix_caching:
         problems.append(f"prefix caching: {REFUSED['prefix caching']}")
-    if vllm_config.scheduler_config.enable_chunked_prefill:
-        problems.append(f"chunked prefill: {REFUSED['chunked prefill']}")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding")
     parallel = vllm_config.parallel_config
@@ -52,4 +49,4 @@ def engine_settings(vllm_config) -> dict | None:
         problems.append("sliding-window models")
     if problems:
         raise SettingError("keepkv.vllm does not support " + "; ".join(problems))
-    return chosen
+    return chosen | {"chunked": bool(vllm_config.scheduler_config.enable_chunked_prefill)}

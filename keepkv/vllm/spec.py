@@ -1,9 +1,16 @@
 """The scheduler side: a KV cache spec that carries the method, and a manager that caps blocks.
 
-The manager sees token counts only. A request's first allocation is its prompt (keepkv.vllm
-admits whole-prompt prefills only), which fixes its capacity; from then on it never holds more
-than ceil(capacity / block_size) blocks, prefill included: the worker compresses the prompt in
-its own workspace and writes only the kept entries (:mod:`keepkv.paged`).
+The manager sees token counts only; a request's prompt length fixes its capacity.
+
+- Without chunked prefill, a request's first allocation is its whole prompt; from then on it
+  never holds more than ceil(capacity / block_size) blocks, prefill included: the worker
+  compresses the prompt in its own workspace and writes only the kept entries
+  (:mod:`keepkv.paged`).
+- With chunked prefill, the prompt's chunks are written whole (a later chunk attends to them),
+  so the request holds blocks for its whole prompt until its first decode step, where the
+  worker compresses it; once that step is processed, the blocks past its capacity are freed
+  (:meth:`KeepKVManager.remove_skipped_blocks`, which vLLM calls before every allocation), and
+  it never grows past its capacity again.
 """
 
 from __future__ import annotations
@@ -23,18 +30,21 @@ class KeepKVSpec(FullAttentionSpec):
     """Full attention whose requests keep at most ``capacity_bound`` entries per layer and head.
 
     method, budget: as ``keepkv.CompressedCache``'s; num_layers: the model's depth (the bound
-    reads it). ``state_content_bytes`` holds each slot's key, value and metadata words.
+    reads it); chunked: the engine reads prompts in chunks. ``state_content_bytes`` holds each
+    slot's key, value and metadata words.
     """
 
     method: str = "full"
     budget: float | int = 1.0
     num_layers: int = 1
+    chunked: bool = False
 
     @classmethod
     def merge(cls, specs: list["KeepKVSpec"]) -> "KeepKVSpec":
         merged = super().merge(specs)  # builds cls(...) from the base fields only
         first = specs[0]
-        return replace(merged, method=first.method, budget=first.budget, num_layers=first.num_layers)
+        return replace(merged, method=first.method, budget=first.budget, num_layers=first.num_layers,
+                       chunked=first.chunked)
 
     @functools.cached_property
     def compression(self) -> PagedCompression:
@@ -56,20 +66,52 @@ class KeepKVManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec: KeepKVSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
-        self.prompt_tokens: dict[str, int] = {}  # request -> tokens of its first step
+        self.prompt_tokens: dict[str, int] = {}  # request -> its prompt's tokens
+
+    def _capacity(self, request_id: str) -> int:
+        """Slots the request needs once its prompt is compressed. Read in chunks, its prompt is
+        what the worker finds at its first decode step: the scheduler's prefill end, or one
+        token more for a resumed request whose last replayed chunk also took its newest token."""
+        prompt, spec = self.prompt_tokens[request_id], self.kv_cache_spec
+        if not spec.chunked:
+            return spec.capacity_tokens(prompt)
+        return max(spec.capacity_tokens(prompt), spec.capacity_tokens(prompt + 1))
 
     def _capped(self, request_id: str, num_tokens: int) -> int:
-        prompt = self.prompt_tokens.get(request_id, num_tokens)
-        return min(num_tokens, self.kv_cache_spec.capacity_tokens(prompt))
+        if request_id not in self.prompt_tokens:  # a whole prompt's first allocation
+            return min(num_tokens, self.kv_cache_spec.capacity_tokens(num_tokens))
+        if self.kv_cache_spec.chunked and num_tokens <= self.prompt_tokens[request_id]:
+            return num_tokens  # the prompt's chunks are written whole until it is compressed
+        return min(num_tokens, self._capacity(request_id))
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
-        return super().get_num_blocks_to_allocate(request_id, self._capped(request_id, num_tokens), *args, **kwargs)
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, prefill_end: int = 0, **kwargs) -> int:
+        if self.kv_cache_spec.chunked and not self.req_to_blocks.get(request_id):
+            self.prompt_tokens[request_id] = prefill_end  # the scheduler's: where its chunks end
+        return super().get_num_blocks_to_allocate(
+            request_id, self._capped(request_id, num_tokens), *args, prefill_end=prefill_end, **kwargs
+        )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
-        if not self.req_to_blocks.get(request_id):
+        if not self.kv_cache_spec.chunked and not self.req_to_blocks.get(request_id):
             self.prompt_tokens[request_id] = num_tokens
         capped = self._capped(request_id, num_tokens)
         return super().allocate_new_blocks(request_id, capped, min(num_tokens_main_model, capped))
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None):
+        """Free the blocks past a chunked request's capacity once the step that compressed its
+        prompt (its first decode step) is processed: from then on the worker reads only its
+        leading slots. Before that step is processed the worker may still read them, so an
+        in-flight step never sees them reused."""
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        prompt = self.prompt_tokens.get(request_id)
+        if not self.kv_cache_spec.chunked or prompt is None or not self.req_to_blocks.get(request_id):
+            return
+        resumed = num_prompt_tokens is not None and prompt != num_prompt_tokens  # its close step may come one token later
+        if processed_computed_tokens >= prompt + 1 + resumed:
+            blocks = self.req_to_blocks[request_id]
+            keep = -(-self._capacity(request_id) // self.block_size)
+            if len(blocks) > keep and not blocks[-1].is_null:
+                self._remove_blocks_in_range(request_id, keep, len(blocks))
 
     def pop_blocks_for_free(self, request_id: str):
         self.prompt_tokens.pop(request_id, None)
