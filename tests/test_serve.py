@@ -66,7 +66,7 @@ def test_serve_passes_vllm_flags_on_and_adds_what_the_cpu_build_needs(tmp_path, 
     config_at = argv.index("--additional-config")
     assert json.loads(argv[config_at + 1]) == {"keepkv": {"method": "h2o", "budget": 64}}
     assert argv[-4:] == ["--port", "8123", "--dtype", "float32"]  # as given, in order
-    assert "--no-enable-prefix-caching" in argv and "chunked-prefill" not in " ".join(argv)  # vLLM's default stays
+    assert "--no-enable-prefix-caching" in argv and "--no-enable-chunked-prefill" in argv
     assert added == {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     # What the user set is kept; off CPU nothing is added for the CPU build.
     _, added = command(["--model", str(tmp_path)], {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "0"},
@@ -77,6 +77,7 @@ def test_serve_passes_vllm_flags_on_and_adds_what_the_cpu_build_needs(tmp_path, 
     for flag in ("--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--enable-chunked-prefill"):
         argv, _ = command(["--model", str(tmp_path), flag], monkeypatch=monkeypatch)
         assert argv.count(flag) == 1
+    assert "--no-enable-chunked-prefill" not in argv  # chunked prefill asked for: served as asked
 
 
 @pytest.mark.parametrize("argv, environ, message", [

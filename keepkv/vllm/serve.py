@@ -10,9 +10,11 @@ as given. What it adds:
 
 - ``--additional-config '{"keepkv": {...}}'`` from ``--method`` and ``--budget``;
 - ``--no-enable-prefix-caching`` (vLLM's default is on, and keepkv.vllm refuses it:
-  docs/serving.md). Chunked prefill stays as vLLM sets it (on by default);
-  ``--no-enable-chunked-prefill`` lets keepkv compress each prompt in the step that reads it,
-  so a prompt never holds blocks for all its tokens.
+  docs/serving.md);
+- ``--no-enable-chunked-prefill`` unless ``--enable-chunked-prefill`` is given: keepkv serves
+  both, and without chunks each prompt is compressed in the step that reads it and never holds
+  blocks for all its tokens, which served more requests at once under memory pressure
+  (docs/serving.md, "Chunked prefill").
 - ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) on vLLM's CPU build when unset, else vLLM's memory check
   refuses to start on a busy host; ``HF_HUB_OFFLINE=1`` when unset and the model is local.
 
@@ -40,7 +42,7 @@ REFUSED_FLAGS = {
     "--enable-prefix-caching": "keepkv.vllm does not support prefix caching: a block shared between requests "
                                "cannot be compacted per request",
 }
-OFF_BY_DEFAULT = ["--no-enable-prefix-caching"]
+OFF_BY_DEFAULT = ["--no-enable-prefix-caching", "--no-enable-chunked-prefill"]  # unless the flag is given either way
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +81,7 @@ def server_command(args, server_args: list[str], environ: dict[str, str]) -> tup
         if name == "--model" or (flag == server_args[0] and not flag.startswith("-")):
             raise ValueError(f"give the model as keepkv serve's --model, got {flag!r}")
     require_plugin(environ)
+    given = {flag.split("=", 1)[0] for flag in server_args}
     model = model_directory(args.model)
     added = {}
     if cpu_build() and "VLLM_CPU_KVCACHE_SPACE" not in environ:
@@ -88,7 +91,7 @@ def server_command(args, server_args: list[str], environ: dict[str, str]) -> tup
     argv = [
         sys.executable, "-m", SERVER, "--model", str(model),
         "--additional-config", json.dumps({"keepkv": settings}),
-        *[flag for flag in OFF_BY_DEFAULT if flag not in server_args], *server_args,
+        *[flag for flag in OFF_BY_DEFAULT if flag not in given and flag.replace("--no-", "--") not in given], *server_args,
     ]
     return argv, added
 
