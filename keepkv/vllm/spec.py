@@ -86,6 +86,8 @@ class KeepKVManager(FullAttentionManager):
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, prefill_end: int = 0, **kwargs) -> int:
         if self.kv_cache_spec.chunked and not self.req_to_blocks.get(request_id):
+            if prefill_end <= 0:  # vLLM passes it unless prefix-cache retention is on (refused for full attention)
+                raise RuntimeError("keepkv.vllm: the scheduler gave no prefill end for a chunked prompt")
             self.prompt_tokens[request_id] = prefill_end  # the scheduler's: where its chunks end
         return super().get_num_blocks_to_allocate(
             request_id, self._capped(request_id, num_tokens), *args, prefill_end=prefill_end, **kwargs
