@@ -189,10 +189,12 @@ def test_chunked_prefill_matches_hf_paths_chunked_prefill_and_frees_the_prompts_
     assert max(len(chunks) for chunks in by_length.values()) > 2
 
 
-def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monkeypatch):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monkeypatch, chunked):
     """KV memory for two grown requests and six in flight: the scheduler preempts (a resumed
-    request is recomputed as a new prompt, on both sides), every request still finishes, and none
-    ever holds more than its capacity's blocks."""
+    request is recomputed as a new prompt, on both sides; with chunked prefill its replay comes
+    in pieces too), every request still finishes, and none ever holds more than its capacity's
+    blocks."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     preemptions = []
@@ -200,7 +202,7 @@ def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monke
     monkeypatch.setattr(Scheduler, "_preempt_request", lambda self, *a, **k: preemptions.append(1) or preempt(self, *a, **k))
     short = [prompt[:100] for prompt in prompts[1:]] * 3  # 6 requests of 100 tokens
     engine = Engine(model_dir, {"method": "h2o", "budget": 300}, num_gpu_blocks_override=8, max_model_len=600,
-                    max_num_batched_tokens=600)
+                    max_num_batched_tokens=128 if chunked else 600, enable_chunked_prefill=chunked)
     tokens, blocks = engine.run(short, new_tokens=160)
     block_size = engine.manager().block_size
     engine.close()
