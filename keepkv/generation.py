@@ -7,17 +7,11 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation import utils as generation_utils
 
 from .attention import enabled
 from .cache import CompressedCache
 from .diagnostics import warn_context_length
-from .models import check_context
-
-
-# transformers 5.x renames generate()'s past_key_values to cache (a FutureWarning on every call
-# where both exist); older 5.x releases (the vLLM venv's) know only past_key_values.
-CACHE_KWARG = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+from .models import CACHE_KWARG, check_context
 
 
 @dataclass
@@ -158,7 +152,7 @@ def _run(model, tokenizer, cache, inputs: dict, max_new_tokens: int, progress: b
                 for start in range(seen, total, chunk):
                     stop = min(start + chunk, total)
                     mask = inputs["attention_mask"][:, :stop]
-                    model(input_ids=inputs["input_ids"][:, start:stop], attention_mask=mask, past_key_values=cache,
+                    model(input_ids=inputs["input_ids"][:, start:stop], attention_mask=mask, **{CACHE_KWARG: cache},
                           use_cache=True)
                 return inputs["input_ids"][:, :0]
             output = model.generate(

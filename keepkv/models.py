@@ -19,9 +19,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers.generation import utils as generation_utils
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The keyword a model's forward() and generate() take the cache by: transformers 5.24 renamed
+# past_key_values to cache (the old name warns, and goes in 5.40); releases before it (5.17 on a
+# stock CUDA image, the vLLM venv's 5.19) know only past_key_values.
+CACHE_KWARG = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 # What a truncated or corrupt file raises from inside the GGUF, JSON and safetensors parsers.
 _UNREADABLE = (struct.error, ValueError, OSError, EOFError, KeyError, IndexError, RuntimeError, SafetensorError)
 

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from .attention import enable
 from .cache import CompressedCache
 from .methods import Method, get_method
+from .models import CACHE_KWARG
 
 FACT = "The secret code for the vault is 4817-AZURE."
 QUESTION = "\n\nQuestion: What is the secret code for the vault?\nAnswer: The secret code for the vault is"
@@ -150,7 +151,7 @@ def recompute_logits(model, cache: CompressedCache, token: torch.Tensor, positio
     cache.forward_layer = frozen
     try:
         positions = torch.full_like(token, position)
-        logits = model(input_ids=token, position_ids=positions, past_key_values=cache).logits
+        logits = model(input_ids=token, position_ids=positions, **{CACHE_KWARG: cache}).logits
     finally:
         if previous is None:
             del cache.forward_layer
@@ -237,7 +238,7 @@ def perturbation(
     # Full cache: the reference outputs and the greedy continuation.
     full_cache = CompressedCache(model.config, "full", 1.0)
     full = _Recorder(full_cache, steps)
-    logits = model(input_ids=ids, past_key_values=full_cache).logits[:, -1]
+    logits = model(input_ids=ids, **{CACHE_KWARG: full_cache}).logits[:, -1]
     bar.update(1)
     full_logits = recompute_logits(model, full_cache, last_token, length - 1)
     tokens = []
@@ -245,13 +246,13 @@ def perturbation(
         token = logits.argmax(-1, keepdim=True)
         tokens.append(token)
         full.step = k
-        logits = model(input_ids=token, past_key_values=full_cache).logits[:, -1]
+        logits = model(input_ids=token, **{CACHE_KWARG: full_cache}).logits[:, -1]
         bar.update(1)
 
     # Compressed cache, fed the same tokens.
     cache = CompressedCache(model.config, method, budget)
     run = _Recorder(cache, steps)
-    model(input_ids=ids, past_key_values=cache)
+    model(input_ids=ids, **{CACHE_KWARG: cache})
     bar.update(1)
     layers = []
     for layer in cache.layers:
@@ -264,7 +265,7 @@ def perturbation(
     compressed_logits = recompute_logits(model, cache, last_token, length - 1)
     for k, token in enumerate(tokens, start=1):
         run.step = k
-        model(input_ids=token, past_key_values=cache)
+        model(input_ids=token, **{CACHE_KWARG: cache})
         bar.update(1)
     bar.close()
 

@@ -269,3 +269,22 @@ def test_embedded_model_second_load_uses_cache(embedded, monkeypatch):
     model, _ = load_model(models.embedded_gguf_path())
     weight = "model.layers.29.mlp.down_proj.weight"
     assert torch.equal(model.state_dict()[weight], embedded[0].state_dict()[weight])
+
+
+def test_the_cache_keyword_is_the_one_forward_takes_and_the_bench_paths_do_not_warn():
+    # transformers 5.24 renamed forward()'s past_key_values to cache: the old name warns on every
+    # call (and is removed in 5.40). keepkv passes the cache by the name this release takes.
+    import inspect
+    import warnings
+
+    from conftest import tiny_model
+    from keepkv.bench.ops import count_method
+    from keepkv.perturbation import CACHE_KWARG as used_by_perturbation
+
+    assert models.CACHE_KWARG in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+    assert used_by_perturbation is models.CACHE_KWARG
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)  # KeepKVWarning: a tiny prompt under the floor
+        result = count_method(tiny_model(), "h2o", 4, prompt_len=16, batch=1, warm_steps=1)
+    assert result["method_ops"] > 0

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from ..attention import enabled
 from ..cache import CompressedCache
+from ..models import CACHE_KWARG
 from .runner import METHOD_PARTS
 
 PARTS = ("method", "append", "attention", "model")
@@ -263,7 +264,7 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
     cache.method.prepare(model)  # as keepkv.generate and the bench do (KVReviver's Fisher scores)
 
     def forward(tokens):
-        out = model(input_ids=tokens, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=tokens, attention_mask=mask, **{CACHE_KWARG: cache}, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1:].argmax(-1)
 
     with enabled(model):

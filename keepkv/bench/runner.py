@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..attention import enable
 from ..cache import CompressedCache
+from ..models import CACHE_KWARG
 
 # Method code timed by the overhead proxies (bound methods of the method instance).
 METHOD_PARTS = ("observe", "compress", "attention_entries")
@@ -292,7 +293,7 @@ def weights_bytes(model) -> int:
 
 def _forward(model, input_ids, attention_mask, cache):
     return model(
-        input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1
+        input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, use_cache=True, logits_to_keep=1
     ).logits
 
 

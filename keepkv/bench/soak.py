@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..attention import enabled
 from ..cache import CompressedCache
+from ..models import CACHE_KWARG
 from .setup import resolve_params
 from .runner import current_rss
 
@@ -63,9 +64,9 @@ def soak_method(model, method: str, budget, prompt_len: int, steps: int, checkpo
     bar = tqdm(total=steps, desc=f"soak {method}", unit="tok", leave=False, disable=not progress)
     began = time.perf_counter()
     with enabled(model):
-        decoder(input_ids=prompt, past_key_values=cache, use_cache=True)
+        decoder(input_ids=prompt, **{CACHE_KWARG: cache}, use_cache=True)
         for step in range(1, steps + 1):
-            decoder(input_ids=tokens[:, step - 1 : step], past_key_values=cache, use_cache=True)
+            decoder(input_ids=tokens[:, step - 1 : step], **{CACHE_KWARG: cache}, use_cache=True)
             bar.update(1)
             if step in marks:
                 gc.collect()

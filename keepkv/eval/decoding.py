@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 
 from ..attention import enable, hand_over
 from ..cache import CompressedCache
+from ..models import CACHE_KWARG
 
 
 def _position_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,7 @@ def prefill(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor)
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=_position_ids(attention_mask),
-        past_key_values=cache,
+        **{CACHE_KWARG: cache},
         use_cache=True,
         logits_to_keep=1,
     )
@@ -102,7 +103,7 @@ def greedy_decode(
             input_ids=token[:, None],
             attention_mask=mask,
             position_ids=mask.long().sum(-1, keepdim=True) - 1,
-            past_key_values=cache,
+            **{CACHE_KWARG: cache},
             use_cache=True,
         ).logits[:, -1].float()
     bar.close()
@@ -152,7 +153,7 @@ def append_block(model, cache, input_ids: torch.Tensor, attention_mask: torch.Te
     mask = torch.cat([attention_mask, attention_mask.new_ones(input_ids.shape)], dim=-1)
     positions = _position_ids(mask)[:, -input_ids.shape[1] :]
     output = model(
-        input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+        input_ids=input_ids, attention_mask=mask, position_ids=positions, **{CACHE_KWARG: cache}, use_cache=True,
         logits_to_keep=1,
     )
     return output.logits[:, -1].float()
