@@ -6,7 +6,11 @@ its leading slots, so its scheduler can free every block past ``capacity_bound``
 call over a batch of requests runs through the very code of :class:`~keepkv.cache.CompressedCache`:
 the requests' slots are gathered into a :class:`~keepkv.store.LayerStore` (one row per request),
 ``CompressedCache.forward_layer`` appends, attends, scores and compresses, and the kept entries
-are written back, compacted (the index tensors of a step are built at its first layer). This module knows nothing of vLLM (``keepkv.vllm`` wires it in).
+are written back (the index tensors of a step are built at its first layer). A prompt's step
+writes its kept entries compacted; a decode step leaves every entry that stays where it was,
+moves only the entries past a request's size into its emptied slots, and writes keys and values
+only where an entry or its votes changed (a few slots per request), the metadata words of all.
+This module knows nothing of vLLM (``keepkv.vllm`` wires it in).
 
 Paged layout, per layer::
 
@@ -29,6 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .budgets import budget_floor, capacity_bound, held_entries, layer_budgets, row_budgets, validate_budget
 from .cache import CompressedCache
@@ -130,6 +135,10 @@ class PagedCompression:
         it is known to be whole (the engine says only whether a prompt is still being read, so
         its last chunk is not known while it runs).
     """
+
+    # Tests set this: a decode step then checks, with a host sync, that no more slots changed than
+    # the write's static bound (:meth:`_Group.changed_bound`) covers.
+    check_writes = False
 
     def __init__(self, config, method: str, budget: int | float, chunked: bool = False):
         validate_budget(budget)
@@ -323,15 +332,19 @@ class PagedCompression:
             if group.phase == "close":
                 cache.finish_prefill(layer)
         else:
-            cache.layers[layer] = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer)
-            cache.layers[layer].pending = self.method.interval - 1 if group.compressing else 0  # this step's append compresses, or not
-            cache.layers[layer].state.update(self._join_states(keys))
+            cache.layers[layer] = store = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer)
+            store.pending = self.method.interval - 1 if group.compressing else 0  # this step's append compresses, or not
+            store.state.update(self._join_states(keys))
+            before = (store.positions.clone(), store.bias.clone())  # what each slot held: see _write_changed
         if group.phase == "chunk":  # the prompt goes on: the cache attends and sums, and compresses nothing yet
             cache.prompt_mask = torch.ones(1, group.seen + group.lengths[0] + 1, dtype=torch.bool)
         out = cache.forward_layer(layer, new_query, new_keys, new_values, group.mask, scaling)  # [R, q, H, D]
         output.index_copy_(0, group.token_index, out.flatten(0, 1).index_select(0, group.real_index).to(output.dtype))
         store = cache.layers[layer]
-        self._write(kv_cache, batch, group, store, group.sizes(self, batch, layer, after=True))
+        if group.phase == "decode":
+            self._write_changed(kv_cache, batch, group, store, layer, before)
+        else:
+            self._write(kv_cache, batch, group, store, group.sizes(self, batch, layer, after=True))
         if group.phase == "chunk":
             self.chunks[keys[0]] = (dict(store.state), self._trimmed(store.prefill_stats), tuple(store.extras))
         else:
@@ -427,26 +440,83 @@ class PagedCompression:
 
     def _write(self, kv_cache, batch: PagedBatch, group: "_Group", layer: LayerStore, sizes: tuple) -> None:
         """Write each row's live entries, compacted, into its first ``sizes`` slots: whole slots
-        (key, value, metadata), one index_put over slot indices built once per step, no host sync
-        (which slots a step's eviction or merge changed is data; writing every kept slot is not)."""
+        (key, value, metadata) packed once, then one index_select of the written slots' sources and
+        one index_copy_ into the cache, over slot indices built once per step, no host sync (which
+        slots a step's eviction or merge changed is data; writing every kept slot is not)."""
         kv_heads, block_size, slot_words = kv_cache.shape[1:]
         slots = group.slots(sizes, kv_heads, block_size)
-        index, _ = slots_of(layer.live(), max(sizes))  # [R, H_kv, S] live slots first, in slot order
-        # Each written slot's source entry: [N, H_kv] (row, head, slot) of the store.
-        row, head, source = slots.row[:, None], slots.heads[None, :], index[slots.row, :, slots.slot]
+        index, _ = slots_of(layer.live(), max(sizes))  # [R, H_kv, W] live slots first, in slot order
         dtype = kv_cache.dtype
-        words = [layer.positions[row, head, source].float()[..., None], layer.bias[row, head, source][..., None]]
+        words = [layer.positions.float()[..., None], layer.bias[..., None]]
         for name, shape in self.extras.items():
             if name in layer.extras:
-                words.append(layer.extras[name][row, head, source].reshape(*source.shape, -1))
+                words.append(layer.extras[name].flatten(3) if len(shape) else layer.extras[name][..., None])
             else:  # a prompt read in chunks: the method adds its extras when it compresses
-                words.append(words[0].new_full((*source.shape, math.prod(shape)), self.extra_fill[name]))
-        content = torch.cat([
-            layer.keys[row, head, source].to(dtype), layer.values[row, head, source].to(dtype),
-            torch.cat(words, dim=-1).view(dtype),
-        ], dim=-1)  # [N, H_kv, C'] the slots' new contents
+                words.append(words[0].new_full((*words[0].shape[:3], math.prod(shape)), self.extra_fill[name]))
+        packed = torch.cat([layer.keys.to(dtype), layer.values.to(dtype), torch.cat(words, dim=-1).view(dtype)], dim=-1)
+        rows, size, width = packed.shape[0], packed.shape[2], packed.shape[-1]  # [R, H_kv, S, C']
+        # Each written slot's source: [N, H_kv] rows of packed.view(-1, C'), (row, head, slot) flattened.
+        source = (slots.row[:, None] * kv_heads + slots.heads[None, :]) * size + index[slots.row, :, slots.slot]
+        content = packed.view(rows * kv_heads * size, width).index_select(0, source.flatten())
         flat = kv_cache.view(-1, slot_words)  # vLLM's per-layer cache is one contiguous tensor
-        flat[slots.written, : content.shape[-1]] = content.flatten(0, 1)
+        flat[:, :width].index_copy_(0, slots.written, content)
+
+    def _write_changed(self, kv_cache, batch: PagedBatch, group: "_Group", layer: LayerStore, layer_idx: int,
+                       before: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """A decode step's write: each row's entries into its first ``sizes`` slots, moving only what
+        changed. An entry that stays in a slot below the row's size stays in that slot; the entries
+        past it (the step's new token, a kept entry of a ragged row) fill the emptied slots below, in
+        slot order. The metadata words (position, bias, scores, EMA) of every slot are written; the
+        key and value only of the slots whose entry or votes changed.
+
+        ``before`` ([R, H_kv, S] positions and bias of the gathered slots, before the step): a served
+        method changes a slot's key or value only with its entry (position) or its votes (bias: a
+        merge adds the merged entry's), so a slot whose position and bias are unchanged holds the
+        key and value it was read with. No host sync: how many slots change is bounded by the step's
+        sizes, known on the host (:meth:`_Group.changed_bound`).
+        """
+        kv_heads, block_size, slot_words = kv_cache.shape[1:]
+        sizes = group.sizes(self, batch, layer_idx, after=True)
+        slots = group.slots(sizes, kv_heads, block_size)
+        rows, _, size = layer.bias.shape  # [R, H_kv, S']
+        width = max(sizes)
+        live = layer.live()
+        after = group.size_tensor(sizes)  # [R, 1, 1]
+        slot = torch.arange(size, device=live.device)
+        source = slot[:width].expand(rows, kv_heads, width)  # [R, H_kv, W] the store slot each slot gets
+        spill = size - min(sizes)  # at most this many entries per row past its size
+        if spill > 0:
+            holes = ~live[..., :width] & (slot[:width] < after)
+            hole, has_hole = slots_of(holes, min(spill, width))
+            mover, has_mover = slots_of(live & (slot >= after), min(spill, width))
+            source = source.scatter(-1, hole, mover.where(has_hole & has_mover, hole))
+        # Metadata of every slot within sizes: [N, H_kv] rows of the packed words.
+        words = [layer.positions.float()[..., None], layer.bias[..., None]]
+        words += [layer.extras[name].flatten(3) if len(shape) else layer.extras[name][..., None]
+                  for name, shape in self.extras.items()]
+        meta = torch.cat(words, dim=-1)  # [R, H_kv, S', M] fp32
+        meta_rows = (slots.row[:, None] * kv_heads + slots.heads[None, :]) * size + source[slots.row, :, slots.slot]
+        head_dim = layer.keys.shape[-1]
+        meta_width = 4 * meta.shape[-1] // kv_cache.element_size()
+        flat = kv_cache.view(-1, slot_words)  # vLLM's per-layer cache is one contiguous tensor
+        content = meta.view(-1, meta.shape[-1]).index_select(0, meta_rows.flatten()).view(kv_cache.dtype)
+        flat[:, 2 * head_dim : 2 * head_dim + meta_width].index_copy_(0, slots.written, content)
+        # Keys and values of the changed slots only; the rest (padding) rewrite slot 0 with its own.
+        old_positions, old_bias = (t[..., :width] for t in before)
+        if width > old_positions.shape[-1]:  # slots the row did not hold before: empty then
+            pad = width - old_positions.shape[-1]
+            old_positions = F.pad(old_positions, (0, pad), value=-1)
+            old_bias = F.pad(old_bias, (0, pad), value=NEG_INF)
+        changed = (layer.positions.gather(-1, source) != old_positions) | (layer.bias.gather(-1, source) != old_bias)
+        changed &= slot[:width] < after
+        bound = group.changed_bound(group.sizes(self, batch, layer_idx, after=False), sizes, (before[0].shape[-1], size))
+        if self.check_writes and int(changed.sum(-1).max()) > bound:  # tests only: a host sync
+            raise AssertionError(f"paged: {int(changed.sum(-1).max())} slots changed, bound {bound}")
+        index, is_changed = slots_of(changed, bound)
+        index = index.where(is_changed, 0)  # [R, H_kv, C]
+        take = source.gather(-1, index)[..., None].expand(-1, -1, -1, head_dim)
+        key_value = torch.cat([layer.keys.gather(2, take), layer.values.gather(2, take)], dim=-1).to(kv_cache.dtype)
+        flat[:, : 2 * head_dim].index_copy_(0, slots.flat.gather(-1, index).flatten(), key_value.view(-1, 2 * head_dim))
 
 
 @dataclass
@@ -533,6 +603,30 @@ class _Group:
             self.cache[sizes] = _Slots(*(t.to(device) for t in (
                 flat, ~valid[:, None, :].expand(-1, kv_heads, -1), row, slot_of_row, written, heads)))
         return self.cache[sizes]
+
+    def size_tensor(self, sizes: tuple) -> torch.Tensor:
+        """[R, 1, 1] ``sizes`` on the device (built once per step and sizes)."""
+        key = ("size_tensor", sizes)
+        if key not in self.cache:
+            self.cache[key] = torch.tensor(sizes, device=self.table.device)[:, None, None]
+        return self.cache[key]
+
+    def changed_bound(self, before: tuple, after: tuple, slots: tuple[int, int]) -> int:
+        """Most slots of one row and head that a decode step changes (``PagedCompression._write_changed``),
+        from host-side sizes. ``before``, ``after``: the rows' sizes before and after the step;
+        ``slots``: the step's store's slots before and after it.
+
+        Per row: the q new tokens and the entries a compression moves (at most the tail it cuts,
+        before + q - kept) each land in one slot; it merges into at most as many targets as it
+        evicts (before + q - after); the entries then past the row's size (the former, or kept
+        entries of a row shrinking to its budget) fill as many of its emptied slots.
+        """
+        q = self.tokens.shape[1]
+        tail = slots[0] + q - slots[1]
+        most = max(
+            q + tail + max(0, b + q - a) + min(slots[1] - a, max(0, b - a) + q + tail) for b, a in zip(before, after)
+        )
+        return max(1, min(max(after), most))
 
     def sizes(self, paged: PagedCompression, batch: PagedBatch, layer: int, after: bool) -> tuple:
         """Entries each row of layer ``layer`` holds before the step's append, or after the step

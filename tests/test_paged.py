@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 
 from keepkv import CompressedCache
@@ -18,6 +19,12 @@ CONFIG = LlamaConfig(
 )
 SCALING = HEAD_DIM**-0.5
 pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")  # tiny budgets on purpose
+
+
+@pytest.fixture(autouse=True)
+def check_writes(monkeypatch):
+    """Every decode step checks that its changed slots fit the write's static bound."""
+    monkeypatch.setattr(PagedCompression, "check_writes", True)
 
 
 class Engine:
@@ -172,6 +179,58 @@ def decode_beside_alone(paged, method, budget, layer, seed, steps):
             expected = alone(references[request], query, key, value, layer)
             torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
             yield engine, request, prompts[request], references[request]
+
+
+class KeyValueWrites(TorchDispatchMode):
+    """Count the slots whose key and value an index_copy_ or index_put_ writes (rows of width >= 2D)."""
+
+    def __init__(self):
+        super().__init__()
+        self.slots = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.index_copy_.default, torch.ops.aten._index_put_impl_.default,
+                    torch.ops.aten.index_put_.default):
+            written = args[3] if func is torch.ops.aten.index_copy_.default else args[2]
+            if written.dim() == 2 and written.shape[-1] >= 2 * HEAD_DIM:
+                self.slots += written.shape[0]
+        return func(*args, **(kwargs or {}))
+
+
+def held_slots(engine, request) -> torch.Tensor:
+    """[H_kv, S, C] the slots a request holds now (S: what ``stored`` says)."""
+    held = engine.paged.stored(engine.prompt[request], engine.computed[request])
+    blocks = torch.tensor([engine.tables[request][j // BLOCK] for j in range(held)])
+    return engine.kv_cache[blocks, :, torch.arange(held) % BLOCK].transpose(0, 1).clone()
+
+
+@pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "h2o+interval=3"])
+def test_a_decode_step_moves_and_rewrites_only_the_entries_that_change(method):
+    """A decode step leaves every entry that stays in its slot, with its key and value bytes as they
+    were unless its votes changed (a merge into it), and writes keys and values of a few slots per
+    request and head (the new token's, a merge target's), not of every slot a request holds. A
+    short prompt beside longer ones (ragged sizes: its new tokens land past its size in the step's
+    store) fills its own slots in order."""
+    generator = torch.Generator().manual_seed(3)
+    paged = PagedCompression(CONFIG, method, 8)
+    engine = Engine(paged)
+    prompts = {0: 3, 1: 25, 2: 60}
+    engine.step({r: tokens(generator, n) for r, n in prompts.items()})
+    position, bias = 2 * HEAD_DIM, 2 * HEAD_DIM + 1
+    for step in range(9):
+        before = {r: held_slots(engine, r) for r in prompts}
+        with KeyValueWrites() as writes:
+            engine.step({r: tokens(generator, 1) for r in prompts})
+        assert writes.slots <= 7 * KV_HEADS * len(prompts)  # of the 8 slots a request holds per head
+        for request, old in before.items():
+            new = held_slots(engine, request)
+            both = min(old.shape[1], new.shape[1])  # a compression may shrink the request to its budget
+            old, still = old[:, :both], new[:, :both]
+            still_held = (old[..., position, None] == new[:, None, :, position]).any(-1)  # [H_kv, S]
+            in_place = old[..., position] == still[..., position]
+            assert torch.equal(still_held, in_place), (step, request)
+            same = in_place & (old[..., bias] == still[..., bias])
+            assert torch.equal(old[..., : 2 * HEAD_DIM][same], still[..., : 2 * HEAD_DIM][same])
 
 
 @pytest.mark.parametrize("method", ["pyramidkv+window=2+kernel=1", "pyramidkv+window=2+kernel=1+interval=3"])
