@@ -395,33 +395,36 @@ class PagedCompression:
         return joined
 
     # -- gather / write ------------------------------------------------------------------------
-    def _split(self, kv_cache: torch.Tensor, head_dim: int):
-        """(keys, values, meta) views of kv_cache: [blocks, H_kv, bs, D] twice, [.., meta_words] fp32.
-        Slots may be longer than key, value and metadata: what follows is left alone."""
-        words = 4 * self.meta_words // kv_cache.element_size()
-        meta = kv_cache[..., 2 * head_dim : 2 * head_dim + words].view(torch.float32)
-        return kv_cache[..., :head_dim], kv_cache[..., head_dim : 2 * head_dim], meta
-
     def _gather(self, kv_cache, batch: PagedBatch, group: "_Group", sizes: tuple, like, layer: int = 0,
                 extras: tuple[str, ...] | None = None) -> LayerStore:
         """A decode-ready LayerStore of each row's first ``sizes`` slots (slots past a row's size
         are empty), its budgets fixed by its prompt; or, for a prompt read in chunks (``extras``:
         the extras its method has added so far), the prompt so far, without budgets.
 
-        One index_select reads whole slots; each tensor is then the prefix of a buffer with room for
-        the step's append (``LayerStore._extend`` appends in place). ``like``: [R, H_kv, q, D] of
-        the model's dtype.
+        Keys and values are read by one index_select each straight into the store's buffers, with
+        room for the step's append (``LayerStore._extend`` appends in place); the metadata words by
+        one more. ``like``: [R, H_kv, q, D] of the model's dtype.
         """
         kv_heads, block_size, words = kv_cache.shape[1:]
+        head_dim = like.shape[-1]
         slots = group.slots(sizes, kv_heads, block_size)
-        gathered = kv_cache.reshape(-1, words).index_select(0, slots.flat.view(-1)).view(*slots.flat.shape, words)
-        keys, values, meta = self._split(gathered, like.shape[-1])
+        rows, _, size = slots.flat.shape
+        spare = self.method.interval  # the store's headroom (below): spare slots for the step's append
+        flat = kv_cache.view(-1, words)  # vLLM's per-layer cache is one contiguous tensor
+        with torch.inference_mode(False):  # the store's buffers are normal tensors (LayerStore._new_buffer)
+            keys, values = (
+                flat[:, start : start + head_dim].index_select(0, group.reads(sizes, spare, slots)).view(rows, kv_heads, size + spare, head_dim)
+                for start in (0, head_dim)
+            )
+        meta_words = 4 * self.meta_words // kv_cache.element_size()
+        meta = flat[:, 2 * head_dim : 2 * head_dim + meta_words].index_select(0, slots.flat.view(-1))
+        meta = meta.view(torch.float32).view(*slots.flat.shape, self.meta_words)
         empty = slots.empty
         positions = meta[..., 0].long().masked_fill_(empty, -1)
         bias = meta[..., 1].masked_fill(empty, NEG_INF)
         reading = extras is not None
         chosen = set(self.extras if extras is None else extras)
-        tensors, word = {"keys": keys, "values": values, "bias": bias, "positions": positions}, 2
+        tensors, word = {"keys": keys.narrow(2, 0, size), "values": values.narrow(2, 0, size), "bias": bias, "positions": positions}, 2
         for name, shape in self.extras.items():
             width = math.prod(shape)
             if name in chosen:
@@ -430,7 +433,7 @@ class PagedCompression:
             word += width
         store = LayerStore.from_entries(
             layer, tensors, {name: self.extra_fill[name] for name in chosen}, seen=group.seen, real_seen=group.computed,
-            binary=self.binary, headroom=self.method.interval,
+            binary=self.binary, headroom=spare, buffers={"keys": keys, "values": values},
         )
         if reading:
             return store
@@ -603,6 +606,16 @@ class _Group:
             self.cache[sizes] = _Slots(*(t.to(device) for t in (
                 flat, ~valid[:, None, :].expand(-1, kv_heads, -1), row, slot_of_row, written, heads)))
         return self.cache[sizes]
+
+    def reads(self, sizes: tuple, spare: int, slots: "_Slots") -> torch.Tensor:
+        """[R·H_kv·(S + spare)] rows of ``kv_cache.view(-1, C)``: each row and head's first ``sizes``
+        slots (:meth:`slots`), then ``spare`` more that repeat its first (a buffer's spare slots, which
+        appends overwrite). Built once per step, sizes and spare."""
+        key = ("reads", sizes, spare)
+        if key not in self.cache:
+            flat = slots.flat
+            self.cache[key] = torch.cat([flat, flat[..., :1].expand(-1, -1, spare)], dim=-1).flatten()
+        return self.cache[key]
 
     def size_tensor(self, sizes: tuple) -> torch.Tensor:
         """[R, 1, 1] ``sizes`` on the device (built once per step and sizes)."""

@@ -422,16 +422,25 @@ class LayerStore(CacheLayerMixin):
     def from_entries(
         cls, layer_idx: int, tensors: dict[str, torch.Tensor], extra_fill: dict[str, float], *, seen: int,
         real_seen: torch.Tensor, binary: bool, headroom: int | None = None, shared: dict | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
     ) -> "LayerStore":
         """A store holding copies of ``tensors`` (buffer name -> [B, H_kv, S, ...]: the four core
         tensors and one "extras.NAME" per key of ``extra_fill``), each the prefix of a buffer with
-        spare slots: a stacked batch, a fork, a paged request's gathered slots."""
+        spare slots: a stacked batch, a fork, a paged request's gathered slots.
+
+        ``buffers``: name -> a contiguous [B, H_kv, S + spare, ...] tensor (not an inference tensor)
+        whose prefix is that name's tensor: the store takes it as its buffer instead of copying."""
         store = cls(layer_idx, shared)
         store.headroom = headroom
         keys = tensors["keys"]
         store.dtype, store.device = keys.dtype, keys.device
         size = keys.shape[2]
+        buffers = buffers or {}
         for name, tensor in tensors.items():
+            if name in buffers and buffers[name].shape[2] == size + store.spare_slots(size):
+                store.buffers[name] = buffers[name]
+                store._tensors[name] = buffers[name].narrow(2, 0, size)
+                continue
             buffer = store._new_buffer(name, tensor, size + store.spare_slots(size)).narrow(2, 0, size)
             store._tensors[name] = buffer.copy_(tensor)
         store._extra_fill = dict(extra_fill)
