@@ -7,7 +7,8 @@ threads (the paged step itself runs on ``keepkv.paged.STEP_THREADS``).
 
 Each engine step builds one batch and runs PagedCompression.forward for every layer (its own
 KV cache), as vLLM does. Prints the mean milliseconds per layer and decode step (over 30 steps
-after 3 warm-up steps), three runs per method.
+after 3 warm-up steps), three runs per method, and then the seconds of the first step (every
+prompt, each in a group of its own, as in the engine) per prompt over the 30 layers.
 """
 
 import argparse
@@ -24,7 +25,8 @@ CONFIG = LlamaConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, nu
                      num_hidden_layers=LAYERS, intermediate_size=16, vocab_size=32)
 
 
-def run(method: str, requests: int = REQUESTS, prompt: int = PROMPT) -> float:
+def run(method: str, requests: int = REQUESTS, prompt: int = PROMPT) -> tuple[float, float]:
+    """(milliseconds per layer and decode step, seconds of the prompts' step per prompt)."""
     generator = torch.Generator().manual_seed(0)
     paged = PagedCompression(CONFIG, method, 0.1)
     blocks = math.ceil(paged.capacity(prompt) / BLOCK)
@@ -40,13 +42,15 @@ def run(method: str, requests: int = REQUESTS, prompt: int = PROMPT) -> float:
         for layer, kv_cache in enumerate(caches):
             paged.forward(kv_cache, query, key, value, batch, HEAD_DIM**-0.5, layer)
 
+    start = time.perf_counter()
     step(prompt, 0)
+    prefill = (time.perf_counter() - start) / requests
     for t in range(3):
         step(1, prompt + t)
     start = time.perf_counter()
     for t in range(3, 33):
         step(1, prompt + t)
-    return (time.perf_counter() - start) / 30 / LAYERS * 1000
+    return (time.perf_counter() - start) / 30 / LAYERS * 1000, prefill
 
 
 if __name__ == "__main__":
@@ -57,5 +61,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     torch.set_num_threads(2)
     for method in args.methods:
-        times = [run(method, args.requests, args.prompt) for _ in range(3)]
-        print(method, " ".join(f"{t:.2f}" for t in times), "ms per layer-step")
+        runs = [run(method, args.requests, args.prompt) for _ in range(3)]
+        print(method, " ".join(f"{decode:.2f}" for decode, _ in runs), "ms per layer-step;",
+              " ".join(f"{prefill:.2f}" for _, prefill in runs), "s per prompt's step")
