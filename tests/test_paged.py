@@ -31,11 +31,12 @@ class Engine:
     """A minimal engine: a block pool, each request's block table capped at its capacity, the
     paged cache filled with garbage so that a read of a stale slot shows."""
 
-    def __init__(self, paged: PagedCompression, blocks: int = 64, seed: int = 0):
+    def __init__(self, paged: PagedCompression, blocks: int = 64, seed: int = 0, dtype=torch.float32):
         self.paged = paged
         generator = torch.Generator().manual_seed(seed)
-        words = (2 * HEAD_DIM * 4 + 4 * paged.meta_words) // 4
-        self.kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, words, generator=generator)
+        size = torch.finfo(dtype).bits // 8
+        words = (2 * HEAD_DIM * size + 4 * paged.meta_words) // size  # the metadata: fp32 words
+        self.kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, words, generator=generator).to(dtype)
         self.free = torch.randperm(blocks - 1, generator=generator).add(1).tolist()  # block 0: the null block
         self.tables: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
@@ -125,6 +126,27 @@ def test_paged_requests_decode_as_alone(method, budget):
             layer = references[request].layers[0]
             assert int(layer.live_counts().max()) == paged.stored(engine.prompt[request], engine.computed[request])
     assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
+
+
+@pytest.mark.parametrize("method", ["snapkv", "keepkv", "h2o+interval=3"])
+def test_a_bfloat16_cache_decodes_as_alone(method):
+    """A bf16 engine cache (each fp32 metadata word in two bf16 elements of a slot) gives the
+    outputs of a bf16 CompressedCache per request, to bf16's rounding."""
+    generator = torch.Generator().manual_seed(5)
+    paged = PagedCompression(CONFIG, method, 6)
+    engine = Engine(paged, dtype=torch.bfloat16)
+    prompts = {0: 9, 1: 20}
+    references = {r: CompressedCache(CONFIG, method, 6) for r in prompts}
+    for step in range(6):
+        new = {r: tuple(t.to(torch.bfloat16) for t in tokens(generator, prompts[r] if step == 0 else 1)) for r in prompts}
+        outputs = engine.step(new)
+        for request, (query, key, value) in new.items():
+            expected = alone(references[request], query, key, value)
+            torch.testing.assert_close(outputs[request], expected, rtol=2e-2, atol=2e-2)
+            position = held_slots(engine, request)[..., 2 * HEAD_DIM : 2 * HEAD_DIM + 2]  # one fp32 word
+            held = position.contiguous().view(torch.float32)[..., 0].sort(-1).values  # [H_kv, S]
+            live = references[request].layers[0].positions[0]
+            assert torch.equal(held, live[live >= 0].view(KV_HEADS, -1).sort(-1).values.float())
 
 
 @pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", PAPER_KEEPKV, "keepkv+interval=3"])
