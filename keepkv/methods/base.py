@@ -331,25 +331,18 @@ def plan_eviction(
 ) -> EvictionPlan:
     """Keep the ``layer.budget`` live entries of highest ``priority`` [B, H_kv, S] per row and head.
 
-    Each row and head drops its live - budget lowest live entries (empty slots rank highest, so
-    they are never among them): one top-k of the few that leave rather than of the many that
-    stay, whose indices are the evicted slots. Applied with :meth:`LayerStore.keep`, a budget
-    that keeps everything changes nothing, bit for bit. No host sync: the top-k's size comes from
-    the layer's host-side counters: S - min(budget), or, with the layer's own budgets, the tokens
-    appended since its last compression (each compression leaves a row at most its budget, so no
-    row is further over it), which keeps a ragged batch's step (rows of unequal budgets) at the
-    few entries a step adds. ``budget``: (budget [B, H_kv], its max, its min) to use instead of
-    the layer's (KVReviver's exact share).
+    Each row and head drops its S - budget lowest slots (empty slots rank lowest): one top-k of
+    the few that leave rather than of the many that stay, whose indices are the evicted slots.
+    Applied with :meth:`LayerStore.keep`, a budget that keeps everything changes nothing, bit
+    for bit. No host sync: sizes come from the layer's host-side counters. ``budget``: (budget
+    [B, H_kv], its max, its min) to use instead of the layer's (KVReviver's exact share).
     """
-    own = budget is None
     budget, capacity, min_budget = budget or (layer.budget, layer.capacity, layer.min_budget)
     live = layer.live()
     size = live.shape[-1]
     most_dropped = max(0, size - min_budget)
-    if own and layer.pending > 0:  # pending 0: a reload (KeepKV's refresh) or a gathered prompt
-        most_dropped = min(most_dropped, layer.pending)
-    lowest = priority.masked_fill(~live, float("inf")).topk(most_dropped, dim=-1, largest=False).indices
-    drops = torch.arange(most_dropped, device=live.device) < (live.sum(-1) - budget)[..., None]
+    lowest = priority.masked_fill(~live, NEG_INF).topk(most_dropped, dim=-1, largest=False).indices
+    drops = torch.arange(most_dropped, device=live.device) < (size - budget)[..., None]
     kept = live & ~torch.zeros_like(live).scatter_(-1, lowest, drops)  # top-k indices are distinct
     evicted = drops & live.gather(-1, lowest)
     if most_dropped == 1:  # one entry per row and head (a decode step's plan): already in order
