@@ -450,19 +450,25 @@ class PagedCompression:
         slots = group.slots(sizes, kv_heads, block_size)
         index, _ = slots_of(layer.live(), max(sizes))  # [R, H_kv, W] live slots first, in slot order
         dtype = kv_cache.dtype
-        words = [layer.positions.float()[..., None], layer.bias[..., None]]
-        for name, shape in self.extras.items():
-            if name in layer.extras:
-                words.append(layer.extras[name].flatten(3) if len(shape) else layer.extras[name][..., None])
-            else:  # a prompt read in chunks: the method adds its extras when it compresses
-                words.append(words[0].new_full((*words[0].shape[:3], math.prod(shape)), self.extra_fill[name]))
-        packed = torch.cat([layer.keys.to(dtype), layer.values.to(dtype), torch.cat(words, dim=-1).view(dtype)], dim=-1)
+        packed = torch.cat([layer.keys.to(dtype), layer.values.to(dtype), self._meta_words(layer).view(dtype)], dim=-1)
         rows, size, width = packed.shape[0], packed.shape[2], packed.shape[-1]  # [R, H_kv, S, C']
         # Each written slot's source: [N, H_kv] rows of packed.view(-1, C'), (row, head, slot) flattened.
         source = (slots.row[:, None] * kv_heads + slots.heads[None, :]) * size + index[slots.row, :, slots.slot]
         content = packed.view(rows * kv_heads * size, width).index_select(0, source.flatten())
         flat = kv_cache.view(-1, slot_words)  # vLLM's per-layer cache is one contiguous tensor
         flat[:, :width].index_copy_(0, slots.written, content)
+
+    def _meta_words(self, layer: LayerStore) -> torch.Tensor:
+        """[R, H_kv, S, M] fp32: each entry's metadata words as a slot stores them (position, bias,
+        the method's extras in order; an extra the store has not added yet, as in a prompt read in
+        chunks, at its fill value)."""
+        words = [layer.positions.float()[..., None], layer.bias[..., None]]
+        for name, shape in self.extras.items():
+            if name in layer.extras:
+                words.append(layer.extras[name].flatten(3) if len(shape) else layer.extras[name][..., None])
+            else:  # a prompt read in chunks: the method adds its extras when it compresses
+                words.append(words[0].new_full((*words[0].shape[:3], math.prod(shape)), self.extra_fill[name]))
+        return torch.cat(words, dim=-1)
 
     def _write_changed(self, kv_cache, batch: PagedBatch, group: "_Group", layer: LayerStore, layer_idx: int,
                        before: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -494,10 +500,7 @@ class PagedCompression:
             mover, has_mover = slots_of(live & (slot >= after), min(spill, width))
             source = source.scatter(-1, hole, mover.where(has_hole & has_mover, hole))
         # Metadata of every slot within sizes: [N, H_kv] rows of the packed words.
-        words = [layer.positions.float()[..., None], layer.bias[..., None]]
-        words += [layer.extras[name].flatten(3) if len(shape) else layer.extras[name][..., None]
-                  for name, shape in self.extras.items()]
-        meta = torch.cat(words, dim=-1)  # [R, H_kv, S', M] fp32
+        meta = self._meta_words(layer)  # [R, H_kv, S', M] fp32
         meta_rows = (slots.row[:, None] * kv_heads + slots.heads[None, :]) * size + source[slots.row, :, slots.slot]
         head_dim = layer.keys.shape[-1]
         meta_width = 4 * meta.shape[-1] // kv_cache.element_size()
