@@ -20,7 +20,7 @@ import torch
 
 from ..attention import Needs, StepStats
 from ..merging import compacts
-from ..store import NEG_INF, slots_of
+from ..store import slots_of
 
 METHODS: dict[str, type["Method"]] = {}
 
@@ -331,18 +331,34 @@ def plan_eviction(
 ) -> EvictionPlan:
     """Keep the ``layer.budget`` live entries of highest ``priority`` [B, H_kv, S] per row and head.
 
-    Each row and head drops its S - budget lowest slots (empty slots rank lowest): one top-k of
-    the few that leave rather than of the many that stay, whose indices are the evicted slots.
-    Applied with :meth:`LayerStore.keep`, a budget that keeps everything changes nothing, bit
-    for bit. No host sync: sizes come from the layer's host-side counters. ``budget``: (budget
-    [B, H_kv], its max, its min) to use instead of the layer's (KVReviver's exact share).
+    Each row and head drops its live - budget lowest live entries: one top-k of the few that
+    leave rather than of the many that stay, whose indices are the evicted slots. Equal
+    priorities leave in a fixed order (the later slot first, :func:`rank_keys`), so the plan does
+    not depend on the top-k's size or on the other rows. Applied with :meth:`LayerStore.keep`, a
+    budget that keeps everything changes nothing, bit for bit.
+
+    No host sync: the top-k's size comes from the layer's host-side counters: S - min(budget),
+    or, with the layer's own budgets, at most the tokens appended since its last compression
+    (each compression leaves every row at its budget or under it, so none is further over it).
+    That keeps a ragged batch's decode step (rows of unequal budgets) at the one entry a step
+    adds instead of S - min(budget). ``budget``: (budget [B, H_kv], its max, its min) to use
+    instead of the layer's (KVReviver's exact share).
     """
+    own = budget is None
     budget, capacity, min_budget = budget or (layer.budget, layer.capacity, layer.min_budget)
     live = layer.live()
     size = live.shape[-1]
     most_dropped = max(0, size - min_budget)
-    lowest = priority.masked_fill(~live, NEG_INF).topk(most_dropped, dim=-1, largest=False).indices
-    drops = torch.arange(most_dropped, device=live.device) < (size - budget)[..., None]
+    if own and layer.pending > 0:  # pending 0: a reload (KeepKV's refresh) or a gathered prompt
+        most_dropped = min(most_dropped, layer.pending)
+    if most_dropped == 1:  # a decode step: the lowest live entry, the later slot among equals (as rank_keys)
+        finite = priority.float().clamp(max=torch.finfo(torch.float32).max)  # a protected entry ranks below an empty slot
+        last_lowest = finite.masked_fill(~live, float("inf")).flip(-1).argmin(dim=-1, keepdim=True)  # argmin: the first
+        lowest = (size - 1) - last_lowest
+    else:
+        keys = rank_keys(priority).masked_fill(~live, torch.iinfo(torch.int64).max)  # empty slots never leave
+        lowest = keys.topk(most_dropped, dim=-1, largest=False).indices
+    drops = torch.arange(most_dropped, device=live.device) < (live.sum(-1) - budget)[..., None]
     kept = live & ~torch.zeros_like(live).scatter_(-1, lowest, drops)  # top-k indices are distinct
     evicted = drops & live.gather(-1, lowest)
     if most_dropped == 1:  # one entry per row and head (a decode step's plan): already in order

@@ -341,11 +341,10 @@ class KeepKV(ZipChoice, ScoredEviction):
             new_s = torch.logsumexp(weights[:, :, None] + scores, dim=3)  # [B, H_kv, g, S]
             new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
         # In place: the extras stay views of the layer's buffers, so the next append copies nothing.
+        # logaddexp on a strided view (the buffers' spare slots) runs ~5x slower than on a
+        # contiguous copy on CPU, so it reads one and copies the result back.
         for state, fresh, mask in ((ema_s, new_s, live[:, :, None]), (layer.extras["ema_log_n"], new_n, live)):
-            if torch.compiler.is_compiling():  # the compiler takes no non-contiguous out= (same values)
-                state.copy_(torch.logaddexp(state + decay, fresh).masked_fill_(~mask, NEG_INF))
-            else:
-                torch.logaddexp(state.add_(decay), fresh, out=state).masked_fill_(~mask, NEG_INF)
+            state.copy_(torch.logaddexp(state.contiguous().add_(decay), fresh).masked_fill_(~mask, NEG_INF))
         layer.state["query"] = queries[:, :, :, -1].clone()  # [B, H_kv, g, D]; not a view that holds the block
         if not decoding or self.scores == "exact":  # decode merges with EMA scores need no exact logits
             layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
