@@ -130,3 +130,14 @@ def test_the_serving_bench_reports_each_engine_as_it_finishes(tmp_path, capsys):
     assert table[2] == "| full (stock vLLM) | 36 | 4 | 1,400 | 20.0 | 1.00× |"
     assert table[3] == "| snapkv | 35 | 4 | 1,400 | 30.0 | 1.50× |"
     assert results[1]["tokens_per_s_vs_full"] == 1.5
+
+
+def test_the_serving_bench_spreads_ragged_prompts_around_the_length():
+    from keepkv.vllm.bench import prompt_lengths
+
+    assert prompt_lengths(4, 1024, ragged=False) == [1024] * 4
+    ragged = prompt_lengths(32, 1024, ragged=True)
+    assert sorted(ragged) == [512 + (1024 * i) // 31 for i in range(32)]  # 512 .. 1,536, each once
+    assert ragged != sorted(ragged)  # submitted mixed, not shortest first
+    assert abs(sum(ragged) / 32 - 1024) < 1
+    assert prompt_lengths(32, 1024, ragged=True) == ragged  # a fixed order: runs compare

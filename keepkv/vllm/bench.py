@@ -6,7 +6,9 @@ Every engine gets the KV bytes that hold ``--full-requests`` full-cache requests
 (prompt + generated tokens), as a block count (keepkv's slots are a little larger: each also
 holds its position, bias and score, so it gets fewer blocks). All requests are submitted at
 once; the engine is stepped by hand to record how many run concurrently. Prompts are slices of
-the Python standard library's sources, each request its own. Run in the serving venv.
+the Python standard library's sources, each request its own; ``--ragged`` spreads their lengths
+over half to 1.5 times ``--prompt-len`` (a serving mix: unequal budgets in one batch). Run in
+the serving venv.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import glob
 import json
 import math
 import os
+import random
 import sys
 import tempfile
 import time
@@ -27,17 +30,27 @@ COLUMNS = [("engine", "method"), ("KV blocks", "blocks"), ("peak concurrent requ
            ("scheduler steps", "steps"), ("tokens/s", "tokens_per_s"), ("vs stock", "tokens_per_s_vs_full")]
 
 
-def stdlib_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    """``count`` prompts of ``length`` tokens, each from another stdlib source file."""
+def prompt_lengths(count: int, length: int, ragged: bool) -> list[int]:
+    """Tokens of each of ``count`` prompts: ``length`` each, or (``ragged``) spread evenly over
+    length/2 .. 3·length/2, in a shuffled order (a fixed one), so their mean is about ``length``."""
+    if not ragged:
+        return [length] * count
+    spread = [length // 2 + (length * i) // max(1, count - 1) for i in range(count)]
+    random.Random(0).shuffle(spread)
+    return spread
+
+
+def stdlib_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """One prompt of each of ``lengths`` tokens, each from another stdlib source file."""
     root = os.path.dirname(os.__file__)
     prompts = []
     for path in sorted(glob.glob(os.path.join(root, "*.py"))):
         ids = tokenizer(open(path, encoding="utf-8", errors="replace").read()).input_ids
-        if len(ids) >= length:
-            prompts.append(ids[:length])
-        if len(prompts) == count:
+        if len(ids) >= max(lengths):
+            prompts.append(ids[: lengths[len(prompts)]])
+        if len(prompts) == len(lengths):
             return prompts
-    raise SystemExit(f"keepkv.vllm.bench: only {len(prompts)} stdlib files have {length} tokens; lower --requests")
+    raise SystemExit(f"keepkv.vllm.bench: only {len(prompts)} stdlib files have {max(lengths)} tokens; lower --requests")
 
 
 def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None,
@@ -48,7 +61,7 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     import vllm
 
     args = dict(
-        model=model_dir, dtype="float32", max_model_len=len(prompts[0]) + gen_len, enforce_eager=True,
+        model=model_dir, dtype="float32", max_model_len=max(map(len, prompts)) + gen_len, enforce_eager=True,
         enable_prefix_caching=False, enable_chunked_prefill=chunked_prefill, num_gpu_blocks_override=blocks, seed=0,
         block_size=BLOCK_SIZE,
         max_num_seqs=256,
@@ -95,6 +108,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=0.1, help="fraction of each prompt kept (default 0.1)")
     parser.add_argument("--requests", type=int, default=32, help="requests submitted at once (default 32)")
     parser.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
+    parser.add_argument("--ragged", action="store_true",
+                        help="prompts of unequal lengths, spread over half to 1.5 times --prompt-len (the KV memory stays that of --full-requests of --prompt-len)")
     parser.add_argument("--gen-len", type=int, default=128, help="generated tokens per request (default 128)")
     parser.add_argument("--full-requests", type=int, default=4, help="full-cache requests the KV memory holds (default 4)")
     parser.add_argument("--chunked-prefill", action="store_true",
@@ -117,7 +132,7 @@ def main(argv=None) -> None:
     model_dir = tempfile.mkdtemp(prefix="keepkv-vllm-")
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    prompts = stdlib_prompts(tokenizer, args.requests, args.prompt_len)
+    prompts = stdlib_prompts(tokenizer, prompt_lengths(args.requests, args.prompt_len, args.ragged))
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     stock_slot = 2 * head_dim * 4  # fp32 key + value per head
