@@ -141,3 +141,4 @@ def test_the_serving_bench_spreads_ragged_prompts_around_the_length():
     assert ragged != sorted(ragged)  # submitted mixed, not shortest first
     assert abs(sum(ragged) / 32 - 1024) < 1
     assert prompt_lengths(32, 1024, ragged=True) == ragged  # a fixed order: runs compare
+    assert min(prompt_lengths(3, 1, ragged=True)) == 1  # never an empty prompt

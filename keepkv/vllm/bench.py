@@ -35,7 +35,7 @@ def prompt_lengths(count: int, length: int, ragged: bool) -> list[int]:
     length/2 .. 3·length/2, in a shuffled order (a fixed one), so their mean is about ``length``."""
     if not ragged:
         return [length] * count
-    spread = [length // 2 + (length * i) // max(1, count - 1) for i in range(count)]
+    spread = [max(1, length // 2 + (length * i) // max(1, count - 1)) for i in range(count)]
     random.Random(0).shuffle(spread)
     return spread
 
