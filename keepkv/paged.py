@@ -44,7 +44,7 @@ from .methods.base import ScoredEviction, slots_of
 # Methods the paged adapter serves: scored selections whose layer budgets are drawn from the
 # prompt's length alone (PyramidKV's and KeepKV's differ by layer); KeepKV also merges (its votes
 # are the bias word) and keeps per-entry extras (the EMA) in the slots' words and a little
-# per-layer state per request (:attr:`PagedCompression.states`).
+# per-layer state per request (:meth:`PagedCompression.request_state`).
 SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv")
 MERGING_SERVED = ("keepkv",)  # the only served method whose merge may be other than "none"
 
@@ -149,8 +149,13 @@ class PagedCompression:
         self.spec = method
         self.binary = getattr(self.method, "merge", "none") == "none"  # evicting only: the bias is 0 or -inf
         self._layout = None  # (extras {name: trailing shape}, extra_fill), probed on first use
-        # (first block, layer) -> the method's per-layer state of the request (KeepKV: its lost votes)
-        self.states: dict[tuple[int, int], dict] = {}
+        # The method's per-layer state of each request (KeepKV: its lost votes): per-row tensors in
+        # one slab per layer and name, a row per request (its first block's), so a step files and
+        # reads a group's rows with one index_copy_ and one index_select each; anything else (a
+        # scalar) once per layer. A request's row is rewritten when a new request takes its block.
+        self._state_rows: dict[int, int] = {}  # first block -> slab row
+        self._slabs: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> [rows, ...]
+        self._layer_state: dict[int, dict] = {}  # layer -> the state that is not per row
         self._prompts: dict[int, int | None] = {}  # first block id -> prompt length (None: chunks still coming)
         # (first block, layer) -> (method state, prefill statistics, extras so far) of a prompt read in chunks
         self.chunks: dict[tuple[int, int], tuple[dict, object, tuple[str, ...]]] = {}
@@ -302,7 +307,10 @@ class PagedCompression:
             compressing = [r for r in decodes if (batch.computed[r] - batch.prompt[r]) % interval == interval - 1]
             rows = [*([r] for r, phase in enumerate(batch.phases) if phase != "decode"), compressing,
                     [r for r in decodes if r not in compressing]]
-            batch.plans["groups"] = [_Group.build(batch, group, interval, device) for group in rows if group]
+            batch.plans["groups"] = groups = [_Group.build(batch, group, interval, device) for group in rows if group]
+            for group in groups:  # each request's row of the state slabs (a new request: the next free)
+                slab_rows = [self._state_rows.setdefault(batch.first_block[r], len(self._state_rows)) for r in group.rows]
+                group.state_rows = torch.tensor(slab_rows, device=device)
         return batch.plans["groups"]
 
     def _forward_rows(self, kv_cache, query, key, value, batch, group: "_Group", scaling, output, layer: int = 0):
@@ -334,7 +342,7 @@ class PagedCompression:
         else:
             cache.layers[layer] = store = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer)
             store.pending = self.method.interval - 1 if group.compressing else 0  # this step's append compresses, or not
-            store.state.update(self._join_states(keys))
+            store.state.update(self._join_states(group, layer))
             before = (store.positions.clone(), store.bias.clone())  # what each slot held: see _write_changed
         if group.phase == "chunk":  # the prompt goes on: the cache attends and sums, and compresses nothing yet
             cache.prompt_mask = torch.ones(1, group.seen + group.lengths[0] + 1, dtype=torch.bool)
@@ -348,7 +356,7 @@ class PagedCompression:
         if group.phase == "chunk":
             self.chunks[keys[0]] = (dict(store.state), self._trimmed(store.prefill_stats), tuple(store.extras))
         else:
-            self._keep_states(store.state, keys)
+            self._keep_states(store.state, group, layer)
 
     def _trimmed(self, stats):
         """A chunked prompt's summed statistics, kept until its next chunk: the newest query rows
@@ -359,39 +367,48 @@ class PagedCompression:
         return stats
 
     # -- the method's per-layer state, per request ----------------------------------------------
-    def _keep_states(self, state: dict, keys: list[tuple[int, int]]) -> None:
-        """File each row's share of a layer's method state under (its first block, layer): per-row
-        tensors (first dimension the rows) by row, anything else as it is. A request's entries are
-        replaced at its next step, and dropped when a new request's prefill takes its first block."""
+    def _keep_states(self, state: dict, group: "_Group", layer: int) -> None:
+        """File a layer's method state by row: a per-row tensor (first dimension the group's rows)
+        into its slab rows, anything else as the layer's. A per-row tensor whose trailing shape
+        changes from step to step is tied to one step's slots (KeepKV's newest query's logits,
+        [R, H_kv, g, S]): the method rewrites it before it reads it (tested against each
+        request's own cache), so it is not filed."""
         if not state:
             return
-        rows = len(keys)
-        for row, key in enumerate(keys):
-            self.states[key] = {
-                name: value[row : row + 1] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows
-                else value
-                for name, value in state.items()
-            }
+        slabs = self._slabs.setdefault(layer, {})
+        shared = self._layer_state.setdefault(layer, {})
+        rows = group.state_rows
+        for name, value in state.items():
+            if not (isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == len(group.rows)):
+                shared[name] = value
+                continue
+            slab = slabs.get(name)
+            if slab is not None and (slab.shape[1:] != value.shape[1:] or slab.dtype != value.dtype):
+                slabs[name] = None  # a per-step tensor: never filed again
+                continue
+            if name in slabs and slab is None:
+                continue
+            if slab is None or slab.shape[0] < len(self._state_rows):
+                grown = value.new_zeros(max(2 * len(self._state_rows), 8), *value.shape[1:])
+                if slab is not None:
+                    grown[: slab.shape[0]] = slab
+                slabs[name] = slab = grown
+            slab.index_copy_(0, rows, value)
 
-    def _join_states(self, keys: list[tuple[int, int]]) -> dict:
-        """The rows' filed states as one layer's: per-row tensors concatenated, anything else the
-        first row's (KeepKV's step counter, read only by refresh_interval, which is not served).
+    def _join_states(self, group: "_Group", layer: int) -> dict:
+        """The group's rows' filed states as one layer's (per-row tensors read from their slabs)."""
+        joined = dict(self._layer_state.get(layer, {}))
+        for name, slab in self._slabs.get(layer, {}).items():
+            if slab is not None:
+                joined[name] = slab.index_select(0, group.state_rows)
+        return joined
 
-        A per-row tensor whose shape differs between rows is tied to one step's slots (KeepKV's
-        newest query's logits, [1, H_kv, g, S]): the method rewrites it before it reads it
-        (tested against each request's own cache), so it is left out."""
-        states = [self.states.get(key) for key in keys]
-        if not states or states[0] is None:
-            return {}
-        joined = {}
-        for name, value in states[0].items():
-            if any(name not in state for state in states[1:]):
-                continue  # a per-step entry not every row's last step wrote (as above)
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == 1:
-                if len({tuple(state[name].shape) for state in states}) == 1:
-                    joined[name] = torch.cat([state[name] for state in states])
-            else:
-                joined[name] = value
+    def request_state(self, first_block: int, layer: int) -> dict:
+        """The method's filed state of the request whose first block is ``first_block``, at
+        ``layer`` (per-row tensors as [1, ...])."""
+        row = torch.tensor([self._state_rows[first_block]])
+        joined = dict(self._layer_state.get(layer, {}))
+        joined.update({name: slab.index_select(0, row) for name, slab in self._slabs.get(layer, {}).items() if slab is not None})
         return joined
 
     # -- gather / write ------------------------------------------------------------------------
@@ -562,6 +579,7 @@ class _Group:
     computed: torch.Tensor
     seen: int
     cache: dict
+    state_rows: torch.Tensor | None = None  # [R] the rows' slab rows (PagedCompression._keep_states)
 
     @classmethod
     def build(cls, batch: PagedBatch, rows: list[int], interval: int, device) -> "_Group":

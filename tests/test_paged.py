@@ -285,7 +285,7 @@ def test_keepkv_merges_and_keeps_its_state_per_request(method):
         for engine, request, prompt, cache in decode_beside_alone(paged, method, 6, layer, 10 + layer, 6):
             reference = cache.layers[layer]
             assert int(reference.live_counts().max()) == paged.stored(prompt, engine.computed[request], layer)
-            state = paged.states[(engine.tables[request][0], layer)]
+            state = paged.request_state(engine.tables[request][0], layer)
             torch.testing.assert_close(state["lost_votes"], reference.state["lost_votes"])
             merged |= bool((reference.bias > 0).any())  # votes above 1: a merge happened
     assert merged
