@@ -388,18 +388,25 @@ class PagedCompression:
                 continue
             if name in slabs and slab is None:
                 continue
-            if slab is None or slab.shape[0] < len(self._state_rows):
-                grown = value.new_zeros(max(2 * len(self._state_rows), 8), *value.shape[1:])
-                if slab is not None:
-                    grown[: slab.shape[0]] = slab
-                slabs[name] = slab = grown
+            slabs[name] = slab = self._grown(value.new_zeros(0, *value.shape[1:]) if slab is None else slab)
             slab.index_copy_(0, rows, value)
 
+    def _grown(self, slab: torch.Tensor) -> torch.Tensor:
+        """``slab`` with a row for every request seen (zeros where none was filed), doubled when short."""
+        if slab.shape[0] >= len(self._state_rows):
+            return slab
+        grown = slab.new_zeros(max(2 * len(self._state_rows), 8), *slab.shape[1:])
+        grown[: slab.shape[0]] = slab
+        return grown
+
     def _join_states(self, group: "_Group", layer: int) -> dict:
-        """The group's rows' filed states as one layer's (per-row tensors read from their slabs)."""
+        """The group's rows' filed states as one layer's (per-row tensors read from their slabs; a
+        row nothing was filed for reads zeros)."""
         joined = dict(self._layer_state.get(layer, {}))
-        for name, slab in self._slabs.get(layer, {}).items():
+        slabs = self._slabs.get(layer, {})
+        for name, slab in slabs.items():
             if slab is not None:
+                slabs[name] = slab = self._grown(slab)
                 joined[name] = slab.index_select(0, group.state_rows)
         return joined
 

@@ -400,3 +400,26 @@ def test_the_step_runs_on_one_thread_and_gives_the_engine_its_threads_back(monke
         assert torch.get_num_threads() == 2
     finally:
         torch._C.set_num_threads(before)
+
+
+def test_requests_admitted_over_many_steps_keep_their_own_keepkv_state():
+    """Twelve requests, two admitted per step while the others decode (the state slabs grow
+    past their first rows): every output equals the request alone, and each request's filed
+    lost votes are its own cache's."""
+    paged = PagedCompression(CONFIG, "keepkv", 6)
+    engine = Engine(paged, blocks=96)
+    generator = torch.Generator().manual_seed(3)
+    references, merged = {}, False
+    for step in range(9):
+        new = {r: tokens(generator, 1) for r in references}
+        for r in range(2 * step, min(2 * step + 2, 12)):
+            references[r] = CompressedCache(CONFIG, "keepkv", 6)
+            new[r] = tokens(generator, 20 + 3 * r)
+        outputs = engine.step(new, 0)
+        for request, (query, key, value) in new.items():
+            torch.testing.assert_close(outputs[request], alone(references[request], query, key, value), atol=1e-5, rtol=1e-5)
+            reference = references[request].layers[0]
+            state = paged.request_state(engine.tables[request][0], 0)
+            torch.testing.assert_close(state["lost_votes"], reference.state["lost_votes"])
+            merged |= bool((reference.bias > 0).any())
+    assert len(references) == 12 and merged
