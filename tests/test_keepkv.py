@@ -457,3 +457,19 @@ def test_perturbation_bad_input():
         perturbation(model, None, None)
     with pytest.raises(ValueError):
         perturbation(model, None, prompt_ids(), steps=(0,))
+
+
+@pytest.mark.parametrize("spec", ["keepkv", "keepkv+scores=exact", "keepkv+selection=ema+interval=2"])
+@torch.no_grad()
+def test_the_state_carries_no_step_scratch_after_a_compression(gqa_model, spec):
+    """The newest query's exact logits ([B, H_kv, g, S] over one step's slots) are not kept in the
+    layer's state after a compression: no stale [.., S_prompt] tensor counted as method state."""
+    cache = keepkv.CompressedCache(gqa_model.config, spec, 0.25)
+    ids = torch.randint(3, 100, (2, 120))
+    with keepkv.enabled(gqa_model):
+        out = gqa_model(ids, past_key_values=cache)
+        for _ in range(3):
+            out = gqa_model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+    for layer in cache.layers:
+        assert "exact_logits" not in layer.state
+        assert layer.live_counts().max() <= int(layer.budget.max()) + 1

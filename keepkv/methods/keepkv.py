@@ -262,12 +262,15 @@ class KeepKV(ZipChoice, ScoredEviction):
                 self.refresh(layer)  # a compression: the store has nothing pending after it
 
     def compress(self, layer, stats: StepStats) -> None:
-        if layer.size <= layer.min_budget:
-            return
-        if stats.is_prefill:
-            self._compress_prefill(layer, exact=self.prefill_scores == "exact")
-        else:
-            self._evict_and_merge(layer, exact=self.scores == "exact")
+        if layer.size > layer.min_budget:
+            if stats.is_prefill:
+                self._compress_prefill(layer, exact=self.prefill_scores == "exact")
+            else:
+                self._evict_and_merge(layer, exact=self.scores == "exact")
+        # The newest query's exact logits are one step's scratch over that step's slots ([B, H_kv,
+        # g, S], a prompt's S after a prefill): observe writes them before any read, so the state
+        # does not carry them (nor a serving engine copy them per request and step).
+        layer.state.pop("exact_logits", None)
 
     # -- reporting -------------------------------------------------------------------------
     @staticmethod
