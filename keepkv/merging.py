@@ -148,6 +148,7 @@ class MergedRows(NamedTuple):
 
     groups: _Groups
     rows: dict[str, torch.Tensor]
+    merge: torch.Tensor | None = None  # [B, H_kv, E] the plan entries that merged (after any gate)
 
     def write_into(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Write the merged rows of ``name`` into x [B, H_kv, S(, D)] in place; returns x."""
@@ -226,6 +227,41 @@ def _min_norm_shift(
     return mean_keys + coeff.transpose(-1, -2) @ q  # [B, H_kv, E, g] @ [B, H_kv, g, D]
 
 
+def _gate_keep(
+    own_w: torch.Tensor, incoming_w: torch.Tensor, entry_group: torch.Tensor, own_values: torch.Tensor,
+    incoming_values: torch.Tensor, max_value_change: float, max_share: float,
+) -> torch.Tensor | None:
+    """[..., E] bool per valid group: ZIP-merging its entries moves the target's value by at most
+    ``max_value_change`` relative and brings at most ``max_share`` of the merged weight (see
+    :func:`gate_merges`); None where no gate is on. own_w, incoming_w [..., E]: the weights of
+    :func:`_group_weights`; own_values, incoming_values [..., E, D] fp32: v_t per group, v_e per
+    plan entry. Unmerged plan entries sit in an invalid group, whose answer means nothing."""
+    one = entry_group.shape[-1] == 1  # one group of one entry: sums over a group are the entry's own
+    incoming_sum = incoming_w if one else _group_sum(torch.zeros_like(own_w), incoming_w, entry_group)
+    weight_sum = own_w + incoming_sum
+    keep = None
+    if max_share < 1.0:  # incoming <= own + incoming holds for any weights >= 0: no cap to compare
+        keep = incoming_sum <= max_share * weight_sum
+    if math.isfinite(max_value_change):
+        entry_target = _per_entry(own_values, entry_group)  # v_t of each entry's target
+        pull = incoming_w[..., None] * (incoming_values - entry_target)
+        if not one:
+            pull = _group_sum(torch.zeros_like(own_values), pull, entry_group)
+        change = pull.norm(dim=-1) / weight_sum  # ‖v_r - v_t‖ = ‖Σ_e w_e (v_e - v_t)‖ / Σ w
+        small = change <= max_value_change * own_values.norm(dim=-1)
+        keep = small if keep is None else keep & small
+    return keep
+
+
+def _gated(groups: _Groups, merge: torch.Tensor, keep: torch.Tensor | None) -> tuple[_Groups, torch.Tensor]:
+    """The plan's groups and ``merge`` [..., E] with every group that fails ``keep`` [..., E]
+    dropped whole (an invalid group targets slot 0, as :func:`_write_groups` needs)."""
+    if keep is None:
+        return groups, merge
+    valid = groups.valid & keep
+    return groups._replace(valid=valid, slot=groups.slot.where(valid, 0)), merge & _per_entry(keep, groups.entry_group)
+
+
 def gate_merges(
     values: torch.Tensor,
     bias: torch.Tensor,
@@ -246,27 +282,20 @@ def gate_merges(
     A group is kept or dropped whole, so every target that still merges moves by at most ε and
     takes at most δ of foreign weight. values [B, H_kv, S, D]; bias, log_scores [B, H_kv, S].
     Dropped entries are evicted by the caller, as any entry below the similarity threshold.
+    :func:`zip_merge_rows` applies the same gates to the rows it merges (``max_value_change``,
+    ``max_share``) from the weights and values it gathers anyway.
     """
     groups = _group_plan(src, dst, merge, values.shape[-2])
-    entry_group = groups.entry_group
     own_log_votes, incoming_log_votes = _own_and_incoming(bias, groups)
     own_log_scores, incoming_log_scores = _own_and_incoming(log_scores, groups)
     _, own_w, incoming_w = _group_weights(
         own_log_votes + own_log_scores.where(torch.isfinite(own_log_scores), 0.0),
         incoming_log_votes + incoming_log_scores.where(torch.isfinite(incoming_log_scores), 0.0),
-        entry_group,
+        groups.entry_group,
     )
-    incoming_w = incoming_w * merge  # unmerged entries bring nothing (they sit in an invalid group)
-    incoming_sum = _group_sum(torch.zeros_like(own_w), incoming_w, entry_group)  # [B, H_kv, E]
-    weight_sum = own_w + incoming_sum
-    keep = incoming_sum <= max_share * weight_sum
-    if math.isfinite(max_value_change):
-        own_values, incoming_values = _own_and_incoming(values, groups)  # [B, H_kv, E, D]
-        entry_target = _per_entry(own_values, entry_group)  # v_t of each entry's target
-        pull = _group_sum(torch.zeros_like(own_values), incoming_w[..., None] * (incoming_values - entry_target), entry_group)
-        change = pull.norm(dim=-1) / weight_sum  # ‖v_r - v_t‖
-        keep &= change <= max_value_change * own_values.norm(dim=-1)
-    return merge & _per_entry(keep, entry_group)
+    own_values, incoming_values = _own_and_incoming(values, groups)  # [B, H_kv, E, D]
+    keep = _gate_keep(own_w, incoming_w, groups.entry_group, own_values, incoming_values, max_value_change, max_share)
+    return _gated(groups, merge, keep)[1]
 
 
 def zip_merge_rows(
@@ -283,6 +312,8 @@ def zip_merge_rows(
     scaling: float | None = None,
     group_log_scores: torch.Tensor | None = None,
     paper_max_gain: float = PAPER_MAX_KEY_GAIN,
+    max_value_change: float = math.inf,
+    max_share: float = 1.0,
 ) -> MergedRows:
     """KeepKV's ZIP-Merging with Electoral Votes (eq. 7, many-to-one eq. 25; EMA scores eq. 26).
 
@@ -342,11 +373,14 @@ def zip_merge_rows(
     scaling : attention scale (1/√D); needed whenever ``queries`` is.
     group_log_scores : [B, H_kv, g, S], per-query-head ln s^h, only for "group".
     paper_max_gain : bound G on the eq. 25 key gain, only for "paper".
+    max_value_change, max_share : the merge gates of :func:`gate_merges` (ε, δ), applied to the
+        groups merged here: a group that fails them is dropped whole (its entries unmerged).
 
     Returns
     -------
     The merged rows of "keys", "values" (v_r, k_r) and "bias" (logsumexp of the group's bias:
-    votes add) at each target; :func:`zip_merge` returns the merged tensors.
+    votes add) at each target, with ``merge`` the plan entries that merged (after the gates);
+    :func:`zip_merge` returns the merged tensors.
     """
     if key_rule not in KEY_RULES:
         raise ValueError(f"key_rule must be one of {KEY_RULES}, got {key_rule!r}")
@@ -378,7 +412,11 @@ def zip_merge_rows(
         summed = _group_sum(own_w.unsqueeze(-1) * own, incoming_w.unsqueeze(-1) * incoming, entry_group)
         return summed / weight_sum.unsqueeze(-1)
 
-    merged_values = weighted_mean(*_own_and_incoming(values, groups))  # [B, H_kv, E, D]  v_r
+    own_values, incoming_values = _own_and_incoming(values, groups)  # [B, H_kv, E, D]
+    merged_values = weighted_mean(own_values, incoming_values)  # v_r
+    if math.isfinite(max_value_change) or max_share < 1.0:
+        keep = _gate_keep(own_w, incoming_w, entry_group, own_values, incoming_values, max_value_change, max_share)
+        groups, merge = _gated(groups, merge, keep)
     mean_keys = weighted_mean(*_own_and_incoming(keys, groups))  # [B, H_kv, E, D]  k̄
     merged_log_votes = _group_logsumexp(own_log_votes, incoming_log_votes, entry_group)  # ln Σ p
     target_logit = group_max + weight_sum.log() - merged_log_votes  # [B, H_kv, E]  t = ln(Σw / Σp)
@@ -415,7 +453,7 @@ def zip_merge_rows(
         ) / weight_sum.unsqueeze(-2)  # [B, H_kv, g, E]  m̄_h = scaling·q_h·k̄ for exact logits
         merged_keys = _min_norm_shift(mean_keys, queries, head_targets - head_mean_logits, scaling)
 
-    return MergedRows(groups, {"keys": merged_keys, "values": merged_values, "bias": merged_log_votes})
+    return MergedRows(groups, {"keys": merged_keys, "values": merged_values, "bias": merged_log_votes}, merge)
 
 
 def zip_merge(keys, values, bias, log_scores, src, dst, merge, **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -606,7 +644,8 @@ def cosine_nearest(
         sim, idx = similarity.max(dim=-1)
         best_idx.append(idx)
         best_sim.append(sim)
-    best_idx = torch.cat(best_idx, dim=-1)
+    # one chunk (a decode step's plan): its own tensors, not a copy
+    best_idx, best_sim = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1) for parts in (best_idx, best_sim))
     if candidate_idx is not None:
         best_idx = candidate_idx.gather(-1, best_idx)
-    return best_idx, torch.cat(best_sim, dim=-1)
+    return best_idx, best_sim

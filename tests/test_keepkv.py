@@ -38,9 +38,10 @@ class ConvexMerge(KeepKV):
 
     name = "convex-merge-test"
 
-    def merge_entries(self, layer, src, dst, merge, exact, ema=None, pooled=None):
+    def merge_entries(self, layer, src, dst, merge, exact, ema=None, pooled=None, gated=False):
         weights = torch.ones(src.shape, device=src.device)
         layer.merge_into(convex_merge_rows(layer.keys, layer.values, src, dst, merge, weights))
+        return merge  # no gates: every planned merge happens
 
 
 def prompt_ids(length=40, seed=3):

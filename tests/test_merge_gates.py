@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keepkv
-from keepkv.merging import gate_merges, zip_merge
+from keepkv.merging import gate_merges, zip_merge, zip_merge_rows
 
 from conftest import random_batch, tiny_model
 
@@ -56,6 +56,30 @@ def test_gate_bounds_what_every_target_takes(seed, evicted, max_value_change, ma
             assert share <= max_share + 1e-5
     if math.isinf(max_value_change) and max_share == 1.0:
         assert torch.equal(gated, merge)  # no gate: every merge stays
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    evicted=st.integers(1, SIZE - 1),
+    max_value_change=st.sampled_from([0.0, 0.05, 0.3, 1.0, math.inf]),
+    max_share=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
+    key_rule=st.sampled_from(["projection", "mean", "paper"]),
+)
+def test_gated_merge_rows_equal_the_gate_then_the_merge(seed, evicted, max_value_change, max_share, key_rule):
+    """zip_merge_rows with the gates (what KeepKV and ZipMerge run) writes bit for bit what
+    gate_merges' plan merged without them writes, and reports that plan as what merged; a
+    dropped group's target keeps its own rows (its write is slot 0's own value)."""
+    keys, values, bias, log_scores, src, dst, merge = random_plan(seed, evicted)
+    query = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(seed))
+    options = dict(key_rule=key_rule, queries=query, scaling=DIM**-0.5)
+    gated = gate_merges(values, bias, log_scores, src, dst, merge, max_value_change, max_share)
+    rows = zip_merge_rows(keys, values, bias, log_scores, src, dst, merge, **options,
+                          max_value_change=max_value_change, max_share=max_share)
+    assert torch.equal(rows.merge, gated)
+    expected = zip_merge(keys, values, bias, log_scores, src, dst, gated, **options)
+    for got, want in zip(rows.applied(keys=keys, values=values, bias=bias), expected):
+        assert torch.equal(got, want)
 
 
 def test_gate_drops_a_group_whole():

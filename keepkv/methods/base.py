@@ -286,8 +286,8 @@ class EvictionPlan:
         """
         scored = self.kept & torch.isfinite(self.priority)
         size = scored.shape[-1]
-        count = (scored.sum(-1, keepdim=True) * share).ceil().long()
-        left_out = scored.sum(-1, keepdim=True) - count  # [B, H_kv, 1]
+        scored_count = scored.sum(-1, keepdim=True)
+        left_out = scored_count - (scored_count * share).ceil().long()  # [B, H_kv, 1]
         most_left_out = min(size, size - math.floor(share * size))  # a bound on every row's, known on the host
         keys = rank_keys(self.priority).masked_fill(~scored, torch.iinfo(torch.int64).max)
         lowest = keys.topk(most_left_out, dim=-1, largest=False).indices

@@ -29,8 +29,9 @@ def ema_log_scores(
 
     ema_log_s [B, H_kv, g, S] (a view of the stored [B, H_kv, S, g]); ema_log_n, bias, live [B, H_kv, S].
     """
-    log_n = ema_log_n.masked_fill(~live, 0.0)[:, :, None]
-    heads = (ema_log_s - log_n + log_scale).masked_fill(~live[:, :, None], NEG_INF)
+    empty = ~live
+    log_n = ema_log_n.masked_fill(empty, 0.0)[:, :, None]
+    heads = (ema_log_s - log_n + log_scale).masked_fill(empty[:, :, None], NEG_INF)
     return heads, pool_log_scores(heads, bias)
 
 
@@ -346,8 +347,9 @@ class KeepKV(ZipChoice, ScoredEviction):
         # In place: the extras stay views of the layer's buffers, so the next append copies nothing.
         # logaddexp on a strided view (the buffers' spare slots) runs ~5x slower than on a
         # contiguous copy on CPU, so it reads one and copies the result back.
-        for state, fresh, mask in ((ema_s, new_s, live[:, :, None]), (layer.extras["ema_log_n"], new_n, live)):
-            state.copy_(torch.logaddexp(state.contiguous().add_(decay), fresh).masked_fill_(~mask, NEG_INF))
+        empty = ~live
+        for state, fresh, mask in ((ema_s, new_s, empty[:, :, None]), (layer.extras["ema_log_n"], new_n, empty)):
+            state.copy_(torch.logaddexp(state.contiguous().add_(decay), fresh).masked_fill_(mask, NEG_INF))
         layer.state["query"] = queries[:, :, :, -1].clone()  # [B, H_kv, g, D]; not a view that holds the block
         if not decoding or self.scores == "exact":  # decode merges with EMA scores need no exact logits
             layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
@@ -383,25 +385,31 @@ class KeepKV(ZipChoice, ScoredEviction):
     # -- compression -------------------------------------------------------------------------
     def merge_entries(
         self, layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, exact: bool, ema=None,
-        pooled: torch.Tensor | None = None,
-    ) -> None:
-        """ZIP-merge the plan (src -> dst where ``merge``) into the layer's store, in place.
+        pooled: torch.Tensor | None = None, gated: bool = False,
+    ) -> torch.Tensor:
+        """ZIP-merge the plan (src -> dst where ``merge``) into the layer's store, in place; returns
+        [B, H_kv, E] the entries that merged.
 
         ``exact``: merge with the newest query's logits, else with the EMA scores; ``ema``: the
         (per-head, pooled) EMA log-scores if already computed; ``pooled``: the merge's scores
-        pooled over the query group (:meth:`_merge_scores`), if already computed.
+        pooled over the query group (:meth:`_merge_scores`), if already computed; ``gated``: the
+        targets that fail the merge gates (``max_value_change``, ``max_share``) take none.
         """
         ema = ema if ema is not None else self._ema(layer)
         heads_ema = ema[0]
         heads = layer.state["exact_logits"] if exact else heads_ema
         if pooled is None:
             pooled = self._merge_scores(layer, exact, ema)[1]
-        merged = zip_rows(layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key, pooled)
+        gates = self.zip.gates() if gated else (math.inf, 1.0)
+        merged = zip_rows(
+            layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key, pooled, *gates
+        )
         # The targets' EMA, from the votes before the merge, written with the merged entries.
         ema_rows = merged_ema_rows(
             layer.extras["ema_log_n"], layer.bias, heads_ema, merged.groups, merged.rows["bias"], self._log_scale(layer)
         )
         layer.merge_into(MergedRows(merged.groups, {**merged.rows, "ema_log_s": ema_rows}))
+        return merged.merge
 
     def _merge_scores(self, layer, exact: bool, ema) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-head [B, H_kv, g, S], pooled [B, H_kv, S]) log-scores a merge weighs with: the
@@ -465,19 +473,17 @@ class KeepKV(ZipChoice, ScoredEviction):
         ema = self._ema(layer, live) if self._selector is None else None
         plan = plan_eviction(layer, self.priority(layer, None if ema is None else ema[1]))
         if plan.evict_idx.shape[-1] > 0:
+            dropped = plan.evict_valid
             if self.merge == "zip":
                 ema = self._ema(layer, live) if ema is None else ema  # the merge's votes and EMA need it
-                pooled = self._merge_scores(layer, exact, ema)[1]  # the gate weighs as the merge does
-                dst, merge = self.zip.targets(layer, plan, lambda: pooled)
-            else:
-                dst, merge = plan.evict_idx, torch.zeros_like(plan.evict_valid)
-            dropped = plan.evict_valid & ~merge
-            lost = layer.bias.gather(-1, plan.evict_idx).exp().masked_fill(~dropped, 0.0).sum(-1)
+                dst, merge = self.zip.targets(layer, plan)
+                # Always run the merge, on every device: reading "does anything merge?" would be a
+                # host sync, and an empty merge changes nothing, bit for bit. The gates weigh as
+                # the merge does. An evicted slot's votes are not a merge's target: still readable.
+                merged = self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema, gated=True)
+                dropped = dropped & ~merged
+            lost = (layer.bias.gather(-1, plan.evict_idx).exp() * dropped).sum(-1)
             layer.state["lost_votes"] += lost
-            # Always run the merge, on every device: reading "does anything merge?" would be a host
-            # sync, and an empty merge changes nothing, bit for bit.
-            if self.merge == "zip":
-                self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema, pooled)
         if self.kernel > 1:  # the pooled ranking needs slots in position order
             layer.select(plan.keep_idx, plan.keep_valid)
         else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Needs, scaled_logits
-from ..merging import KEY_RULES, MergedRows, cosine_nearest, gate_merges, zip_merge_rows
+from ..merging import KEY_RULES, MergedRows, cosine_nearest, zip_merge_rows
 from ..store import NEG_INF
 from .base import EVICT, EvictionPlan, Merge, check_range
 
@@ -70,9 +70,11 @@ def nearest_kept(
 def zip_rows(
     layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, head_log_scores: torch.Tensor,
     query: torch.Tensor, scaling: float, zip_key: str, pooled: torch.Tensor | None = None,
+    max_value_change: float = math.inf, max_share: float = 1.0,
 ) -> MergedRows:
     """The merged rows of ZIP-merging ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]) in
-    the layer's store (:func:`zip_into` writes them).
+    the layer's store (``LayerStore.merge_into`` writes them), the groups that fail the gates
+    (``max_value_change``, ``max_share``: :func:`keepkv.merging.gate_merges`) dropped whole.
 
     head_log_scores [B, H_kv, g, S]: ln s^h per query head (-inf on empty slots), pooled over the
     group by :func:`pool_log_scores` for the merge weights; query [B, H_kv, g, D]: the queries the
@@ -95,12 +97,9 @@ def zip_rows(
         queries=query if group else query.mean(2),
         scaling=scaling,
         group_log_scores=head_log_scores.where(torch.isfinite(head_log_scores), 0.0) if group else None,
+        max_value_change=max_value_change,
+        max_share=max_share,
     )
-
-
-def zip_into(layer, src, dst, merge, head_log_scores, query, scaling, zip_key, pooled=None) -> None:
-    """ZIP-merge ``src`` into ``dst`` where ``merge`` in the layer's store, in place (:func:`zip_rows`)."""
-    layer.merge_into(zip_rows(layer, src, dst, merge, head_log_scores, query, scaling, zip_key, pooled))
 
 
 @dataclass(frozen=True)
@@ -128,24 +127,19 @@ class ZipMerge(Merge):
         if self.max_value_change is not None:
             check_range("max_value_change", self.max_value_change, 0.0, math.inf)
 
-    def targets(self, layer, plan: EvictionPlan, pooled_log_scores) -> tuple[torch.Tensor, torch.Tensor]:
+    def targets(self, layer, plan: EvictionPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(dst, merge) [B, H_kv, E]: each evicted entry's most similar kept entry that may take
         merges (``protect``: the share of the kept scored entries, the selection's highest-ranked
-        first, that take none), if at least ``threshold`` similar, and only where the targets pass
-        the value gate (a target's value moves by at most ``max_value_change`` relative) and the
-        weight cap (merges bring at most ``max_share`` of its weight).
-
-        pooled_log_scores: a function returning the log-scores [B, H_kv, S] the merge weights come
-        from, pooled over the query group (:func:`pool_log_scores`; called only if a gate is on).
-        """
+        first, that take none), and whether it is at least ``threshold`` similar. The value gate
+        (a target's value moves by at most ``max_value_change`` relative) and the weight cap
+        (merges bring at most ``max_share`` of its weight) apply where the rows merge
+        (:func:`zip_rows` with :meth:`gates`)."""
         candidates = plan.kept & ~plan.top_kept(self.protect) if self.protect > 0 else None
-        dst, merge = nearest_kept(layer, plan, self.threshold, candidates)
-        if self.max_value_change is not None or self.max_share < 1.0:
-            merge = gate_merges(
-                layer.values, layer.bias, pooled_log_scores(), plan.evict_idx, dst, merge,
-                math.inf if self.max_value_change is None else self.max_value_change, self.max_share,
-            )
-        return dst, merge
+        return nearest_kept(layer, plan, self.threshold, candidates)
+
+    def gates(self) -> tuple[float, float]:
+        """(ε, δ): the value gate and the weight cap as :func:`zip_rows` takes them."""
+        return math.inf if self.max_value_change is None else self.max_value_change, self.max_share
 
     def needs(self, is_prefill: bool) -> Needs:
         # While decoding, the merges read the logits the attention computed.
@@ -160,8 +154,10 @@ class ZipMerge(Merge):
                 logits = stats.logits[:, :, :, -1]
             logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
             pooled = pool_log_scores(logits, layer.bias)
-            dst, merge = self.targets(layer, plan, lambda: pooled)
-            zip_into(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key, pooled)
+            dst, merge = self.targets(layer, plan)
+            layer.merge_into(
+                zip_rows(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key, pooled, *self.gates())
+            )
         layer.keep(plan.kept, plan.slots)
 
 
