@@ -463,14 +463,15 @@ def test_perturbation_bad_input():
 @pytest.mark.parametrize("spec", ["keepkv", "keepkv+scores=exact", "keepkv+selection=ema+interval=2"])
 @torch.no_grad()
 def test_the_state_carries_no_step_scratch_after_a_compression(gqa_model, spec):
-    """The newest query's exact logits ([B, H_kv, g, S] over one step's slots) are not kept in the
-    layer's state after a compression: no stale [.., S_prompt] tensor counted as method state."""
+    """The newest query and its exact logits ([B, H_kv, g, S] over one step's slots) are not kept
+    in the layer's state after a compression: no stale [.., S_prompt] tensor counted as method state."""
     cache = keepkv.CompressedCache(gqa_model.config, spec, 0.25)
     ids = torch.randint(3, 100, (2, 120))
     with keepkv.enabled(gqa_model):
         out = gqa_model(ids, past_key_values=cache)
-        for _ in range(3):
+        for _ in range(4):  # the last step compresses at interval 1 and 2
             out = gqa_model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
     for layer in cache.layers:
-        assert "exact_logits" not in layer.state
+        assert layer.pending == 0  # compressed at the last step
+        assert "exact_logits" not in layer.state and "query" not in layer.state
         assert layer.live_counts().max() <= int(layer.budget.max()) + 1

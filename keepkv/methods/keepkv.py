@@ -268,10 +268,12 @@ class KeepKV(ZipChoice, ScoredEviction):
                 self._compress_prefill(layer, exact=self.prefill_scores == "exact")
             else:
                 self._evict_and_merge(layer, exact=self.scores == "exact")
-        # The newest query's exact logits are one step's scratch over that step's slots ([B, H_kv,
-        # g, S], a prompt's S after a prefill): observe writes them before any read, so the state
-        # does not carry them (nor a serving engine copy them per request and step).
+        # The newest query and its exact logits are one step's scratch (the logits over that
+        # step's slots, [B, H_kv, g, S], a prompt's S after a prefill): observe writes them before
+        # any read, so the state does not carry them (nor a serving engine copy them per request
+        # and step).
         layer.state.pop("exact_logits", None)
+        layer.state.pop("query", None)
 
     # -- reporting -------------------------------------------------------------------------
     @staticmethod
