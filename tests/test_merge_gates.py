@@ -30,13 +30,17 @@ def random_plan(seed: int, evicted: int):
     return keys, values, bias, log_scores, src, dst, merge
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+# A random plan (random_plan's seed and evicted count) and the gates' parameters.
+PLANS_AND_GATES = dict(
     seed=st.integers(0, 10_000),
     evicted=st.integers(1, SIZE - 1),
     max_value_change=st.sampled_from([0.0, 0.05, 0.3, 1.0, math.inf]),
     max_share=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
 )
+
+
+@settings(max_examples=60, deadline=None)
+@given(**PLANS_AND_GATES)
 def test_gate_bounds_what_every_target_takes(seed, evicted, max_value_change, max_share):
     keys, values, bias, log_scores, src, dst, merge = random_plan(seed, evicted)
     gated = gate_merges(values, bias, log_scores, src, dst, merge, max_value_change, max_share)
@@ -59,13 +63,7 @@ def test_gate_bounds_what_every_target_takes(seed, evicted, max_value_change, ma
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    seed=st.integers(0, 10_000),
-    evicted=st.integers(1, SIZE - 1),
-    max_value_change=st.sampled_from([0.0, 0.05, 0.3, 1.0, math.inf]),
-    max_share=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
-    key_rule=st.sampled_from(["projection", "mean", "paper"]),
-)
+@given(**PLANS_AND_GATES, key_rule=st.sampled_from(["projection", "mean", "paper"]))
 def test_gated_merge_rows_equal_the_gate_then_the_merge(seed, evicted, max_value_change, max_share, key_rule):
     """zip_merge_rows with the gates (what KeepKV and ZipMerge run) writes bit for bit what
     gate_merges' plan merged without them writes, and reports that plan as what merged; a
