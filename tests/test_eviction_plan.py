@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keepkv.methods.base import plan_eviction
+from keepkv.methods.base import plan_eviction, protected
 from keepkv.store import LayerStore
 
 
@@ -64,3 +64,26 @@ def test_the_bounded_plan_is_the_full_plan(seed, batch, kv_heads, size, pending,
             expected = set(ranked[: int(layer.budget[b, h])])
             assert set(bounded.kept[b, h].nonzero().flatten().tolist()) == expected
             assert evicted[b * kv_heads + h] == set(slots) - expected
+
+
+@settings(max_examples=200)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    size=st.integers(1, 30),
+    sinks=st.integers(0, 6),
+    recent=st.integers(0, 10),
+)
+def test_protected_entries_are_the_first_sinks_and_the_newest_recent(seed, size, sinks, recent):
+    """protected(): per row and head, the live entries among the first min(sinks, budget) tokens
+    and the newest min(recent, budget - those) ones; empty slots (padding) never."""
+    layer = ragged_layer(seed, 3, 2, size, 2)
+    got = protected(layer, sinks, torch.full_like(layer.budget, recent))
+    live = layer.live()
+    for b in range(3):
+        for h in range(2):
+            budget = int(layer.budget[b, h])
+            first, newest = min(sinks, budget), min(recent, budget - min(sinks, budget))
+            seen = int(layer.real_seen[b])
+            positions = layer.positions[b, h].tolist()
+            want = [bool(live[b, h, s]) and (0 <= p < first or p >= seen - newest) for s, p in enumerate(positions)]
+            assert got[b, h].tolist() == want

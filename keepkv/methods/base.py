@@ -358,12 +358,14 @@ def plan_eviction(
     else:
         keys = rank_keys(priority).masked_fill(~live, torch.iinfo(torch.int64).max)  # empty slots never leave
         lowest = keys.topk(most_dropped, dim=-1, largest=False).indices
-    drops = torch.arange(most_dropped, device=live.device) < (live.sum(-1) - budget)[..., None]
+    over = live.sum(-1) - budget  # [B, H_kv] entries each row and head must drop
+    drops = (over > 0)[..., None] if most_dropped == 1 else torch.arange(most_dropped, device=live.device) < over[..., None]
     kept = live & ~torch.zeros_like(live).scatter_(-1, lowest, drops)  # top-k indices are distinct
-    evicted = drops & live.gather(-1, lowest)
     if most_dropped == 1:  # one entry per row and head (a decode step's plan): already in order
-        evict_idx, evict_valid = lowest, evicted
+        # a row that drops one has a live entry, and the argmin prefers any live one to an empty slot
+        evict_idx, evict_valid = lowest, drops
     else:
+        evicted = drops & live.gather(-1, lowest)
         order = (lowest + (~evicted).long() * size).argsort(dim=-1)  # position order, evicted first
         evict_idx, evict_valid = lowest.gather(-1, order), evicted.gather(-1, order)
     return EvictionPlan(kept, min(size, capacity), evict_idx, evict_valid, priority)
@@ -377,8 +379,8 @@ def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:
     """
     sink_count = layer.budget.clamp(max=sinks)
     recent = torch.minimum(recent, layer.budget - sink_count)
-    positions = layer.positions
-    is_sink = (positions >= 0) & (positions < sink_count[..., None])
+    positions = layer.positions  # -1 exactly on empty slots, which the live mask takes out
+    is_sink = positions < sink_count[..., None]
     is_recent = positions >= (layer.real_seen[:, None, None] - recent[..., None])
     return (is_sink | is_recent) & layer.live()
 
