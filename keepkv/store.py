@@ -295,10 +295,13 @@ class LayerStore(CacheLayerMixin):
             # kept entries (so at most min(tail, slots) move). Unpaired moves go from the tail to the
             # tail, where they are dropped.
             count = min(tail, slots)
-            movers, moves = slots_of(kept[..., slots:], count)
             free = (~kept[..., :slots]).to(torch.uint8).topk(count, dim=-1).indices
-            unpaired = slots + torch.arange(count, device=kept.device).expand_as(free)
-            source, target = slots + movers, free.where(moves, unpaired)
+            if tail == 1:  # a decode step's tail: its one slot is the only mover, no top-k to find it
+                source, target = torch.full_like(free, slots), free.where(kept[..., slots:], slots)
+            else:
+                movers, moves = slots_of(kept[..., slots:], count)
+                unpaired = slots + torch.arange(count, device=kept.device).expand_as(free)
+                source, target = slots + movers, free.where(moves, unpaired)
             for name, current in self._tensors.items():
                 self._tensors[name] = _move(current, source, target).narrow(2, 0, slots)
 
