@@ -64,12 +64,15 @@ def servable_method(spec: str) -> ScoredEviction:
     return method
 
 
-# Intra-op threads of one paged step. The step is hundreds of small tensor ops (a method's
+# Intra-op threads of one paged decode step. The step is hundreds of small tensor ops (a method's
 # scoring, selection and merges over [R, H_kv, S] with S near the budget); each one that forks
 # a parallel region waits for every one of the engine's threads, which vLLM pins to cores, so
 # on a busy host an op of microseconds waits for a scheduler tick (docs/serving.md has the
 # figures). One thread runs them back to back; the model's own matmuls keep the engine's threads.
 STEP_THREADS = 1
+# A prompt's step (a prefill, a chunk, or the close that compresses a chunked prompt) is few large
+# ops (its causal attention is O(prompt²)): it keeps the engine's threads (0: leave them as they are).
+PROMPT_THREADS = 0
 
 
 @contextlib.contextmanager
@@ -287,11 +290,11 @@ class PagedCompression:
         step's new tokens, request after request). Writes the kept entries back into kv_cache and
         returns the attention output [T, H, D].
         """
-        with _threads(STEP_THREADS):
-            output = query.new_empty(query.shape)
-            for group in self._groups(batch, query.device):
+        output = query.new_empty(query.shape)
+        for group in self._groups(batch, query.device):
+            with _threads(STEP_THREADS if group.phase == "decode" else PROMPT_THREADS):
                 self._forward_rows(kv_cache, query, key, value, batch, group, scaling, output, layer)
-            return output
+        return output
 
     def _groups(self, batch: PagedBatch, device) -> list["_Group"]:
         """The step's groups of rows run together, with their index tensors (built at the step's

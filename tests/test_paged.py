@@ -378,11 +378,9 @@ def test_a_step_builds_its_index_tensors_once_for_every_layer(method, monkeypatc
     assert len(slots) == 2 * CONFIG.num_hidden_layers  # read at every layer (gather and write), built once per sizes
 
 
-def test_the_step_runs_on_one_thread_and_gives_the_engine_its_threads_back(monkeypatch):
-    """The paged step's small ops run on STEP_THREADS intra-op threads; the caller's count is back
-    afterwards, also when the step raises."""
-    import keepkv.paged as paged_module
-
+def test_a_decode_step_runs_on_one_thread_a_prompt_on_the_engines_and_the_count_is_back(monkeypatch):
+    """A decode step's small ops run on STEP_THREADS intra-op threads, a prompt's step on the
+    engine's (PROMPT_THREADS 0); the caller's count is back afterwards, also when the step raises."""
     engine = Engine(PagedCompression(CONFIG, "snapkv", 0.5))  # its layout probe runs a cache of its own
     seen = []
     forward_layer = CompressedCache.forward_layer
@@ -393,7 +391,7 @@ def test_the_step_runs_on_one_thread_and_gives_the_engine_its_threads_back(monke
         generator = torch.Generator().manual_seed(6)
         engine.step({0: tokens(generator, 7)})
         engine.step({0: tokens(generator, 1)})
-        assert seen == [paged_module.STEP_THREADS] * 2 and torch.get_num_threads() == 2
+        assert seen == [2, 1] and torch.get_num_threads() == 2  # the prompt's step, then a decode step
         monkeypatch.setattr(CompressedCache, "forward_layer", lambda *a: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             engine.step({0: tokens(generator, 1)})
