@@ -639,8 +639,8 @@ def cosine_nearest(
     for part in src.clamp_min(0).split(max(1, chunk_elements // allowed.numel()), dim=-1):
         src_keys = _gather_entries(keys, part)  # [B, H_kv, e, D]
         src_unit = src_keys / src_keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        similarity = (src_unit @ targets.transpose(-1, -2)) / target_norms  # [B, H_kv, e, S or K]
-        similarity = similarity.masked_fill(~allowed.unsqueeze(-2), -math.inf)
+        similarity = (src_unit @ targets.transpose(-1, -2)).div_(target_norms)  # [B, H_kv, e, S or K]
+        similarity.masked_fill_(~allowed.unsqueeze(-2), -math.inf)  # in place: one workspace, not three
         sim, idx = similarity.max(dim=-1)
         best_idx.append(idx)
         best_sim.append(sim)
