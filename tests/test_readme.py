@@ -210,6 +210,38 @@ def test_every_docs_page_is_linked_and_every_link_resolves():
             assert (page.parent / link).exists(), f"{page.name}: {link}"
 
 
+def heading_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown page (fenced blocks skipped): lower
+    case, punctuation dropped, spaces to hyphens, a repeated heading suffixed -1, -2, ..."""
+    anchors, seen, fenced = set(), {}, False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"#{1,6}\s+(.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_heading_anchors_follow_githubs_rule():
+    page = "# GPU: the CUDA command\n```\n# not a heading\n```\n## The \"any\" op, twice\n## The \"any\" op, twice\n"
+    assert heading_anchors(page) == {"gpu-the-cuda-command", "the-any-op-twice", "the-any-op-twice-1"}
+
+
+def test_every_link_to_a_section_finds_its_heading():
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    links = 0
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#:\s]*)#([^)\s]+)\)", page.read_text()):
+            linked = page.parent / target if target else page
+            if linked.suffix == ".md":
+                links += 1
+                assert anchor in heading_anchors(linked.read_text()), f"{page.name}: {target}#{anchor}"
+    assert links > 10  # the README alone links a dozen sections
+
+
 def test_what_the_readme_says_about_the_code_is_true():
     """Supported architectures, protected tokens, the budget floor, and the options it names."""
     from keepkv.budgets import budget_floor
