@@ -1,5 +1,10 @@
 """The method contract (docs/architecture.md): outputs kept bit-for-bit through the refactor, and
-no method writes a store field."""
+no method writes a store field.
+
+The reference logits are exact (1e-6) on the kind of CPU that recorded them. Elsewhere torch's
+kernels use other vector widths and their float sums round differently (an AVX-512 recording read
+on an AVX2 host: every variant within 1.9e-5, every greedy token the same), so there the logits
+are compared to 1e-4 and the greedy tokens exactly: a changed decision still fails."""
 
 import pytest
 import torch
@@ -14,11 +19,16 @@ def reference():
     saved = torch.load(golden.PATH)
     if saved["torch"] != str(torch.__version__):
         pytest.skip(f"reference logits made with torch {saved['torch']}, this is {torch.__version__}")
-    return saved["logits"]
+    return saved
+
+
+def tolerance(reference) -> float:
+    """Absolute tolerance of the logits: exact where this CPU is of the recording's kind."""
+    return 1e-6 if reference.get("cpu_capability") == golden.cpu_capability() else 1e-4
 
 
 def test_every_variant_is_in_the_reference(reference):
-    assert len(reference) == len(golden.MODELS) * len(golden.VARIANTS) * len(golden.BUDGETS)
+    assert len(reference["logits"]) == len(golden.MODELS) * len(golden.VARIANTS) * len(golden.BUDGETS)
 
 
 @pytest.mark.parametrize("kind", golden.MODELS)
@@ -28,10 +38,11 @@ def test_logits_equal_the_reference(reference, kind, spec):
 
     model = tiny_model(kind, layers=3)
     for budget in golden.BUDGETS:
-        expected = reference[f"{kind}|{spec}|{budget}"]
+        expected = reference["logits"][f"{kind}|{spec}|{budget}"]
         got = golden.run(model, spec, budget)
         assert got.shape == expected.shape
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=f"{kind} {spec} budget={budget}")
+        assert torch.equal(got.argmax(-1), expected.argmax(-1)), f"{kind} {spec} budget={budget}: greedy tokens"
+        torch.testing.assert_close(got, expected, rtol=0, atol=tolerance(reference), msg=f"{kind} {spec} budget={budget}")
 
 
 def test_the_store_tensors_are_read_only(gqa_model):
