@@ -2,9 +2,9 @@
 no method writes a store field.
 
 The reference logits are exact (1e-6) on the kind of CPU that recorded them. Elsewhere torch's
-kernels use other vector widths and their float sums round differently (an AVX-512 recording read
-on an AVX2 host: every variant within 1.9e-5, every greedy token the same), so there the logits
-are compared to 1e-4 and the greedy tokens exactly: a changed decision still fails."""
+kernels use other vector widths and their float sums round differently (a recording of stop 38's
+host read on stop 40's AVX2 host: every variant within 1.9e-5, every greedy token the same), so
+there the logits are compared to 1e-4 and the greedy tokens exactly: a changed decision still fails."""
 
 import pytest
 import torch
