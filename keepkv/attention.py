@@ -53,15 +53,40 @@ def hand_over(cache, key_states: torch.Tensor) -> None:
     ACTIVE_CACHE.set((cache, key_states))
 
 
+RECONSTRUCTION_PICKS = ("stride", "blocks")  # which tokens a cheaper pass repeats (keepkv.reconstruction)
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """A context-reconstruction pass (KVzip, Kim et al. 2025, arXiv 2505.23416): after the prefill,
+    the model reads a "repeat the previous context" instruction followed by the context's own
+    tokens, teacher-forced, in blocks of ``chunk`` tokens, each block attending over the whole
+    cached context and itself; its keys and values are then discarded. What it yields per entry is
+    the largest attention probability any of its queries gave that entry (``StepStats.reconstructed``).
+
+    ``share`` < 1 is a cheaper pass: it repeats only that share of the context's tokens, picked by
+    ``pick`` ("stride": every context token at an even stride; "blocks": contiguous runs of 16 tokens
+    at an even stride), so its cost is about ``share`` of the full pass's.
+    """
+
+    chunk: int = 2048
+    share: float = 1.0
+    pick: str = "stride"
+
+
 @dataclass(frozen=True)
 class Needs:
-    """What a method asks the attention path to compute for it."""
+    """What a method asks the attention path (and, for ``reconstruct``, the caller) to compute for it."""
 
     probs: bool = False  # attention probabilities of every query row (decode steps)
     colsum: bool = False  # column sums of the probabilities over all query rows (prefill)
     window: int = 0  # probabilities of the last `window` query rows (prefill)
     logits: bool = False  # q·K·scaling of every query row, fp32, no bias (decode steps)
     decays: tuple[float, ...] = ()  # Σ_i λ^(q-1-i) probs_i over query rows, per λ (prefill)
+    colmax: bool = False  # max over the real query rows of the probabilities (a reconstruction's blocks)
+    # Reconstruction passes to run over the prompt once it is prefilled, before it is compressed
+    # (keepkv.reconstruction runs them; the prefill's statistics then hold their results).
+    reconstruct: tuple[Reconstruction, ...] = ()
 
     @staticmethod
     def union(needs: list["Needs"]) -> "Needs":
@@ -72,14 +97,19 @@ class Needs:
             window=max((n.window for n in needs), default=0),
             logits=any(n.logits for n in needs),
             decays=tuple(sorted({decay for n in needs for decay in n.decays})),
+            colmax=any(n.colmax for n in needs),
+            reconstruct=tuple(dict.fromkeys(p for n in needs for p in n.reconstruct)),
         )
 
     def missing(self, other: "Needs") -> list[str]:
         """What ``other`` asks for that this does not compute (names of the fields)."""
-        gaps = [name for name in ("probs", "colsum", "logits") if getattr(other, name) and not getattr(self, name)]
+        gaps = [
+            name for name in ("probs", "colsum", "logits", "colmax") if getattr(other, name) and not getattr(self, name)
+        ]
         if other.window > self.window:
             gaps.append(f"window={other.window}")
         gaps += [f"decay {decay}" for decay in other.decays if decay not in self.decays]
+        gaps += [f"reconstruction {p}" for p in other.reconstruct if p not in self.reconstruct]
         return gaps
 
 
@@ -95,6 +125,9 @@ class StepStats:
                                       logits the attention's probabilities come from
     decayed      {λ: [B, H_kv, g, S]} Σ_i λ^(q-1-i) probs_i over the q query rows (if asked):
                                       the newest row weighs 1
+    colmax       [B, H_kv, g, S]      max over the real query rows of the probabilities (if asked)
+    reconstructed {pass: [B, H_kv, g, S]} per reconstruction pass run after a prefill: the largest
+                                      probability any of its queries gave each prompt entry
     S is the layer's size after the new block was appended.
     """
 
@@ -106,6 +139,8 @@ class StepStats:
     window_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     decayed: dict[float, torch.Tensor] = field(default_factory=dict)
+    colmax: torch.Tensor | None = None
+    reconstructed: dict[Reconstruction, torch.Tensor] = field(default_factory=dict)
 
     def rows(self, index: torch.Tensor) -> "StepStats":
         """Rows ``index`` [B'] of every per-row tensor (a prefill's, kept for a later chunk or a fork)."""
@@ -114,6 +149,7 @@ class StepStats:
             for name, value in vars(self).items()
         }
         picked["decayed"] = {decay: total.index_select(0, index) for decay, total in self.decayed.items()}
+        picked["reconstructed"] = {key: top.index_select(0, index) for key, top in self.reconstructed.items()}
         return StepStats(**picked)
 
 
@@ -227,11 +263,13 @@ def attend(
         visible_keys = None if scaled is not None else keys_for_logits[:, :, :visible]
         return softmax_probs(entry_logits(rows, visible_keys, bias[:, :, :visible], scaling, block_rows, scaled))
 
-    if needs.probs or needs.colsum or needs.decays or needs.logits or not (
+    if needs.probs or needs.colsum or needs.decays or needs.logits or needs.colmax or not (
         size == block or binary_bias or query.dtype == torch.float32
     ):
-        output, stats.probs, stats.colsum, stats.decayed = explicit_pass(
-            row_probs, values, query_g.shape, block, rows_per_chunk, needs
+        # The block's real query rows: its last row sees every real column (left padding).
+        query_real = block_mask[:, 0, -1] if needs.colmax else None
+        output, stats.probs, stats.colsum, stats.decayed, stats.colmax = explicit_pass(
+            row_probs, values, query_g.shape, block, rows_per_chunk, needs, query_real
         )
     elif size == block:
         # Nothing stored before this block, so the bias only marks padding, which the mask holds;
@@ -264,15 +302,19 @@ def prefill_sdpa(query, keys, values, mask, scaling: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling)
 
 
-def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: int, needs: Needs):
+def explicit_pass(
+    row_probs, values, query_shape, block: int, rows_per_chunk: int, needs: Needs, query_real=None
+):
     """Output [B, q, H, D], probabilities [B, H_kv, g, q, S] (if ``needs.probs``), column sums
-    [B, H_kv, g, S] (if ``needs.colsum``) and decayed column sums {λ: [B, H_kv, g, S]} (one per
-    ``needs.decays``), all from one pass of ``row_probs(start, stop)`` over chunks of query
+    [B, H_kv, g, S] (if ``needs.colsum``), decayed column sums {λ: [B, H_kv, g, S]} (one per
+    ``needs.decays``) and column maxima [B, H_kv, g, S] over the rows where ``query_real`` [B, q]
+    (if ``needs.colmax``), all from one pass of ``row_probs(start, stop)`` over chunks of query
     rows: the workspace is one chunk's logits, never [q, S] at once."""
     batch, kv_heads, group = query_shape[:3]
     size = values.shape[2]
     output_chunks, prob_chunks = [], []
     colsum = values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) if needs.colsum else None
+    colmax = values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) if needs.colmax else None
     decayed = {decay: values.new_zeros(batch, kv_heads, group, size, dtype=torch.float32) for decay in needs.decays}
     if needs.decays:
         age = torch.arange(block - 1, -1, -1, device=values.device, dtype=torch.float32)  # rows after each row
@@ -285,6 +327,9 @@ def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: in
             prob_chunks.append(probs if visible == size else F.pad(probs, (0, size - visible)))
         if needs.colsum:
             colsum[..., :visible] += probs.sum(3)
+        if needs.colmax:  # a padded query row attends over the stored entries too: left out
+            real = query_real[:, None, None, start : start + rows, None]
+            colmax[..., :visible] = torch.maximum(colmax[..., :visible], probs.masked_fill(~real, 0.0).amax(3))
         for decay, total in decayed.items():
             weights = decay ** age[start : start + rows]
             total[..., :visible] += (probs * weights[:, None]).sum(3)
@@ -293,7 +338,7 @@ def explicit_pass(row_probs, values, query_shape, block: int, rows_per_chunk: in
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=3)
 
     output = joined(output_chunks).reshape(batch, kv_heads * group, block, -1).transpose(1, 2)
-    return output, joined(prob_chunks) if needs.probs else None, colsum, decayed
+    return output, joined(prob_chunks) if needs.probs else None, colsum, decayed, colmax
 
 
 def grouped_sdpa(query_g, keys, values, bias, block_mask, scaling: float, binary_bias: bool) -> torch.Tensor:
@@ -355,6 +400,8 @@ def join_prefill_stats(earlier: StepStats, later: StepStats, window: int) -> Ste
         joined.probs = torch.cat([padded(earlier.probs, later.probs), later.probs], dim=3)
     if later.colsum is not None:
         joined.colsum = padded(earlier.colsum, later.colsum) + later.colsum
+    if later.colmax is not None:
+        joined.colmax = torch.maximum(padded(earlier.colmax, later.colmax), later.colmax)
     later_rows = later.query.shape[3]  # each earlier row is this much older at the end of `later`
     joined.decayed = {
         decay: padded(earlier.decayed[decay], total) * decay**later_rows + total

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from .attention import Needs, attend, hand_over, join_prefill_stats
+from .attention import Needs, Reconstruction, attend, hand_over, join_prefill_stats
 from .budgets import budget_floor, layer_budgets, row_budgets, validate_budget
 from .diagnostics import warn_budget
 from .fused import CompiledStep, method_step
@@ -40,6 +40,12 @@ class CacheSummary:
 
 
 
+# What decoding does after the prompt is compressed: "compress" keeps the budget (the method
+# compresses every ``interval`` new tokens); "append" lets every later token in uncompressed (a
+# context compressed once, then a question and its answer appended: kvpress's and KVzip's setting).
+DECODING = ("compress", "append")
+
+
 class CompressedCache(Cache):
     """A KV cache that keeps at most ``budget`` entries per layer and head, chosen by ``method``.
 
@@ -59,6 +65,12 @@ class CompressedCache(Cache):
         A float in (0, 1]: that fraction of each row's prompt length, but at least the method's
         protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). An int >= 1: an entry count.
         Methods may split it unevenly over layers and heads; the mean stays at the budget.
+    decoding : str
+        "compress" (default): the method keeps the budget while decoding, compressing every
+        ``interval`` new tokens. "append": the prompt is compressed once, at the end of its
+        prefill, and every later token (a question asked of a compressed context, the answer) is
+        appended uncompressed, so nothing the compression kept is evicted to make room for it;
+        the cache then grows by one entry per token.
     compile : bool
         Run each layer's decode-time method step (``observe`` and ``compress``) as one
         ``torch.compile`` graph (see :mod:`keepkv.fused`): a few fused kernels per layer-step
@@ -91,13 +103,16 @@ class CompressedCache(Cache):
 
     def __init__(
         self, config, method: str | Method = "full", budget: int | float = 1.0, record: Needs | None = None,
-        compile: bool = False, **method_params,
+        compile: bool = False, decoding: str = "compress", **method_params,
     ):
         check_architecture(config)
         validate_budget(budget)
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         self.compile = compile
+        if decoding not in DECODING:
+            raise ValueError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {decoding!r}")
+        self.decoding = decoding
         self._method_step = CompiledStep() if compile else method_step
         if isinstance(method, Method):
             if method_params:
@@ -116,6 +131,9 @@ class CompressedCache(Cache):
         self.prefill_peak_bytes = 0
         self.prompt_mask: torch.Tensor | None = None
         self.record = record
+        self._reconstruction: Reconstruction | None = None  # the pass whose block is being fed
+        self._reconstruction_expected = False
+        self._headrooms: list[int | None] = []  # the layers' spare slots before a pass, restored after it
         # Callables (layer_idx, query, keys, values, block_mask, scaling, output, is_prefill) that
         # see every attention call after the method ran: they read, never write.
         self.observers: list = []
@@ -138,6 +156,7 @@ class CompressedCache(Cache):
     def reset(self) -> None:
         """Forget every entry; the next forward is a new prefill."""
         super().reset()
+        self._reconstruction, self._reconstruction_expected = None, False
         self.prompt_lengths = None
         self.layer_budgets = None
         self.prefill_peak_bytes = 0
@@ -209,8 +228,8 @@ class CompressedCache(Cache):
         as the cache has seen, so a new prompt would otherwise be fed from the middle, silently.
         Checked on the first layer only: one host sync per multi-token continuation block."""
         layer = self.layers[layer_idx]
-        if layer_idx != 0 or layer.seen == 0 or layer.seen < self.prefill_tokens:
-            return
+        if layer_idx != 0 or layer.seen == 0 or layer.seen < self.prefill_tokens or self._reconstruction is not None:
+            return  # a reconstruction pass's block is read once and forgotten: it continues nothing
         due = layer.real_seen + block_mask[:, 0, -1, :].sum(-1) - 1
         got = position_ids[:, -1].to(due.device).expand_as(due)
         if not torch.equal(got, due):
@@ -239,6 +258,8 @@ class CompressedCache(Cache):
         query [B, H, q, D]; keys, values [B, H_kv, q, D]; block_mask [B, 1, q, q] bool
         (causal within the block, False for padded keys). Returns [B, q, H, D].
         """
+        if self._reconstruction is not None:  # a side pass: attended once, then forgotten
+            return self._reconstruction_step(self.layers[layer_idx], query, keys, values, block_mask, scaling)
         is_prefill = self.layers[layer_idx].seen < max(1, self.prefill_tokens)
         output = self._forward_layer(layer_idx, query, keys, values, block_mask, scaling)
         for observer in self.observers:
@@ -252,6 +273,11 @@ class CompressedCache(Cache):
             check_context(self.config, max(layer.seen + block, self.prefill_tokens))
         is_prefill = layer.seen == 0 or layer.seen < self.prefill_tokens
         if layer.seen == 0:
+            if self.defers_to_reconstruction and not self._reconstruction_expected:
+                raise ValueError(
+                    f"{self.method.name} scores the prompt with a reconstruction pass after its prefill: use "
+                    "keepkv.generate or keepkv.compress, or keepkv.reconstruction.prefill(model, tokenizer, cache, ...)"
+                )
             self.method.setup_layer(layer)
             # A chunked prefill's buffers take the whole prompt at once, not a growth step per chunk.
             layer.headroom = self.prefill_tokens - block if self.prefill_tokens > block else None
@@ -270,16 +296,75 @@ class CompressedCache(Cache):
             if layer.seen < self.prefill_tokens:
                 return output
         if is_prefill:
+            if self.defers_to_reconstruction:  # compressed once its reconstruction passes ran
+                return output
             self.method.observe(layer, stats)
             if not self.method.allocates_from_all_layers:
                 self._end_prefill([layer])
             elif layer_idx == self.num_layers - 1:
                 self._end_prefill(self.layers)
             return output
-        compress = layer.budget is not None and layer.pending >= self.method.interval
+        compress = layer.budget is not None and layer.pending >= self.method.interval and self.decoding == "compress"
         self._method_step(self.method, layer, stats, compress)  # decode shapes are stable: compiled once
         if compress:
             layer.pending = 0
+        return output
+
+    # -- reconstruction passes (KVzip) --------------------------------------------------------
+    @property
+    def defers_to_reconstruction(self) -> bool:
+        """True when the method scores the prompt with reconstruction passes
+        (:class:`keepkv.attention.Reconstruction`): the prefill then compresses nothing, and the
+        prompt is compressed by :meth:`finish_reconstruction` once the passes ran. A recording cache
+        keeps the passes' results for ``fork`` instead."""
+        return self.record is None and bool(self.method.needs(True).reconstruct)
+
+    def expect_reconstruction(self) -> None:
+        """Announce that the caller runs the reconstruction passes after the prefill
+        (:mod:`keepkv.reconstruction` does); a prefill without this announcement is refused for a
+        method that needs them, since its prompt would otherwise never be compressed."""
+        self._reconstruction_expected = True
+
+    def begin_reconstruction(self, reconstruction: Reconstruction) -> None:
+        """Until :meth:`end_reconstruction`, every block fed is a block of ``reconstruction``: it is
+        appended, attended with the column maxima of its real queries, which raise each prompt
+        entry's ``prefill_stats.reconstructed[reconstruction]``, and then forgotten
+        (``LayerStore.rewind``): the cache holds the prompt plus one block at most."""
+        if any(layer.prefill_stats is None for layer in self.layers) or self.layer_budgets is not None:
+            raise ValueError("a reconstruction pass runs after the prompt's prefill and before its compression")
+        self._reconstruction = reconstruction
+        # No spare slots while the blocks come: the first block's append sizes each buffer to the
+        # prompt plus that block exactly, and the later (no longer) blocks fit in it.
+        self._headrooms = [layer.headroom for layer in self.layers]
+        for layer in self.layers:
+            layer.headroom = 0
+
+    def end_reconstruction(self) -> None:
+        self._reconstruction = None
+        for layer, headroom in zip(self.layers, self._headrooms):
+            layer.headroom = headroom
+
+    def finish_reconstruction(self) -> None:
+        """After the passes: every layer observes its prefill (with the passes' results) and is
+        compressed, all layers at once (the method may allocate from every layer's scores). A
+        recording cache compresses nothing and keeps the statistics for ``fork``."""
+        if self.defers_to_reconstruction:
+            for layer in self.layers:
+                self.method.observe(layer, layer.prefill_stats)
+            self._end_prefill(self.layers)
+
+    def _reconstruction_step(self, layer, query, keys, values, block_mask, scaling) -> torch.Tensor:
+        size, seen, real_seen = layer.size, layer.seen, layer.real_seen
+        layer.append(keys, values, block_mask[:, 0, -1, :])
+        self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
+        needs = Needs(colmax=True)
+        output, stats = attend(query, layer.keys, layer.values, layer.bias, block_mask, scaling, needs, False,
+                               layer.binary_bias())
+        found = stats.colmax[..., :size]  # [B, H_kv, g, S] over the prompt's entries
+        known = layer.prefill_stats.reconstructed
+        pass_ = self._reconstruction
+        known[pass_] = found if pass_ not in known else torch.maximum(known[pass_], found)
+        layer.rewind(size, seen, real_seen)
         return output
 
     def finish_prefill(self, layer_idx: int) -> None:
@@ -304,7 +389,7 @@ class CompressedCache(Cache):
             layer.headroom = None
             if self.layer_budgets is not None:
                 layer.set_budget(self.layer_budgets[layer.layer_idx], self.row_budgets)
-                layer.headroom = self.method.interval
+                layer.headroom = self.method.interval if self.decoding == "compress" else None
                 self.method.compress(layer, layer.prefill_stats)
             if self.record is None:
                 layer.prefill_stats = None
@@ -353,13 +438,13 @@ class CompressedCache(Cache):
         for cache in caches:
             if cache.record is not None or cache.prompt_lengths is None:
                 raise ValueError("stack: every cache must have ended its prefill (and record nothing)")
-            if (cache.method, cache.budget, cache.num_layers, cache.compile) != (
-                first.method, first.budget, first.num_layers, first.compile
+            if (cache.method, cache.budget, cache.num_layers, cache.compile, cache.decoding) != (
+                first.method, first.budget, first.num_layers, first.compile, first.decoding
             ):
-                raise ValueError("stack: the caches differ in method, budget, depth or compile")
+                raise ValueError("stack: the caches differ in method, budget, depth, compile or decoding")
         for i in range(first.num_layers):  # everything checked before the first layer moves
             LayerStore.check_stackable([cache.layers[i] for cache in caches])
-        out = cls(first.config, first.method, first.budget, compile=first.compile)
+        out = cls(first.config, first.method, first.budget, compile=first.compile, decoding=first.decoding)
         for i in range(first.num_layers):
             out.layers[i] = LayerStore.stack([cache.layers[i] for cache in caches], out.layers[i].shared)
             for cache in caches:
@@ -370,7 +455,8 @@ class CompressedCache(Cache):
         out.prefill_peak_bytes = max(cache.prefill_peak_bytes for cache in caches)
         return out
 
-    def fork(self, method: str | Method, budget: int | float = 1.0, **method_params) -> "CompressedCache":
+    def fork(self, method: str | Method, budget: int | float = 1.0, decoding: str = "compress",
+             **method_params) -> "CompressedCache":
         """A new cache for ``method`` that starts from this recorded prefill, without a forward pass.
 
         What running ``method`` from the start would give, since prefill attention never depends
@@ -380,7 +466,7 @@ class CompressedCache(Cache):
         """
         if self.record is None or self.prompt_lengths is None:
             raise ValueError("fork() needs a cache built with record=Needs(...) that has seen a prefill")
-        cache = CompressedCache(self.config, method, budget, compile=self.compile, **method_params)
+        cache = CompressedCache(self.config, method, budget, compile=self.compile, decoding=decoding, **method_params)
         missing = self.record.missing(cache.method.needs(True))
         if missing:
             raise ValueError(

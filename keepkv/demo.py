@@ -64,7 +64,7 @@ def run_demo(model, tokenizer, methods=DEMO_METHODS, budgets=DEMO_BUDGETS, max_n
     mask = inputs["attention_mask"]
     with enabled(model):
         record = CompressedCache(model.config, "full", record=Needs.union([m.needs(True) for m in instances]))
-        first_logits = prefill(model, record, inputs["input_ids"], mask)
+        first_logits = prefill(model, record, inputs["input_ids"], mask, tokenizer)
         caches = [record.fork(method, budget) for method, (_, budget) in zip(instances, specs)]
         del record
         outs = decode_cells(model, caches, first_logits, mask, max_new_tokens, tokenizer.eos_token_id,

@@ -8,10 +8,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from . import reconstruction
 from .attention import enabled
 from .cache import CompressedCache
 from .diagnostics import warn_context_length
 from .models import CACHE_KWARG, check_context
+from .templates import split_template
 
 
 @dataclass
@@ -84,23 +86,6 @@ def build_prompts(tokenizer, prompts: list[str], chat: bool, answer_prefix: str)
 # The user message of a "compress once, ask many" prompt is CONTEXT + QUESTION_SEPARATOR +
 # question: the separator the eval's samples use between a document and its question.
 QUESTION_SEPARATOR = "\n\n"
-_MARK = "\u2063keepkv-user-message\u2063"
-
-
-def split_template(tokenizer, chat: bool) -> tuple[str, str]:
-    """(before, after): the text the chat template puts around a user message, so that a prompt is
-    ``before + message + after``; ("", "") without a template (or ``chat=False``)."""
-    if not (chat and getattr(tokenizer, "chat_template", None)):
-        return "", ""
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
-    )
-    if rendered.count(_MARK) != 1:
-        raise ValueError("the tokenizer's chat template does not render the user message once: use chat=False")
-    before, after = rendered.split(_MARK)
-    return before, after
-
-
 def context_and_question_ids(tokenizer, context: str, question: str, chat: bool, answer_prefix: str = ""):
     """Token ids of a prompt split at the context's end: (context part, question part), each
     tokenized on its own, so that a cache compressed at the end of the first continues with
@@ -139,11 +124,34 @@ def _check_int(name: str, value, low: int, none_ok: bool = False) -> None:
         raise ValueError(f"{name} must be an int >= {low}{' (or None)' if none_ok else ''}, got {value!r}")
 
 
-def _run(model, tokenizer, cache, inputs: dict, max_new_tokens: int, progress: bool, prefill_chunk) -> torch.Tensor:
+def _run(model, tokenizer, cache, inputs: dict, max_new_tokens: int, progress: bool, prefill_chunk,
+         chat: bool = True) -> torch.Tensor:
     """Feed ``inputs`` (the whole sequence; a cache that holds a context is continued) and generate
-    greedily; returns the new tokens [B, n]."""
+    greedily; returns the new tokens [B, n].
+
+    A method that scores its prompt with reconstruction passes (KVzip) gets its prompt prefilled,
+    the passes run and the prompt compressed (:func:`keepkv.reconstruction.prefill`); the first new
+    token is the prefill's greedy choice, and ``generate`` goes on from it."""
     total = inputs["input_ids"].shape[1]
     seen = cache.get_seq_length()
+    if seen == 0 and cache.defers_to_reconstruction:
+        with enabled(model):
+            logits = reconstruction.prefill(model, tokenizer, cache, inputs["input_ids"], inputs["attention_mask"],
+                                            chat, prefill_chunk, progress)
+        first = logits.argmax(-1, keepdim=True)  # [B, 1]
+        if max_new_tokens <= 1:
+            return first[:, :max_new_tokens]
+        grown = {
+            "input_ids": torch.cat([inputs["input_ids"], first], dim=-1),
+            "attention_mask": torch.cat([inputs["attention_mask"], torch.ones_like(first)], dim=-1),
+        }
+        rest = _run(model, tokenizer, cache, grown, max_new_tokens - 1, progress, None, chat)
+        tokens = torch.cat([first, rest], dim=-1)
+        if tokenizer.eos_token_id is not None:  # a row whose first token ends it stops there
+            ended = (tokens == tokenizer.eos_token_id).long().cumsum(-1) > 0
+            after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=-1)
+            tokens = tokens.masked_fill(after, tokenizer.pad_token_id)
+        return tokens
     bars = _Progress(model, cache.method.name, max_new_tokens) if progress else None
     try:
         with enabled(model):
@@ -205,6 +213,7 @@ def compress(
     budget: int | float = 1.0,
     chat: bool = True,
     prefill_chunk: int | None = None,
+    decoding: str = "compress",
     **method_params,
 ) -> CompressedCache:
     """Prefill ``context`` and compress it before any question is seen ("compress once, ask many").
@@ -222,7 +231,7 @@ def compress(
     if not isinstance(context, str) or not context.strip():
         raise ValueError("context must be a non-empty string")
     _check_int("prefill_chunk", prefill_chunk, 1, none_ok=True)
-    cache = CompressedCache(model.config, method, budget, **method_params)
+    cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
     cache.method.prepare(model)
     device = next(model.parameters()).device
     if tokenizer.pad_token is None:
@@ -231,9 +240,9 @@ def compress(
     check_context(model.config, len(head))
     input_ids = torch.tensor([head], device=device)
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    if prefill_chunk is not None:
+    if prefill_chunk is not None and not cache.defers_to_reconstruction:
         cache.start_prefill(inputs["attention_mask"])
-    _run(model, tokenizer, cache, inputs, 0, False, prefill_chunk)
+    _run(model, tokenizer, cache, inputs, 0, False, prefill_chunk, chat)
     cache.context_ids, cache.context_chat = head, chat
     return cache
 
@@ -251,6 +260,7 @@ def generate(
     progress: bool = False,
     prefill_chunk: int | None = None,
     past_key_values: CompressedCache | None = None,
+    decoding: str = "compress",
     **method_params,
 ) -> list[GenerationResult]:
     """Greedy generation with a compressed KV cache, one result per prompt.
@@ -285,6 +295,10 @@ def generate(
         A context compressed by :func:`keepkv.compress`: each prompt is a question about it,
         answered on its own ``copy()`` of the cache (this one is left untouched), one question
         at a time. The method and budget are the cache's (passing others is refused).
+    decoding : str
+        "compress" (default): the method keeps the budget while the answer is generated.
+        "append": the prompt is compressed once and the answer's tokens are appended
+        uncompressed (``CompressedCache``).
     **method_params
         Parameters of the method.
 
@@ -302,16 +316,16 @@ def generate(
     if past_key_values is not None:
         return _ask(model, tokenizer, prompts, past_key_values, method, budget, max_new_tokens, answer_prefix,
                     progress, method_params)
-    cache = CompressedCache(model.config, method, budget, **method_params)
+    cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
     cache.method.prepare(model)
     device = next(model.parameters()).device
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
     prompt_length = inputs["input_ids"].shape[1]
     warn_context_length(model.config, prompt_length, max_new_tokens)
     check_context(model.config, prompt_length + max_new_tokens)
-    if prefill_chunk is not None:
+    if prefill_chunk is not None and not cache.defers_to_reconstruction:
         cache.start_prefill(inputs["attention_mask"])
-    new_tokens = _run(model, tokenizer, cache, inputs, max_new_tokens, progress, prefill_chunk)
+    new_tokens = _run(model, tokenizer, cache, inputs, max_new_tokens, progress, prefill_chunk, chat)
     return _results(tokenizer, cache, inputs, new_tokens, budget)
 
 

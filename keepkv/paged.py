@@ -39,28 +39,34 @@ from .budgets import budget_floor, capacity_bound, held_entries, layer_budgets, 
 from .cache import CompressedCache
 from .methods import get_method
 from .store import NEG_INF, LayerStore
-from .methods.base import ScoredEviction, slots_of
+from .methods.base import ComposedMethod, slots_of
 
-# Methods the paged adapter serves: scored selections whose layer budgets are drawn from the
-# prompt's length alone (PyramidKV's and KeepKV's differ by layer); KeepKV also merges (its votes
-# are the bias word) and keeps per-entry extras (the EMA) in the slots' words and a little
-# per-layer state per request (:meth:`PagedCompression.request_state`).
-SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv")
-MERGING_SERVED = ("keepkv",)  # the only served method whose merge may be other than "none"
+# Methods the paged adapter serves: selections whose scores need no pass beyond the prompt's own
+# attention and whose layer budgets are drawn from the prompt's length alone (PyramidKV's and
+# KeepKV's EMA selection differ by layer), with eviction or KeepKV's merge (its votes are the bias
+# word; its EMA, per-entry extras in the slots' words, plus a little per-layer state per request:
+# :meth:`PagedCompression.request_state`).
+SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keydiff", "keepkv")
+SERVED_SELECTIONS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keydiff", "ema")
+SERVED_MERGES = ("none", "keepkv")
 
 
-def servable_method(spec: str) -> ScoredEviction:
+def servable_method(spec: str) -> ComposedMethod:
     """The method of ``spec`` (a name or variant, ``"snapkv+window=16"``) if the paged adapter
     serves it; otherwise ValueError, in one line naming what it serves."""
-    served = f"keepkv.vllm serves {', '.join(SERVED_METHODS)} (merge='none' but keepkv's)"
+    served = (f"keepkv.vllm serves {', '.join(SERVED_METHODS)} (selections {', '.join(SERVED_SELECTIONS)}; "
+              f"merge {' or '.join(SERVED_MERGES)})")
     if not isinstance(spec, str) or spec.split("+")[0] not in SERVED_METHODS:
+        if isinstance(spec, str) and spec.split("+")[0] == "kvzip":
+            raise ValueError(f"keepkv.vllm does not serve kvzip: its reconstruction pass is a second prefill the engine "
+                             f"does not schedule (docs/serving.md, 'KVzip'); serve keydiff for a context compressed "
+                             f"before its questions; got {spec!r}")
         raise ValueError(f"{served}; got {spec!r}")
     method = get_method(spec)
-    if getattr(method, "merge", "none") != "none" and method.name not in MERGING_SERVED:
+    if method.selection.name not in SERVED_SELECTIONS or method.merging.name not in SERVED_MERGES:
         raise ValueError(f"{served}; got {spec!r}")
-    if getattr(method, "refresh_interval", None) is not None:  # a full copy of every entry, per request
+    if getattr(method.merging, "refresh_interval", None) is not None:  # a full copy of every entry, per request
         raise ValueError(f"keepkv.vllm does not serve refresh_interval (it keeps a full copy of the cache); got {spec!r}")
-    assert isinstance(method, ScoredEviction)
     return method
 
 
@@ -150,7 +156,7 @@ class PagedCompression:
         self.budget = budget
         self.chunked = chunked
         self.spec = method
-        self.binary = getattr(self.method, "merge", "none") == "none"  # evicting only: the bias is 0 or -inf
+        self.binary = self.method.merging.name == "none"  # evicting only: the bias is 0 or -inf
         self._layout = None  # (extras {name: trailing shape}, extra_fill), probed on first use
         # The method's per-layer state of each request (KeepKV: its lost votes): per-row tensors in
         # one slab per layer and name, a row per request (its first block's), so a step files and
@@ -365,7 +371,7 @@ class PagedCompression:
         """A chunked prompt's summed statistics, kept until its next chunk: the newest query rows
         only, as many as a served method reads of a prefill's queries (KeepKV: its window; its merge:
         the last), not the whole prompt's."""
-        rows = max(1, self.method.needs(True).window, getattr(self.method, "window", 0) or 0)
+        rows = max(1, self.method.needs(True).window, getattr(self.method.merging, "window", 0) or 0)
         stats.query = stats.query[:, :, :, -rows:]
         return stats
 

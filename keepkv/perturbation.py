@@ -225,6 +225,9 @@ def perturbation(
         method = get_method(method, **method_params)
     elif method_params:
         raise ValueError("pass method parameters either with a method name or inside the Method instance")
+    if CompressedCache(model.config, method, budget).defers_to_reconstruction:
+        raise ValueError(f"perturbation measures the compression inside a prefill's attention call; {method.name} "
+                         "compresses after its reconstruction pass: measure it with keepkv eval (kl suites)")
     method.prepare(model)
     enable(model)
     ids = _prompt_ids(model, tokenizer, prompt)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, settings
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import keepkv
+import keepkv.reconstruction
 
 VOCAB = 128
 
@@ -104,11 +105,49 @@ def random_batch(batch=2, length=24, pad=(0, 6), seed=1):
     return input_ids, attention_mask
 
 
+def char_tokenizer():
+    """One token per character (ids 3..VOCAB-1), built in memory: enough for stop strings, streamers
+    and the instruction of a reconstruction pass."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]
+    chars += [chr(c) for c in range(192, 192 + VOCAB - 3 - len(chars))]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(chars)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
+    )
+
+
+@torch.no_grad()
+def prefill(model, cache, input_ids, attention_mask, positions="slots"):
+    """The prompt into ``cache``, compressed as its method says; its last logits [B, V]. A method
+    with a reconstruction pass (KVzip) runs it (the instruction tokenized by :func:`char_tokenizer`).
+    ``positions``: "slots", as a forward without ``position_ids`` numbers them (the tests' decode
+    loops go on that way), or "real", as ``model.generate`` does."""
+    keepkv.enable(model)
+    if cache.defers_to_reconstruction:
+        return keepkv.reconstruction.prefill(
+            model, char_tokenizer(), cache, input_ids, attention_mask, chat=False, positions=positions
+        )
+    return model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits[:, -1]
+
+
 @torch.no_grad()
 def run_generate(model, input_ids, attention_mask, method="full", budget=1.0, new_tokens=10, **params):
-    """Greedy generate with a CompressedCache; returns (new token ids, cache)."""
+    """Greedy generate with a CompressedCache; returns (new token ids, cache). A method with a
+    reconstruction pass gets its prompt prefilled by it, its first token from that prefill."""
     keepkv.enable(model)
     cache = keepkv.CompressedCache(model.config, method, budget, **params)
+    first = input_ids[:, :0]
+    if cache.defers_to_reconstruction:
+        first = prefill(model, cache, input_ids, attention_mask, positions="real").argmax(-1, keepdim=True)
+        input_ids = torch.cat([input_ids, first], dim=-1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(first)], dim=-1)
+        new_tokens -= 1
     output = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -118,14 +157,14 @@ def run_generate(model, input_ids, attention_mask, method="full", budget=1.0, ne
         do_sample=False,
         pad_token_id=0,
     )
-    return output[:, input_ids.shape[1]:], cache
+    return torch.cat([first, output[:, input_ids.shape[1]:]], dim=-1), cache
 
 
 @torch.no_grad()
 def decode_loop(model, input_ids, attention_mask, cache, steps):
     """Prefill then `steps` greedy decode steps with a plain forward loop; yields the cache after each step."""
     keepkv.enable(model)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits
+    logits = prefill(model, cache, input_ids, attention_mask)[:, None]
     mask = attention_mask
     for _ in range(steps):
         token = logits[:, -1:].argmax(-1)
@@ -140,8 +179,7 @@ def greedy_decode(model, method, budget, steps=12, device="cpu", **cache_options
     (the model's); (logits [steps, B, V], tokens [steps, B], cache)."""
     input_ids, attention_mask = (t.to(device) for t in random_batch(batch=3, length=30, pad=(0, 9, 20)))
     cache = keepkv.CompressedCache(model.config, method, budget, **cache_options)
-    keepkv.enable(model)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits[:, -1]
+    logits = prefill(model, cache, input_ids, attention_mask)
     mask, all_logits, tokens = attention_mask, [], []
     for _ in range(steps):
         token = logits.argmax(-1, keepdim=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import keepkv
-from keepkv.methods import METHODS
+from keepkv.methods import METHODS, SELECTIONS
 
 from conftest import random_batch, tiny_model
 
@@ -19,10 +19,11 @@ EXAMPLE = ROOT / "docs" / "examples" / "knorm.py"
 @pytest.fixture
 def registry():
     """The registry as it was: the example's registration must not leak into other tests."""
-    saved = dict(METHODS)
+    saved = dict(METHODS), dict(SELECTIONS)
     yield
-    METHODS.clear()
-    METHODS.update(saved)
+    for registry, before in zip((METHODS, SELECTIONS), saved):
+        registry.clear()
+        registry.update(before)
 
 
 def load_example():
@@ -57,4 +58,6 @@ def test_the_one_file_method_keeps_the_sinks_and_the_smallest_keys(registry):
         got = small.positions.masked_fill(~small.live(), -1).sort(-1).values[..., -budget:]
         assert torch.equal(got, expected)
     tokens = keepkv.get_method("knorm+sinks=0")
-    assert tokens.sinks == 0 and tokens.name == "knorm"
+    assert tokens.selection.sinks == 0 and tokens.name == "knorm"
+    paired = keepkv.get_method("keepkv+selection=knorm")  # the new selection pairs with another merge
+    assert paired.selection.name == "knorm" and paired.merging.name == "keepkv"

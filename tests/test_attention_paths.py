@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import keepkv
+import keepkv.reconstruction
 from keepkv import attention, merging
 from keepkv.attention import NEG_INF, Needs, attend, entry_logits
 from keepkv.methods import METHODS
 from keepkv.offload import time_major_copies
 
-from conftest import random_batch, run_generate, tiny_model
+from conftest import char_tokenizer, random_batch, run_generate, tiny_model
 
 ALL = sorted(METHODS)
 
@@ -188,12 +189,22 @@ def chunked_generate(model, input_ids, attention_mask, method, budget, chunk, ne
     """run_generate with the prompt fed in blocks of ``chunk`` tokens."""
     keepkv.enable(model)
     cache = keepkv.CompressedCache(model.config, method, budget)
-    cache.start_prefill(attention_mask)
+    first = input_ids[:, :0]
+    if cache.defers_to_reconstruction:  # the prompt in blocks, then its reconstruction pass (as run_generate)
+        logits = keepkv.reconstruction.prefill(
+            model, char_tokenizer(), cache, input_ids, attention_mask, chat=False, prefill_chunk=chunk
+        )
+        first = logits.argmax(-1, keepdim=True)
+        input_ids = torch.cat([input_ids, first], dim=-1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(first)], dim=-1)
+        new_tokens -= 1
+    else:
+        cache.start_prefill(attention_mask)
     output = model.generate(
         input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk,
     )
-    return output[:, input_ids.shape[1]:], cache
+    return torch.cat([first, output[:, input_ids.shape[1]:]], dim=-1), cache
 
 
 @pytest.mark.parametrize("method", ALL)

@@ -12,7 +12,7 @@ import keepkv
 from keepkv.budgets import budget_floor, capacity_bound, row_budgets
 from keepkv.methods import METHODS
 
-from conftest import decode_loop, random_batch, run_generate, tiny_model
+from conftest import decode_loop, prefill, random_batch, run_generate, tiny_model
 
 # Variants that merge whatever they evict (threshold -1) make a merge that breaks a budget show.
 MERGING_VARIANTS = [
@@ -94,8 +94,7 @@ def test_row_that_fits_its_budget_equals_the_full_cache_beside_longer_rows(metho
 def _last_logits(model, input_ids, attention_mask, method, budget, steps=4):
     """Logits of the last of ``steps`` greedy decode steps."""
     cache = keepkv.CompressedCache(model.config, method, budget)
-    keepkv.enable(model)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits
+    logits = prefill(model, cache, input_ids, attention_mask)[:, None]
     mask = attention_mask
     for _ in range(steps):
         token = logits[:, -1:].argmax(-1)

@@ -9,7 +9,7 @@ import keepkv
 from keepkv.generation import context_and_question_ids
 
 from conftest import tiny_model
-from test_generation_features import char_tokenizer
+from conftest import char_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")
 METHODS = ["h2o", "snapkv", "keepkv", "streamingllm", "pyramidkv", "zeromerge", "kvreviver", "d2o", "cam"]

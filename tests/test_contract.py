@@ -6,10 +6,13 @@ kernels use other vector widths and their float sums round differently (a record
 host read on stop 40's AVX2 host: every variant within 1.9e-5, every greedy token the same), so
 there the logits are compared to 1e-4 and the greedy tokens exactly: a changed decision still fails."""
 
+import warnings
+
 import pytest
 import torch
 
 import keepkv
+import keepkv.reconstruction
 
 from fixtures import contract_golden as golden
 
@@ -81,14 +84,51 @@ def test_no_method_assigns_a_store_attribute(spec, monkeypatch):
 
 
 def test_a_method_is_a_selection_plus_a_merge():
-    from keepkv.methods.base import EVICT, Merge
+    from keepkv.methods import MERGES, SELECTIONS
+    from keepkv.methods.base import ComposedMethod, Merge
+    from keepkv.methods.keepkv import KeepKV, KeepKVMerge
     from keepkv.methods.zip_merging import ZipMerge
 
-    assert keepkv.get_method("snapkv").merging is EVICT
+    assert keepkv.get_method("snapkv").merging == Merge()
     zipped = keepkv.get_method("snapkv+merge=zip+threshold=0.5+protect=0.25")
     assert zipped.merging == ZipMerge(threshold=0.5, protect=0.25)
+    assert zipped.selection == keepkv.get_method("snapkv").selection
     assert zipped.needs(False).logits and not keepkv.get_method("snapkv").needs(False).logits
     assert zipped.needs(True).window == 32  # the selection's own needs stay
-    assert isinstance(keepkv.get_method("keepkv").zip, Merge)
+    assert isinstance(keepkv.get_method("keepkv").merging, KeepKVMerge)
+    # KeepKV is a selection plus its merge: no compression of its own
+    assert "compress" not in vars(KeepKV) and issubclass(KeepKV, ComposedMethod)
     with pytest.raises(ValueError, match="threshold must be in"):
-        keepkv.get_method("h2o+threshold=2.0")
+        keepkv.get_method("h2o+merge=zip+threshold=2.0")
+    with pytest.raises(ValueError, match="unknown parameter"):
+        keepkv.get_method("h2o+threshold=0.5")  # evicting takes no threshold
+
+
+@pytest.mark.parametrize("selection", ["window", "streamingllm", "h2o", "snapkv", "pyramidkv", "kvzip", "keydiff", "d2o", "cam", "ema"])
+@pytest.mark.parametrize("merge", ["none", "zip", "keepkv", "d2o", "pivot", "spread"])
+def test_every_selection_pairs_with_every_merge_or_is_refused_in_one_line(selection, merge):
+    from keepkv.methods import MERGES, SELECTIONS
+
+    try:
+        method = keepkv.get_method(f"keepkv+selection={selection}+merge={merge}")
+    except ValueError as error:
+        assert "\n" not in str(error) and (selection in str(error) or merge in str(error)), error
+        refusals = {("ema", m) for m in MERGES if m != "keepkv"} | {(s, "pivot") for s in ("window", "streamingllm", "keydiff", "cam", "ema")}
+        assert (selection, merge) in refusals, f"{selection}+{merge} refused: {error}"
+        return
+    assert type(method.selection) is SELECTIONS[selection] and type(method.merging) is MERGES[merge]
+    # The pair runs end to end and keeps the budget: every layer, row and head within its own
+    # budget, and the budgets average 24.
+    from conftest import tiny_model
+    from conftest import char_tokenizer
+
+    model = tiny_model("llama-gqa", layers=2)
+    ids, mask = golden.prompts(model.config.vocab_size)
+    cache = keepkv.CompressedCache(model.config, method, 24)
+    with keepkv.enabled(model), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        keepkv.reconstruction.prefill(model, char_tokenizer(), cache, ids, mask, chat=False)
+        model(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], -1), past_key_values=cache)
+    for layer in cache.layers:
+        assert bool((layer.live_counts() <= layer.budget).all()) and int(layer.live_counts().min()) >= 1
+    assert torch.equal(cache.layer_budgets.double().mean((0, 2)), torch.full((2,), 24.0, dtype=torch.float64))

@@ -1,13 +1,13 @@
 """The cache and attention path: equality with HF, masking reference, budgets, bytes, bad input."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from transformers import GPT2Config
 
 import keepkv
-from keepkv.methods.base import ScoredEviction
+from keepkv.methods.base import ComposedMethod, ScoredSelection, Selection
 
 from conftest import random_batch, run_generate, tiny_model
 
@@ -48,9 +48,9 @@ def test_compressed_logits_equal_masked_full_cache(method, kind):
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
 
 
-@dataclass
-class _HeadSplit(ScoredEviction):
-    """Test method: head h of layer l keeps budget·(1 + h)/H_kv + l entries (ragged)."""
+@dataclass(frozen=True)
+class _HeadSplitSelection(ScoredSelection):
+    """Test selection: head h of layer l keeps budget·(1 + h)/H_kv + l entries (ragged), the newest."""
 
     name = "_head_split"
 
@@ -61,6 +61,12 @@ class _HeadSplit(ScoredEviction):
 
     def observe(self, layer, stats):
         layer.overwrite(score=layer.positions.float())
+
+
+@dataclass
+class _HeadSplit(ComposedMethod):
+    name = "_head_split"
+    selection: Selection = field(default_factory=_HeadSplitSelection)
 
 
 @torch.no_grad()

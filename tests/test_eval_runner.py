@@ -97,7 +97,7 @@ def test_shared_prefill_equals_separate_runs(model, tokenizer, tmp_path):
             instance = keepkv.get_method(method)
             instance.prepare(model)  # as the runner does (KVReviver's Fisher layer scores)
             cache = keepkv.CompressedCache(model.config, instance, budget)
-            first = prefill(model, cache, inputs["input_ids"], inputs["attention_mask"])
+            first = prefill(model, cache, inputs["input_ids"], inputs["attention_mask"], tokenizer)
             alone = greedy_decode(model, cache, first, inputs["attention_mask"], 8, tokenizer.eos_token_id)
             cell = json.loads((tmp_path / "cells" / f"needle-160-{method}-{budget}.json").read_text())
             for row, record in enumerate(cell["records"]):

@@ -3,28 +3,14 @@ num_return_sequences, TextStreamer, stop strings, and generate() called twice on
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, TextStreamer
+from transformers import TextStreamer
 
 import keepkv
 
-from conftest import VOCAB, random_batch, tiny_model
+from conftest import char_tokenizer, random_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")
 SAMPLING = dict(do_sample=True, temperature=0.8, top_p=0.9, top_k=0, pad_token_id=0)
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character (ids 3..VOCAB-1), built in memory: enough for stop strings and streamers."""
-    chars = [chr(c) for c in range(32, 127)]
-    chars += [chr(c) for c in range(192, 192 + VOCAB - 3 - len(chars))]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(chars)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
-    )
 
 
 def _generate(model, cache, input_ids, attention_mask, seed=None, **options):

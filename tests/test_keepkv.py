@@ -1,6 +1,7 @@
 """KeepKV: Theorems 2/3, Lemma 6, votes, GQA, numerics, refresh, memory, perturbation, bad input."""
 
 import json
+from dataclasses import dataclass
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from keepkv.store import LayerStore
 from keepkv.merging import convex_merge, convex_merge_rows, zip_merge
 
 from reference import attention_mass
-from keepkv.methods.keepkv import KeepKV
+from keepkv.methods.keepkv import EmaAttention, KeepKV, KeepKVMerge
 from keepkv.offload import FullKVCopy, offload_report
 from keepkv.perturbation import _attend, builtin_document, format_perturbation, perturbation, recompute_logits
 
@@ -33,8 +34,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-class ConvexMerge(KeepKV):
-    """KeepKV's candidates and budgets with a classic convex merge (no votes): Theorem 2's foil."""
+@dataclass(frozen=True)
+class ConvexMerge(KeepKVMerge):
+    """KeepKV's merge with a classic convex merge (no votes) in place of ZIP: Theorem 2's foil."""
 
     name = "convex-merge-test"
 
@@ -42,6 +44,17 @@ class ConvexMerge(KeepKV):
         weights = torch.ones(src.shape, device=src.device)
         layer.merge_into(convex_merge_rows(layer.keys, layer.values, src, dst, merge, weights))
         return merge  # no gates: every planned merge happens
+
+
+def keepkv_ema(**merge_params):
+    """KeepKV with its own selection (``ema``) and these parameters of its merge."""
+    return keepkv.get_method("keepkv", selection="ema", **merge_params)
+
+
+def votes(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, H_kv] votes on live entries, [B, H_kv] tokens evicted unmerged), both float64: their
+    sum is the number of real tokens seen (vote conservation)."""
+    return layer.bias.double().exp().sum(-1), layer.state["lost_votes"].double()
 
 
 def prompt_ids(length=40, seed=3):
@@ -147,7 +160,7 @@ def test_done_when_exact_keepkv_vs_eviction_and_convex_merge():
     ids = prompt_ids()
     exact = perturbation(model, None, ids, EMA, budget=12, steps=(), threshold=-1.0)
     assert max(exact["layers"]) <= 1e-5
-    for method in ("h2o", "streamingllm", ConvexMerge(selection="ema", threshold=-1.0)):
+    for method in ("h2o", "streamingllm", KeepKV(selection=EmaAttention(), merging=ConvexMerge(threshold=-1.0))):
         other = perturbation(model, None, ids, method, budget=12, steps=())
         assert min(other["layers"]) >= 1e-3, (method, other["layers"])
 
@@ -185,12 +198,12 @@ def test_lemma6_identical_entries_merge_without_error(zip_key):
     batch, kv_heads, group, size, dim = 2, 2, 2, 10, 8
     keys, values = torch.randn(batch, kv_heads, size, dim), torch.randn(batch, kv_heads, size, dim)
     keys[:, :, 7], values[:, :, 7] = keys[:, :, 2], values[:, :, 2]
-    method = KeepKV(selection="ema", zip_key=zip_key, window=3)  # rows at positions 7-9: both copies see the same queries
+    method = keepkv_ema(zip_key=zip_key, window=3)  # rows at positions 7-9: both copies see the same queries
     window = torch.randn(batch, kv_heads, group, 3, dim)
     layer = store_from(keys, values, window, method, 0.35)
     before = (layer.keys.clone(), layer.values.clone(), layer.bias.clone())
     src, dst = torch.full((batch, kv_heads, 1), 7), torch.full((batch, kv_heads, 1), 2)
-    method.merge_entries(layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), exact=False)
+    method.merging.merge_entries(layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), exact=False)
     layer.drop(torch.zeros_like(layer.live()).index_fill(-1, torch.tensor([7]), True))
     assert torch.allclose(layer.bias[:, :, 2].exp(), torch.tensor(2.0))
     for seed in range(5):  # any later query
@@ -208,7 +221,7 @@ def test_ema_initialisation_matches_eq8_by_hand(score_norm):
     keys, values = torch.randn(batch, kv_heads, size, dim), torch.randn(batch, kv_heads, size, dim)
     window = torch.randn(batch, kv_heads, group, rows, dim)
     window[:, :, :, 0] *= 8.0  # the oldest row's logits are far larger than the others'
-    method = KeepKV(selection="ema", window=rows, alpha=0.5, score_norm=score_norm)
+    method = keepkv_ema(window=rows, alpha=0.5, score_norm=score_norm)
     layer = store_from(keys, values, window, method, 0.35)
     logits = 0.35 * window[0, 0, 0] @ keys[0, 0].T  # [r, S]; causal: row r sees slots <= S - rows + r
     visible = torch.arange(size)[None] <= torch.arange(size - rows, size)[:, None]
@@ -218,7 +231,7 @@ def test_ema_initialisation_matches_eq8_by_hand(score_norm):
     weights = torch.tensor([0.25, 0.5, 1.0])[:, None] * visible  # (1-α)α^age, normalisation cancels
     expected = (scores.exp() * weights).sum(0) / weights.sum(0)
     expected = expected.log() + (log_z[-1] if score_norm == "row" else 0.0)
-    got = method.ema_scores(layer)[0, 0, 0]
+    got = method.merging.ema_scores(layer)[0, 0, 0]
     assert torch.allclose(got, expected, atol=1e-5), (got, expected)
     # ranking: "none" follows the loud row's own ranking of the slots it sees, "row" need not
     loud_order = logits[0, : size - rows + 1].argsort(descending=True)
@@ -240,7 +253,7 @@ def test_votes_are_conserved_over_500_decode_steps():
     merged = dropped = False
     for step, cache in enumerate(decode_loop(model, ids, mask, cache, steps=500)):
         for layer in cache.layers:
-            live, lost = KeepKV.votes(layer)
+            live, lost = votes(layer)
             seen = layer.real_seen.double()[:, None]
             assert torch.allclose(live + lost, seen.expand_as(live), rtol=1e-5, atol=1e-3), (step, live + lost, seen)
             merged |= bool((layer.bias > 0.5).any())
@@ -327,13 +340,13 @@ def test_opposite_sign_logits_give_finite_keys():
     keys[0, 0, 4, 0], keys[0, 0, 5, 0] = 0.5, -2.0  # logits +0.5 and -2
     values = torch.randn(1, 1, 6, dim)
     for zip_key in ("paper", "projection", "group"):
-        method = KeepKV(selection="ema", zip_key=zip_key, window=1)
+        method = keepkv_ema(zip_key=zip_key, window=1)
         layer = store_from(keys, values, query, method, scaling)
         # votes that make p4 s4 ln s4 + p5 s5 ln s5 = 0
         layer.bias[0, 0, 5] = math.log(0.5 * math.exp(0.5) / (2 * math.exp(-2.0)))
         reference = _attend(query[:, :, :, 0].reshape(1, 1, dim), layer.keys, layer.values, layer.bias, scaling)
         src, dst = torch.tensor([[[4]]]), torch.tensor([[[5]]])
-        method.merge_entries(layer, src, dst, torch.ones(1, 1, 1, dtype=torch.bool), exact=True)
+        method.merging.merge_entries(layer, src, dst, torch.ones(1, 1, 1, dtype=torch.bool), exact=True)
         merged = layer.keys[0, 0, 5]
         assert torch.isfinite(merged).all() and merged.norm() < 10 * keys.norm(dim=-1).max(), (zip_key, merged)
         layer.bias[0, 0, 4] = float("-inf")
@@ -408,14 +421,14 @@ def test_2000_step_decode_stays_within_budget():
 
 
 def test_layer_budgets_follow_cosine_decay_with_mean_budget():
-    method = KeepKV(selection="ema")
+    method = keepkv_ema()
     row_budget = torch.tensor([100, 37])
     budgets = method.allocate(6, 2, row_budget, row_budget * 10)[:, :, 0]
     assert budgets.sum(0).tolist() == [600, 6 * 37]
     assert budgets[0, 0] > budgets[-1, 0]
     heavy = budgets[:, 0] - 4 - 19  # sinks 4, recent round(0.2 · 96) = 19
     assert abs(float(heavy[-1] / heavy[0]) - 0.8) < 0.03
-    assert method.recent_count(row_budget).tolist() == [19, 7]
+    assert method.selection.recent_count(row_budget).tolist() == [19, 7]
 
 
 def test_perturbation_result_is_json_and_formats():

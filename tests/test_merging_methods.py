@@ -184,7 +184,7 @@ def test_kvmerger_pivots_are_kept_members_of_adjacent_similar_runs():
     layer = SimpleNamespace(keys=keys, bias=bias, extras={"score": torch.tensor([[[5.0, 1, 3, 9, 2, 0, 0]]])})
     layer.live = lambda: layer.bias > -math.inf
     kept = torch.tensor([[[False, True, True, False, True, False, False]]])
-    pivot, has_pivot = KVMerger(threshold=0.9).merging.pivots(layer, kept)
+    pivot, has_pivot = keepkv.get_method("kvmerger", threshold=0.9).merging.pivots(layer, kept)
     assert has_pivot[0, 0].tolist() == [True, True, True, False, True, True, False]
     assert pivot[0, 0, [0, 1, 2, 4, 5]].tolist() == [2, 2, 2, 4, 4]  # highest-scoring kept member
 

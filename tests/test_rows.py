@@ -13,7 +13,7 @@ import torch
 import keepkv
 from keepkv.methods import METHODS
 
-from conftest import random_batch, tiny_model
+from conftest import prefill, random_batch, tiny_model
 
 MERGING_VARIANTS = ["keepkv+threshold=-1.0", "keepkv+selection=ema+refresh_interval=3", "snapkv+merge=zip+threshold=-1.0", "h2o+merge=zip+zip_key=group"]
 COMPRESSING = [m for m in sorted(METHODS) if m != "full"] + MERGING_VARIANTS
@@ -24,8 +24,7 @@ PADS = (0, 9, 20)
 @torch.no_grad()
 def _prefill_and_decode(model, cache, input_ids, attention_mask, steps):
     """Prefill, then ``steps`` greedy steps; returns (next tokens [B, 1], mask)."""
-    keepkv.enable(model)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits
+    logits = prefill(model, cache, input_ids, attention_mask)[:, None]
     mask = attention_mask
     for _ in range(steps):
         token = logits[:, -1:].argmax(-1)

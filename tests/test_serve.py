@@ -17,7 +17,10 @@ def test_only_servable_methods_pass_and_the_refusal_names_them(method):
     if method in SERVED_METHODS:
         assert check({"method": method, "budget": 0.3}) == {"method": method, "budget": 0.3}
     else:
-        with pytest.raises(ValueError, match=f"keepkv.vllm serves {', '.join(SERVED_METHODS)} .*got '{method}'") as raised:
+        served = "does not serve kvzip: its reconstruction pass" if method == "kvzip" else (
+            f"keepkv.vllm serves {', '.join(SERVED_METHODS)} .*got '{method}'"
+        )
+        with pytest.raises(ValueError, match=served) as raised:
             check({"method": method, "budget": 0.3})
         assert "\n" not in str(raised.value)
 
@@ -26,7 +29,7 @@ def test_only_servable_methods_pass_and_the_refusal_names_them(method):
     ({"method": "snapkv", "budget": 0.0}, "budget"),
     ({"method": "snapkv", "budget": 1.5}, "budget"),
     ({"method": "snapkv+bogus=1", "budget": 0.1}, "unknown parameter"),
-    ({"method": "snapkv+merge=zip", "budget": 0.1}, "merge='none'"),
+    ({"method": "snapkv+merge=zip", "budget": 0.1}, "merge none or keepkv"),
     ({"budget": 0.1}, 'takes "method" and "budget"'),
     ({"method": "snapkv", "window": 3}, 'takes "method" and "budget"'),
     ("snapkv", "is a dict"),
@@ -83,7 +86,7 @@ def test_serve_passes_vllm_flags_on_and_adds_what_the_cpu_build_needs(tmp_path, 
 @pytest.mark.parametrize("argv, environ, message", [
     (["--enable-prefix-caching"], {}, "does not support prefix caching: a block shared"),
     (["--additional-config", "{}"], {}, "writes --additional-config"),
-    (["--method", "cam"], {}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keepkv"),
+    (["--method", "cam"], {}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keydiff, keepkv"),
     (["--budget", "0"], {}, "budget"),
     ([], {"VLLM_PLUGINS": ""}, "leaves out keepkv's plugin"),
 ])

@@ -64,7 +64,7 @@ def test_keepkv_selection_changes_what_is_kept():
     model = tiny_model("llama-gqa", layers=2)
     input_ids, attention_mask = random_batch(batch=1, length=60, pad=(0,))
     kept = []
-    for spec in ("keepkv+selection=ema+merge=none", "keepkv+selection=snapkv+merge=none"):
+    for spec in ("keepkv+selection=ema", "keepkv+selection=snapkv"):
         cache = keepkv.CompressedCache(model.config, spec, 0.3)
         next(decode_loop(model, input_ids, attention_mask, cache, steps=1))
         kept.append(cache.layers[1].positions)
@@ -77,9 +77,12 @@ def test_keepkv_selection_changes_what_is_kept():
         ("snapkv+merge=sum", "merge must be one of"),
         ("h2o+merge=zip+threshold=2", "threshold must be in"),
         ("window+merge=zip+zip_key=cosine", "zip_key must be one of"),
-        ("keepkv+selection=d2o", "selection must be 'ema' or one of"),
+        ("keepkv+selection=kvpress", "selection must be one of"),
+        ("keepkv+selection=ema+merge=none", "selection 'ema' ranks by the EMA that merge 'keepkv' keeps"),
+        ("window+merge=pivot", "merge 'pivot' picks each set's pivot by the selection's scores"),
         ("keepkv+selection=snapkv+refresh_interval=4", "refresh_interval re-ranks"),
-        ("keepkv+kernel=4", "kernel must be an odd int"),
+        ("keepkv+selection=ema+kernel=4", "kernel must be an odd int"),
+        ("keepkv+window=4", "write selection.window or merge.window"),
     ],
 )
 def test_bad_merge_and_selection_parameters_raise_one_line_errors(spec, message):

@@ -608,6 +608,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="count instead: kernel operations (non-view ATen ops) and host syncs of one decode step, per layer, "
              "for every registered method unless --methods names others (default model: the smollm2-135m shape, "
              "random weights, --layers 4; --prompt-len 512, --batch 2, --budget 0.1)")
+    add(modes, "--reconstruction", action="store_true",
+        help="time instead: a reconstruction pass (kvzip; --methods names others) against the prompt's own "
+             "prefill, and the cache's peak during it, at 1,024 and 4,096 tokens (--prompt-len sets one length) "
+             "on the embedded model")
     add(modes, "--compile", action="store_true",
         help="caches with compile=True: each layer's decode-time method step as one torch.compile graph (with "
              "--ops: the launches of that graph are counted; the warm-up runs the timed shapes, so that timed steps "
@@ -648,6 +652,8 @@ def main(args: argparse.Namespace) -> int:
         return _soak_main(args, json_to)
     if getattr(args, "ops", False):
         return _ops_main(args, json_to)
+    if getattr(args, "reconstruction", False):
+        return _reconstruction_main(args, json_to)
     if args.layers is not None and args.config is None:
         print("keepkv bench: --layers needs --config", file=sys.stderr)
         return 2
@@ -729,6 +735,37 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
         return 2
     result["model"].update(source=info["source"], random_weights=info["random_weights"])
     _emit("soak", result, format_soak(result), json_to)
+    return 0
+
+
+def _reconstruction_main(args: argparse.Namespace, json_to: str | None) -> int:
+    """``keepkv bench --reconstruction``: see :mod:`keepkv.bench.reconstruction`."""
+    from ..models import load_model
+    from .reconstruction import LENGTHS, METHODS, format_reconstruction, run_reconstruction_bench
+
+    try:
+        if args.config is not None:
+            raise ValueError("--reconstruction runs the embedded model or --model (it needs a tokenizer)")
+        methods = list(METHODS) if args.methods == QUICK_METHODS else [m for m in resolve_methods(args.methods) if m != "full"]
+        for method in methods:
+            if not get_method(method).needs(True).reconstruct:
+                raise ValueError(f"{method} runs no reconstruction pass")
+        if args.prompt_len is not None and args.prompt_len < 1:
+            raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+        lengths = LENGTHS if args.prompt_len is None else (args.prompt_len,)
+        model, tokenizer = load_model(args.model, device=resolve_device(args.device))
+        result = run_reconstruction_bench(model, tokenizer, methods, lengths, repeats=args.repeats,
+                                          progress=not args.no_progress)
+    except ValueError as error:
+        print(f"keepkv bench: {error}", file=sys.stderr)
+        return 2
+    table = format_reconstruction(result)
+    text = _emit("reconstruction", result, table, json_to)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        for name, content in (("reconstruction.json", text), ("reconstruction.txt", table)):
+            with open(os.path.join(args.out, name), "w") as handle:
+                handle.write(content + "\n")
     return 0
 
 

@@ -45,10 +45,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
+from .. import reconstruction
 from ..attention import enabled
 from ..cache import CompressedCache
 from ..models import CACHE_KWARG
 from .runner import METHOD_PARTS
+from .setup import stand_in_tokenizer
 
 PARTS = ("method", "append", "attention", "model")
 # With compile=True these run inside the compiled step, counted from its profile.
@@ -268,7 +270,11 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
         return out.logits[:, -1:].argmax(-1)
 
     with enabled(model):
-        token = forward(ids)
+        if cache.defers_to_reconstruction:  # KVzip: the prompt, then its pass, before the decode steps
+            logits = reconstruction.prefill(model, stand_in_tokenizer(config.vocab_size), cache, ids, mask, chat=False)
+            token = logits.argmax(-1, keepdim=True)
+        else:
+            token = forward(ids)
         for _ in range(warm_steps):
             mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
             token = forward(token)

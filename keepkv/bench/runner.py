@@ -24,9 +24,11 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from .. import reconstruction
 from ..attention import enable
 from ..cache import CompressedCache
 from ..models import CACHE_KWARG
+from .setup import stand_in_tokenizer
 
 # Method code timed by the overhead proxies (bound methods of the method instance).
 METHOD_PARTS = ("observe", "compress", "attention_entries")
@@ -380,11 +382,17 @@ def run_once(
             last = min(first + rows, batch)
             group = CompressedCache(model.config, method, budget, compile=compile, **(method_params or {}))
             group.method.prepare(model)
-            if chunk < prompt_len:
-                group.start_prefill(mask[first:last, :prompt_len])
-            for start in range(0, prompt_len, chunk):
-                stop = min(start + chunk, prompt_len)
-                logits = _forward(model, input_ids[first:last, start:stop], mask[first:last, :stop], group)
+            if group.defers_to_reconstruction:  # KVzip: its pass is part of its prefill's time
+                logits = reconstruction.prefill(
+                    model, stand_in_tokenizer(model.config.vocab_size), group, input_ids[first:last],
+                    mask[first:last, :prompt_len], chat=False, prefill_chunk=prefill_chunk, positions="slots",
+                )[:, None]
+            else:
+                if chunk < prompt_len:
+                    group.start_prefill(mask[first:last, :prompt_len])
+                for start in range(0, prompt_len, chunk):
+                    stop = min(start + chunk, prompt_len)
+                    logits = _forward(model, input_ids[first:last, start:stop], mask[first:last, :stop], group)
             tokens.append(logits[:, -1:].argmax(-1))
             cache_peak = max(cache_peak, held + group.prefill_peak_bytes)  # the earlier groups, compressed
             held += group.nbytes()

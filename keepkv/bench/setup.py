@@ -3,9 +3,7 @@ method's parameters and the versions a report records."""
 
 from __future__ import annotations
 
-import dataclasses
-
-from ..methods.base import parse_method_spec
+from ..methods.base import accepted_params, parse_method_spec
 
 
 def resolve_params(methods: list[str], method_params: dict | None) -> dict[str, dict]:
@@ -20,7 +18,7 @@ def resolve_params(methods: list[str], method_params: dict | None) -> dict[str, 
         raise ValueError(f"parameters given for unknown method(s): {', '.join(unknown)}")
     resolved = {}
     for method in methods:
-        fields = {field.name for field in dataclasses.fields(METHODS[parse_method_spec(method)[0]])}
+        fields = accepted_params(parse_method_spec(method)[0])
         params = {key: value for key, value in shared.items() if key in fields}
         params.update(method_params.get(method, {}))
         resolved[method] = params
@@ -40,3 +38,20 @@ def transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def stand_in_tokenizer(vocab_size: int):
+    """A tokenizer of one id per character (ids 3.., modulo ``vocab_size``), built in memory: what a
+    reconstruction pass's instruction is read with on a model of random weights, which has no
+    tokenizer of its own (its text means nothing to such a model; its length is what counts)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for index, char in enumerate(chars):
+        vocab.setdefault(char, 3 + index % max(1, vocab_size - 3))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

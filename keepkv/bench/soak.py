@@ -30,10 +30,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from .. import reconstruction
 from ..attention import enabled
 from ..cache import CompressedCache
 from ..models import CACHE_KWARG
-from .setup import resolve_params
+from .setup import resolve_params, stand_in_tokenizer
 from .runner import current_rss
 
 CHECKPOINTS = (100, 1_000, 10_000, 20_000)
@@ -64,7 +65,11 @@ def soak_method(model, method: str, budget, prompt_len: int, steps: int, checkpo
     bar = tqdm(total=steps, desc=f"soak {method}", unit="tok", leave=False, disable=not progress)
     began = time.perf_counter()
     with enabled(model):
-        decoder(input_ids=prompt, **{CACHE_KWARG: cache}, use_cache=True)
+        if cache.defers_to_reconstruction:  # KVzip: the prompt's pass runs through the whole model once
+            reconstruction.prefill(model, stand_in_tokenizer(config.vocab_size), cache, prompt, torch.ones_like(prompt),
+                                   chat=False, positions="slots")
+        else:
+            decoder(input_ids=prompt, **{CACHE_KWARG: cache}, use_cache=True)
         for step in range(1, steps + 1):
             decoder(input_ids=tokens[:, step - 1 : step], **{CACHE_KWARG: cache}, use_cache=True)
             bar.update(1)

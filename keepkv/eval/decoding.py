@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from transformers.cache_utils import Cache
 
+from .. import reconstruction
 from ..attention import enable, hand_over
 from ..cache import CompressedCache
 from ..models import CACHE_KWARG
@@ -26,9 +27,18 @@ def _position_ids(mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefill(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Run the prompt through ``model`` into ``cache``; return the last position's logits [B, V]."""
+def prefill(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer=None,
+            chat: bool = True) -> torch.Tensor:
+    """Run the prompt through ``model`` into ``cache``; return the last position's logits [B, V].
+
+    When the cache (or what it records) needs reconstruction passes (KVzip), they run over the
+    prompt afterwards (:mod:`keepkv.reconstruction`, with ``tokenizer`` and ``chat``)."""
     enable(model)
+    passes = (cache.record or cache.method.needs(True)).reconstruct
+    if passes:
+        if tokenizer is None:
+            raise ValueError("a reconstruction pass (kvzip) needs the tokenizer")
+        cache.expect_reconstruction()
     output = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -37,6 +47,8 @@ def prefill(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor)
         use_cache=True,
         logits_to_keep=1,
     )
+    if passes:
+        reconstruction.run(model, tokenizer, cache, input_ids, attention_mask, chat)
     return output.logits[:, -1].float()
 
 

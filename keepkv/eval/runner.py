@@ -198,7 +198,7 @@ from tqdm.auto import tqdm
 
 from ..attention import Needs
 from ..budgets import validate_budget
-from ..cache import CompressedCache
+from ..cache import DECODING, CompressedCache
 from ..generation import build_prompts, context_and_question_ids, encode
 from ..methods import METHODS, get_method
 from . import metrics
@@ -225,6 +225,7 @@ DATA_SUITES = ("longbench", "jsonl")
 # or question-agnostic (the context compressed before the question, as kvpress's leaderboard runs
 # by default, and as a user asking several questions about one document): ``+setting=agnostic``.
 SETTINGS = ("aware", "agnostic")
+RUNNER_KEYS = ("setting", "decoding")  # suite variants the runner reads, not the sample generator
 QUESTION_SUITES = ("needle", "passkey", "tracking", "aggregation", "longbench", "jsonl")
 KNOWN_SUITES = (*SUITES, *DATA_SUITES)
 DEFAULT_BUDGETS = (0.1, 0.2)
@@ -319,10 +320,14 @@ class SuiteSpec:
         settings = [value for key, value in variant if key == "setting"]
         if any(value not in SETTINGS for value in settings) or len(settings) > 1:
             raise ValueError(f"setting must be one of {', '.join(SETTINGS)} (once), got {text!r}")
-        variant = [(key, value) for key, value in variant if (key, value) != ("setting", "aware")]
+        decodings = [value for key, value in variant if key == "decoding"]
+        if any(value not in DECODING for value in decodings) or len(decodings) > 1:
+            raise ValueError(f"decoding must be one of {', '.join(DECODING)} (once), got {text!r}")
+        variant = [(key, value) for key, value in variant if (key, value) not in (("setting", "aware"),
+                                                                                  ("decoding", "compress"))]
         if settings and settings[0] == "agnostic" and name not in QUESTION_SUITES:
             raise ValueError(f"suite {name!r} has no question to keep out of the compressed context, got {text!r}")
-        if [key for key, _ in variant if key != "setting"] and name in DATA_SUITES + ("ppl",):
+        if [key for key, _ in variant if key not in RUNNER_KEYS] and name in DATA_SUITES + ("ppl",):
             raise ValueError(f"suite {name!r} takes no variants, got {text!r}")
         return SuiteSpec(name, tuple(variant))
 
@@ -333,9 +338,16 @@ class SuiteSpec:
         return dict(self.variant).get("setting", "aware")
 
     @property
+    def decoding(self) -> str:
+        """What decoding does after the prompt or context is compressed (``CompressedCache``'s
+        ``decoding``): "compress" keeps the budget (the label names nothing), "append" lets the
+        question and the answer in uncompressed (``+decoding=append``)."""
+        return dict(self.variant).get("decoding", "compress")
+
+    @property
     def generator_variant(self) -> dict:
-        """The variant's options for the sample generator (the setting is the runner's)."""
-        return {key: value for key, value in self.variant if key != "setting"}
+        """The variant's options for the sample generator (the setting and decoding are the runner's)."""
+        return {key: value for key, value in self.variant if key not in RUNNER_KEYS}
 
     @property
     def task_label(self) -> str:
@@ -480,7 +492,7 @@ class _Group:
         self.cells: list[Cell] = []
         for method, budget in runner.grid():
             instance = get_method(method)
-            params = {f.name: getattr(instance, f.name) for f in dataclasses.fields(instance)}
+            params = instance.params()
             key = {
                 "suite": spec.label, "length": length, "method": method, "budget": budget, "params": params,
                 "seed": runner.seed, "sample_ids": ids, "max_new_tokens": runner.max_new_tokens,
@@ -579,7 +591,7 @@ class _Group:
             limits = limits + limits
         clock = _Clock(todo)
         record = CompressedCache(model.config, "full", record=needs)
-        first_logits = prefill(model, record, inputs["input_ids"], mask)
+        first_logits = prefill(model, record, inputs["input_ids"], mask, runner.tokenizer)
         clock.share(todo)
 
         reference = None
@@ -600,7 +612,7 @@ class _Group:
         if fidelity:
             force = torch.cat([torch.full_like(reference[0], -1), reference[0]], dim=0)
         for chunk in _chunks(rest, runner.joint_cells):
-            caches = [record.fork(self.runner.instance(cell.method), cell.budget) for cell in chunk]
+            caches = [record.fork(self.runner.instance(cell.method), cell.budget, self.spec.decoding) for cell in chunk]
             logps = []
             observe = None
             if fidelity:
@@ -654,10 +666,10 @@ class _Group:
         limits = [max_new_tokens_for(self.spec, s, runner.tokens, runner.max_new_tokens) for s in batch]
         clock = _Clock(todo)
         record = CompressedCache(model.config, "full", record=needs)
-        prefill(model, record, input_ids, mask)
+        prefill(model, record, input_ids, mask, runner.tokenizer)
         clock.share(todo)
         for chunk in _chunks(todo, runner.joint_cells):
-            caches = [record.fork(self.runner.instance(cell.method), cell.budget) for cell in chunk]
+            caches = [record.fork(self.runner.instance(cell.method), cell.budget, self.spec.decoding) for cell in chunk]
             outs = decode_cells(model, caches, None, mask, limits, eos, question=question, progress=self.progress)
             for cell, cache, out in zip(chunk, caches, outs):
                 cell.records.extend(self._answer_records(batch, out, cache, full_mask))
@@ -737,14 +749,14 @@ class _Group:
         mask = torch.ones_like(input_ids)
         clock = _Clock(todo)
         record = CompressedCache(model.config, "full", record=needs)
-        first_logits = prefill(model, record, input_ids[:, :head], mask[:, :head])
+        first_logits = prefill(model, record, input_ids[:, :head], mask[:, :head], runner.tokenizer, chat=False)
         clock.share(todo)
         targets = input_ids[:, head:]
         rows = len(batch)
         full, rest = todo[0], todo[1:]
         for number, chunk in enumerate(_chunks(rest, runner.joint_cells) if rest else [[]]):
             cells = [full, *chunk]
-            caches = [record.fork(self.runner.instance(cell.method), cell.budget) for cell in cells]
+            caches = [record.fork(self.runner.instance(cell.method), cell.budget, self.spec.decoding) for cell in cells]
             kl, nll = [], []
 
             def observe(t, logits):
@@ -778,13 +790,13 @@ class _Group:
         mask = torch.ones_like(input_ids)
         clock = _Clock(todo)
         record = CompressedCache(model.config, "full", record=needs)
-        first_logits = prefill(model, record, input_ids[:, :head], mask[:, :head])
+        first_logits = prefill(model, record, input_ids[:, :head], mask[:, :head], runner.tokenizer, chat=False)
         clock.share(todo)
         targets = input_ids[:, head:]
         rows = len(batch)
         for chunk in _chunks(todo, runner.joint_cells):
             entries = [ppl_entries(cell.budget, length) for cell in chunk]
-            caches = [record.fork(self.runner.instance(cell.method), count) for cell, count in zip(chunk, entries)]
+            caches = [record.fork(self.runner.instance(cell.method), count, self.spec.decoding) for cell, count in zip(chunk, entries)]
             nll = []
 
             def observe(t, logits):

@@ -1,9 +1,17 @@
-"""What every compression method is, and the selection machinery eviction methods share.
+"""What every compression method is: a selection and a merge, or a compression of its own.
 
 A method never touches the model. The cache hands it a layer's store (keepkv/store.py has the
 shapes) and the StepStats of each attention call; the method scores entries in ``observe`` and
 compresses in ``compress`` with tensor operations over all rows and heads at once, writing only
 through the store's methods. docs/architecture.md describes the contract.
+
+Most methods are a :class:`Selection` (which entries stay: scores, their ranking, protected
+entries, layer budgets) and a :class:`Merge` (what becomes of the entries the selection evicts),
+paired by a :class:`ComposedMethod`: the selection ranks, :func:`plan_eviction` keeps the budget's
+highest-ranked entries, and the merge rewrites the store from that plan. Any registered selection
+pairs with any registered merge (``snapkv+merge=d2o``, ``kvzip+merge=zip``,
+``keepkv+selection=kvzip``); a pair that cannot run is refused in one line. ZeroMerge, KVReviver
+and the full cache compress their own way (:class:`Method`).
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import dataclasses
 import functools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -23,11 +31,25 @@ from ..merging import compacts
 from ..store import slots_of
 
 METHODS: dict[str, type["Method"]] = {}
+SELECTIONS: dict[str, type["Selection"]] = {}
+MERGES: dict[str, type["Merge"]] = {}
 
 
 def register(cls):
     """Class decorator: make a method reachable by ``get_method(cls.name)``."""
     METHODS[cls.name] = cls
+    return cls
+
+
+def register_selection(cls):
+    """Class decorator: make a selection reachable as ``selection=cls.name`` in a method variant."""
+    SELECTIONS[cls.name] = cls
+    return cls
+
+
+def register_merge(cls):
+    """Class decorator: make a merge reachable as ``merge=cls.name`` in a method variant."""
+    MERGES[cls.name] = cls
     return cls
 
 
@@ -61,13 +83,18 @@ def get_method(name: str, **params) -> "Method":
     """Return the method registered as ``name`` (or a variant ``name+key=value+...``), built with
     ``params``.
 
-    Raises ValueError naming the valid methods or parameters.
+    For a method that pairs a selection with a merge, ``selection=NAME`` and ``merge=NAME`` swap
+    either part for a registered one (``keepkv describe``), and every other parameter goes to the
+    part that declares it (``selection.KEY`` or ``merge.KEY`` where both do). Raises ValueError
+    naming the valid methods or parameters.
     """
     name, spec_params = parse_method_spec(name)
     params = {**spec_params, **params}
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
     cls = METHODS[name]
+    if issubclass(cls, ComposedMethod):
+        return cls.compose(**params)
     valid = [field.name for field in dataclasses.fields(cls)]
     unknown = sorted(set(params) - set(valid))
     if unknown:
@@ -77,15 +104,20 @@ def get_method(name: str, **params) -> "Method":
     return cls(**params)
 
 
+def accepted_params(name: str) -> set[str]:
+    """The parameter names a registered method (a name, not a variant) takes: a composed method's
+    own, its default selection's and its default merge's (``selection`` and ``merge`` swap them)."""
+    cls = METHODS[name]
+    if issubclass(cls, ComposedMethod):
+        return set(cls.default_params())
+    return {field_.name for field_ in dataclasses.fields(cls)}
+
+
 def describe_methods() -> list[dict]:
-    """Name, paper, parameters and defaults of every registered method."""
+    """Name, paper, parameters and defaults of every registered method (a selection and a merge
+    are named by ``selection`` and ``merge``, their parameters beside them)."""
     return [
-        {
-            "name": name,
-            "paper": cls.paper,
-            "params": {field.name: field.default for field in dataclasses.fields(cls)},
-        }
-        for name, cls in sorted(METHODS.items())
+        {"name": name, "paper": cls.paper, "params": cls.default_params()} for name, cls in sorted(METHODS.items())
     ]
 
 
@@ -98,6 +130,12 @@ def check_range(name: str, value, low, high, *, low_open=False, high_open=False)
         raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
 
 
+def check_choice(name: str, value, allowed) -> None:
+    """Raise ValueError unless ``value`` is one of ``allowed``; the message names them."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
 _KINDS = {  # a field's declared type -> (accepted values, how the error names them)
     "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
     "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == v, "a number"),
@@ -106,25 +144,34 @@ _KINDS = {  # a field's declared type -> (accepted values, how the error names t
 }
 
 
-def check_field_types(method) -> None:
+def check_field_types(part) -> None:
     """Raise ValueError (one line) when a parameter has the wrong type for its declared one (int,
     float, bool, str, or one of them | None): a float ``window`` would otherwise fail deep inside a
-    tensor op. Ranges are each method's own checks."""
-    for field in dataclasses.fields(method):
-        declared = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    tensor op. Ranges are each part's own checks."""
+    for field_ in dataclasses.fields(part):
+        declared = field_.type if isinstance(field_.type, str) else getattr(field_.type, "__name__", "")
         optional = declared.endswith(" | None")
         kind = _KINDS.get(declared.removesuffix(" | None"))
-        value = getattr(method, field.name)
+        value = getattr(part, field_.name)
         if kind is None or (optional and value is None):
             continue
         accepts, wanted = kind
         if not accepts(value):
-            raise ValueError(f"{method.name}: {field.name} must be {wanted}{' or None' if optional else ''}, got {value!r}")
+            raise ValueError(f"{part.name}: {field_.name} must be {wanted}{' or None' if optional else ''}, got {value!r}")
+
+
+def part_params(part) -> dict:
+    """A selection's or merge's parameters, by name."""
+    return {field_.name: getattr(part, field_.name) for field_ in dataclasses.fields(part)}
 
 
 @dataclass
 class Method:
-    """Base class. Subclasses are small dataclasses registered with ``@register``.
+    """Base class of every method. Subclasses are small dataclasses registered with ``@register``.
+
+    A method that pairs a selection with a merge is a :class:`ComposedMethod`; this base is also
+    the contract of the methods that compress their own way (ZeroMerge, KVReviver, the full cache),
+    which override ``observe`` and ``compress``.
 
     Parameters
     ----------
@@ -138,25 +185,27 @@ class Method:
     # True when allocate() reads statistics of every layer's prefill (D2O): then no layer is
     # compressed before the last one has seen the prompt, so the whole prompt cache peaks at once.
     allocates_from_all_layers: ClassVar[bool] = False
+    selection: ClassVar[None] = None  # a ComposedMethod's parts; none for a method of its own
+    merging: ClassVar[None] = None
     interval: int = 1
 
     def __post_init__(self):
         check_field_types(self)
         check_range("interval", self.interval, 1, math.inf)
 
+    @classmethod
+    def default_params(cls) -> dict:
+        """The registered defaults of every parameter (``keepkv methods``)."""
+        return {field_.name: field_.default for field_ in dataclasses.fields(cls)}
+
+    def params(self) -> dict:
+        """This method's parameters (a selection and a merge by name, with theirs): what an eval
+        records of a cell."""
+        return {field_.name: getattr(self, field_.name) for field_ in dataclasses.fields(self)}
+
     def needs(self, is_prefill: bool) -> Needs:
-        """Statistics the attention path must compute for this method: its selection's and its
-        merge's."""
-        return Needs.union([self.selection_needs(is_prefill), self.merging.needs(is_prefill)])
-
-    def selection_needs(self, is_prefill: bool) -> Needs:
-        """Statistics the selection's scores read."""
+        """Statistics the attention path must compute for this method."""
         return Needs()
-
-    @property
-    def merging(self) -> "Merge":
-        """What becomes of the entries the selection evicts (:class:`Merge`; ``EVICT``: nothing)."""
-        return EVICT
 
     def prepare(self, model) -> None:
         """Derive model-specific constants once, before generation (KVReviver's Fisher layer
@@ -192,18 +241,11 @@ class Method:
 
         Pure: it reads its arguments only (``states``: each layer's method state after its prefill,
         None when budgets are asked before the model runs, as ``capacity_bound`` does)."""
-        return row_budget[None, :, None].expand(layers, -1, kv_heads).clone()
-
-    def priority(self, layer) -> torch.Tensor:
-        """[B, H_kv, S] the selection's ranking: the lowest-ranked entries leave (+inf: always kept)."""
-        raise NotImplementedError
+        return uniform_budgets(layers, kv_heads, row_budget)
 
     def compress(self, layer, stats: StepStats) -> None:
-        """Bring every row and head of ``layer`` to at most its budget: the selection's plan, then
-        the merge's rewrite of the store."""
-        if layer.size <= layer.min_budget:
-            return
-        self.merging.apply(layer, plan_eviction(layer, self.priority(layer)), stats)
+        """Bring every row and head of ``layer`` to at most its budget."""
+        raise NotImplementedError
 
     def select_rows(self, layer, index: torch.Tensor) -> dict:
         """The layer's method state for rows ``index`` [B'] of its B rows (beam search and the other
@@ -216,6 +258,11 @@ class Method:
         scalars are derived from its rows (KVReviver's largest exact share) recomputes them here.
         """
         return select_state_rows(layer.state, index, layer.keys.shape[0], self.name)
+
+
+def uniform_budgets(layers: int, kv_heads: int, row_budget: torch.Tensor) -> torch.Tensor:
+    """[L, B, H_kv]: each row's budget [B] in every layer and head."""
+    return row_budget[None, :, None].expand(layers, -1, kv_heads).clone()
 
 
 def select_state_rows(state: dict, index: torch.Tensor, rows: int, owner: str) -> dict:
@@ -242,21 +289,204 @@ def select_state_rows(state: dict, index: torch.Tensor, rows: int, owner: str) -
 
 
 @dataclass(frozen=True)
+class Selection:
+    """Which entries a compression keeps: each entry's score, the ranking made from it
+    (``priority``), the entries kept whatever their scores (``protected_entries``), the layer
+    budgets (``allocate``) and what the attention path must compute for the scores (``needs``).
+
+    A small frozen dataclass registered with ``@register_selection``; its parameters are checked
+    where it is built. Per-layer scores live in the layer's store (per-entry extras), never here.
+    """
+
+    name: ClassVar[str] = ""
+    # True when allocate() reads every layer's prefill statistics (``states``): no layer is then
+    # compressed before the last one has seen the prompt.
+    allocates_from_all_layers: ClassVar[bool] = False
+
+    def __post_init__(self):
+        check_field_types(self)
+
+    def needs(self, is_prefill: bool) -> Needs:
+        """Statistics the scores read."""
+        return Needs()
+
+    def setup_layer(self, layer) -> None:
+        """Register per-entry extras (the scores) on a layer before its first token."""
+
+    def observe(self, layer, stats: StepStats) -> None:
+        """Fold one attention call's statistics into the scores."""
+
+    def protected_entries(self) -> int:
+        """Entries a compressed row keeps whatever their scores, per layer and head."""
+        return 0
+
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None) -> torch.Tensor:
+        """Budgets [L, B, H_kv] from each row's mean budget [B] (see ``Method.allocate``)."""
+        return uniform_budgets(layers, kv_heads, row_budget)
+
+    def priority(self, layer) -> torch.Tensor:
+        """[B, H_kv, S] the ranking: the lowest-ranked entries leave (+inf: always kept)."""
+        raise NotImplementedError
+
+    def refusal(self, merging: "Merge") -> str | None:
+        """Why this selection cannot run with ``merging`` (one line), or None."""
+        return None
+
+
+@dataclass(frozen=True)
 class Merge:
-    """What becomes of the entries an eviction plan evicts. This base evicts them: it keeps the
+    """What becomes of the entries a selection's plan evicts. This base evicts them: it keeps the
     plan's entries and nothing else (``layer.keep``). A merging rule (``ZipMerge``) first folds
     the evicted entries into kept ones through ``layer.merge_into``."""
+
+    name: ClassVar[str] = "none"
+
+    def __post_init__(self):
+        check_field_types(self)
 
     def needs(self, is_prefill: bool) -> Needs:
         """Statistics the merge reads from the attention call (beyond the selection's)."""
         return Needs()
 
+    def setup_layer(self, layer) -> None:
+        """Register per-entry extras the merge keeps (KeepKV's EMA adds its own at the prefill)."""
+
+    def observe(self, layer, stats: StepStats, selection: Selection) -> None:
+        """Fold one attention call's statistics into what the merge keeps (KeepKV's EMA), after
+        the selection observed it."""
+
+    def compress(self, layer, selection: Selection, stats: StepStats) -> None:
+        """Bring every row and head of ``layer`` to at most its budget: ``selection``'s plan, then
+        :meth:`apply`. A merge that acts before the plan (KeepKV's merge-first prefill) overrides this."""
+        if layer.size > layer.min_budget:
+            self.apply(layer, plan_eviction(layer, selection.priority(layer)), stats)
+
     def apply(self, layer, plan: "EvictionPlan", stats: StepStats) -> None:
         """Rewrite the layer's store from ``plan``."""
         layer.keep(plan.kept, plan.slots)
 
+    def refusal(self, selection: Selection) -> str | None:
+        """Why this merge cannot run with ``selection`` (one line), or None."""
+        return None
 
+
+register_merge(Merge)
 EVICT = Merge()
+
+
+@dataclass
+class ComposedMethod(Method):
+    """A selection and a merge: the selection's plan (:func:`plan_eviction` over its
+    ``priority``), then the merge's rewrite of the store. Subclasses name their parts' defaults
+    (``selection`` and ``merging`` fields with a default factory) and document them; ``compose``
+    builds a variant from flat parameters."""
+
+    selection: Selection = field(default_factory=Selection)
+    merging: Merge = field(default_factory=Merge)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.selection, Selection) or not isinstance(self.merging, Merge):
+            raise ValueError(f"{self.name or type(self).__name__}: selection must be a Selection and merging a Merge")
+        reason = self.merging.refusal(self.selection) or self.selection.refusal(self.merging)
+        if reason:
+            raise ValueError(f"{self.name}: {reason}")
+
+    @classmethod
+    def default_part(cls, part: str) -> type:
+        """The class of the default selection or merge (``part``: "selection" or "merging")."""
+        return cls.__dataclass_fields__[part].default_factory
+
+    @classmethod
+    def compose(cls, **params) -> "ComposedMethod":
+        """This method with flat parameters: ``selection=NAME`` / ``merge=NAME`` (or a Selection /
+        Merge) swap a part, ``interval`` is the method's, and every other parameter goes to the part
+        that declares it, or to ``selection.KEY`` / ``merge.KEY`` where both do."""
+        parts = {"selection": cls._part_type("selection", params.pop("selection", None), SELECTIONS),
+                 "merge": cls._part_type("merging", params.pop("merge", None), MERGES)}
+        own = {key: params.pop(key) for key in [key for key in params if key in ("interval",)]}
+        routed = {"selection": {}, "merge": {}}
+        declared = {
+            part: set() if not isinstance(kind, type) else {f.name for f in dataclasses.fields(kind)}
+            for part, kind in parts.items()
+        }
+        for key, value in params.items():
+            part, _, leaf = key.rpartition(".")
+            if part:
+                if part not in declared or leaf not in declared[part]:
+                    raise ValueError(f"{cls.name}: unknown parameter {key!r}; {cls._valid(declared)}")
+                routed[part][leaf] = value
+                continue
+            owners = [part for part, names in declared.items() if key in names]
+            if not owners:
+                raise ValueError(f"unknown parameter(s) {key} for method {cls.name!r}; {cls._valid(declared)}")
+            if len(owners) > 1:
+                raise ValueError(f"{cls.name}: {key!r} is a parameter of its selection and of its merge: "
+                                 f"write selection.{key} or merge.{key}")
+            routed[owners[0]][key] = value
+        built = {}
+        for part, kind in parts.items():
+            if not isinstance(kind, type):  # an instance given in Python
+                if routed[part]:
+                    raise ValueError(f"{cls.name}: pass the {part}'s parameters to the {part} object itself")
+                built[part] = kind
+            else:
+                built[part] = kind(**routed[part])
+        return cls(selection=built["selection"], merging=built["merge"], **own)
+
+    @classmethod
+    def _part_type(cls, part: str, choice, registry: dict):
+        if choice is None:
+            return cls.default_part(part)
+        if isinstance(choice, (Selection, Merge)):
+            return choice
+        if not isinstance(choice, str) or choice not in registry:
+            label = "selection" if part == "selection" else "merge"
+            raise ValueError(f"{cls.name}: {label} must be one of {', '.join(sorted(registry))}, got {choice!r}")
+        return registry[choice]
+
+    @classmethod
+    def _valid(cls, declared: dict) -> str:
+        names = ["selection", "merge", "interval", *sorted(declared["selection"]), *sorted(declared["merge"])]
+        return f"valid: {', '.join(dict.fromkeys(names))}"
+
+    @classmethod
+    def default_params(cls) -> dict:
+        selection, merging = cls.default_part("selection")(), cls.default_part("merging")()
+        return {"selection": selection.name, **part_params(selection), "merge": merging.name,
+                **part_params(merging), "interval": 1}
+
+    def params(self) -> dict:
+        return {"selection": self.selection.name, **part_params(self.selection), "merge": self.merging.name,
+                **part_params(self.merging), "interval": self.interval}
+
+    @property
+    def allocates_from_all_layers(self) -> bool:
+        return self.selection.allocates_from_all_layers
+
+    def needs(self, is_prefill: bool) -> Needs:
+        return Needs.union([self.selection.needs(is_prefill), self.merging.needs(is_prefill)])
+
+    def protected_entries(self) -> int:
+        return self.selection.protected_entries()
+
+    def setup_layer(self, layer) -> None:
+        self.selection.setup_layer(layer)
+        self.merging.setup_layer(layer)
+
+    def observe(self, layer, stats: StepStats) -> None:
+        self.selection.observe(layer, stats)
+        self.merging.observe(layer, stats, self.selection)
+
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+        return self.selection.allocate(layers, kv_heads, row_budget, prompt_lengths, states)
+
+    def priority(self, layer) -> torch.Tensor:
+        """[B, H_kv, S] the selection's ranking."""
+        return self.selection.priority(layer)
+
+    def compress(self, layer, stats: StepStats) -> None:
+        self.merging.compress(layer, self.selection, stats)
 
 
 @dataclass
@@ -395,10 +625,9 @@ def pool_group(probs: torch.Tensor, row_dim: int | None = None) -> torch.Tensor:
     return probs.mean(2)
 
 
-@dataclass
-class ScoredEviction(Method):
-    """A selection: keep sinks, a recent window and the highest-scoring of the rest; what
-    becomes of the rest is its ``merging`` (a :class:`Merge`; eviction by default).
+@dataclass(frozen=True)
+class ScoredSelection(Selection):
+    """A selection that keeps sinks, a recent window and the highest-scoring of the rest.
 
     Subclasses say how many recent tokens to protect (``recent_count``) and, if they rank by
     score (``scored``), how scores are accumulated (``observe``, into the per-entry extra

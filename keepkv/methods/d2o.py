@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..merging import MergedRows, _gather_entries, _group_plan, _group_sum, convex_merge_rows, cosine_nearest
-from .base import Merge, check_range, register
+from .base import ComposedMethod, Merge, Selection, check_choice, check_range, register, register_merge, register_selection
 from .h2o import AccumulatedAttention
 
 ALLOCATIONS = ("paper", "code")
@@ -57,16 +57,17 @@ def largest_remainder(shares: torch.Tensor, totals: torch.Tensor) -> torch.Tenso
     return floors.long() + (fraction_rank < missing[None]).long()
 
 
-@register
-@dataclass
-class D2O(AccumulatedAttention):
-    """D2O (Wan et al., "D2O: Dynamic Discriminative Operations for Efficient Long-Context
-    Inference of Large Language Models", 2024).
+@register_selection
+@dataclass(frozen=True)
+class VarianceBudgets(AccumulatedAttention):
+    """D2O's selection: H2O's accumulated attention (GQA groups pooled by their mean) with ``sinks``
+    leading tokens and a recent window of ``recent_ratio`` of the budget (heavy:recent 3:1,
+    Sec. 5.1), and layer budgets from the variance of each layer's prompt attention.
 
-    **Layer level.** At prefill each layer records the variance of the prompt's attention column
-    sums (eq. 4), from the chunked column sums of the attention path (never a T×T matrix), over
-    the row's real tokens. After the last layer has prefilled, ``allocate`` turns the L variances
-    of each row into layer budgets:
+    At prefill each layer records the variance of the prompt's attention column sums (eq. 4), from
+    the chunked column sums of the attention path (never a T×T matrix), over the row's real tokens.
+    After the last layer has prefilled, ``allocate`` turns the L variances of each row into layer
+    budgets:
 
     - ``allocation="paper"`` (default, Sec. 4.1): the variance is that of the column sums of the
       layer's head-averaged attention map; layers above the gate ``gate`` get S, the others
@@ -79,26 +80,8 @@ class D2O(AccumulatedAttention):
       total). The code's exemption of layers 0, 1 and L−1 from compression is not reproduced:
       it would break the memory budget.
 
-    **Token level.** H2O accumulated-attention scores (eq. 5, GQA groups pooled by their mean),
-    ``sinks`` leading tokens and a recent window of ``recent_ratio`` of the budget (heavy:recent
-    3:1, Sec. 5.1) are kept; every evicted entry finds its nearest kept entry (sinks and recent
-    included) by key cosine similarity (eq. 8) and merges into it if that similarity reaches the
-    EMA threshold τ (eq. 9), else is dropped. This runs at the end of prefill and at every
-    decode-time compression.
-
-    **Threshold τ.** One τ per row and KV head, in ``layer.state["tau"]``. The first compression
-    sets τ = mean of the evicted entries' max similarities; each later one sets
-    τ = β·mean(max similarities) + (1 − β)·τ, then merges the entries whose max similarity is
-    >= τ (the code's order). With one token evicted per step this is eq. 9 exactly. τ is reset
-    for every new sequence: it lives in the layer store, which is new for every CompressedCache,
-    cleared by ``cache.reset()``, and set back to "unset" at every prefill, so a new prompt never
-    inherits the previous one's τ (the authors' code keeps ``self.threshold`` across samples).
-
     Parameters
     ----------
-    beta : float
-        EMA smoothing β of eq. 9, in [0, 1]. Default 0.5: the authors' released default
-        (``threshold = 0.5·threshold + 0.5·mean``) and the low end of the paper's 0.5-0.9 grid.
     allocation : {"paper", "code"}
         Layer-budget rule (see above).
     gate : float
@@ -108,42 +91,29 @@ class D2O(AccumulatedAttention):
     alpha : float
         Scale α of the budget of low-variance layers relative to high-variance ones
         (paper: 2-4; default 2). Only for "paper".
-    merge_rule : {"paper", "code"}
-        Merge weights: eqs. 10-11 (default) or the code's (x_c + Σ u·x)/(1 + n) (see ``d2o_merge``).
     recent_ratio : float
         Share of the budget kept as the recent window (default 0.25: heavy:recent = 3:1).
     sinks : int
         Leading tokens always kept (paper: 4).
-    interval : int
-        Compress (evict and merge) every ``interval`` decode steps.
     """
 
     name = "d2o"
-    paper = "Wan et al. 2024, arXiv 2406.13035"
     allocates_from_all_layers = True
     recent_ratio: float = 0.25
     sinks: int = 4
-    beta: float = 0.5
     allocation: str = "paper"
     gate: float = 100.0
     alpha: float = 2.0
-    merge_rule: str = "paper"
 
     def __post_init__(self):
         super().__post_init__()
-        check_range("beta", self.beta, 0.0, 1.0)
         check_range("gate", self.gate, 0.0, math.inf)
         check_range("alpha", self.alpha, 0.0, math.inf, low_open=True)
-        if self.allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
-        if self.merge_rule not in MERGE_RULES:
-            raise ValueError(f"merge_rule must be one of {MERGE_RULES}, got {self.merge_rule!r}")
+        check_choice("allocation", self.allocation, ALLOCATIONS)
 
-    # -- layer level -------------------------------------------------------------------
     def observe(self, layer, stats):
         super().observe(layer, stats)
         if stats.is_prefill:
-            layer.state["tau"] = None  # a new sequence: forget any earlier threshold
             colsum = stats.colsum.float()  # [B, H_kv, g, S]
             real = layer.live()[:, 0]  # [B, S] (padding is the same in every head)
             layer.state["variance_paper"] = masked_variance(colsum.mean((1, 2)), real)  # [B]
@@ -168,28 +138,51 @@ class D2O(AccumulatedAttention):
             budgets = (ratio * prompt[None]).floor().long()
         return budgets.clamp(min=1)[:, :, None].expand(layers, -1, kv_heads).clone()
 
-    # -- token level -----------------------------------------------------------------
-    @property
-    def merging(self) -> "D2OMerge":
-        return D2OMerge(self.beta, self.merge_rule)
 
-
+@register_merge
 @dataclass(frozen=True)
 class D2OMerge(Merge):
     """D2O's token-level merge (Sec. 4.2): each evicted entry's nearest kept entry by key cosine
-    (eq. 8) takes it if their similarity reaches the EMA threshold τ (eq. 9, one per row and KV
-    head in ``layer.state["tau"]``), by the weights of ``rule`` (:func:`d2o_merge_rows`); the
-    others are dropped."""
+    (eq. 8) takes it if their similarity reaches the EMA threshold τ (eq. 9), by the weights of
+    ``merge_rule`` (:func:`d2o_merge_rows`); the others are dropped.
 
+    **Threshold τ.** One τ per row and KV head, in ``layer.state["tau"]``. The first compression
+    sets τ = mean of the evicted entries' max similarities; each later one sets
+    τ = β·mean(max similarities) + (1 − β)·τ, then merges the entries whose max similarity is
+    >= τ (the code's order). With one token evicted per step this is eq. 9 exactly. τ is reset
+    for every new sequence: it lives in the layer store, which is new for every CompressedCache,
+    cleared by ``cache.reset()``, and set back to "unset" at every prefill, so a new prompt never
+    inherits the previous one's τ (the authors' code keeps ``self.threshold`` across samples).
+
+    Parameters
+    ----------
+    beta : float
+        EMA smoothing β of eq. 9, in [0, 1]. Default 0.5: the authors' released default
+        (``threshold = 0.5·threshold + 0.5·mean``) and the low end of the paper's 0.5-0.9 grid.
+    merge_rule : {"paper", "code"}
+        Merge weights: eqs. 10-11 (default) or the code's (x_c + Σ u·x)/(1 + n) (see
+        :func:`d2o_merge_rows`).
+    """
+
+    name = "d2o"
     beta: float = 0.5
-    rule: str = "paper"
+    merge_rule: str = "paper"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("beta", self.beta, 0.0, 1.0)
+        check_choice("merge_rule", self.merge_rule, MERGE_RULES)
+
+    def observe(self, layer, stats, selection) -> None:
+        if stats.is_prefill:
+            layer.state["tau"] = None  # a new sequence: forget any earlier threshold
 
     def apply(self, layer, plan, stats) -> None:
         target, similarity = cosine_nearest(layer.keys, plan.evict_idx, plan.kept, plan.candidate_idx(layer.size))
         candidate = plan.evict_valid & torch.isfinite(similarity)
         tau = self.update_threshold(layer, similarity, candidate)
         merge = candidate & (similarity >= tau.unsqueeze(-1))
-        layer.merge_into(d2o_merge_rows(layer.keys, layer.values, plan.evict_idx, target, merge, similarity, self.rule))
+        layer.merge_into(d2o_merge_rows(layer.keys, layer.values, plan.evict_idx, target, merge, similarity, self.merge_rule))
         layer.keep(plan.kept, plan.slots)
 
     def update_threshold(self, layer, similarity: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -203,3 +196,22 @@ class D2OMerge(Merge):
         tau = torch.where(count > 0, updated, tau)
         layer.state["tau"] = tau
         return tau
+
+
+@register
+@dataclass
+class D2O(ComposedMethod):
+    """D2O (Wan et al., "D2O: Dynamic Discriminative Operations for Efficient Long-Context
+    Inference of Large Language Models", 2024).
+
+    **Layer level**: selection ``d2o`` (:class:`VarianceBudgets`: layer budgets from the variance of
+    each layer's prompt attention, H2O's scores within a layer). **Token level**: merge ``d2o``
+    (:class:`D2OMerge`): every evicted entry merges into its nearest kept entry (sinks and recent
+    included) by key cosine similarity if that similarity reaches the EMA threshold τ, else is
+    dropped; at the end of prefill and at every decode-time compression.
+    """
+
+    name = "d2o"
+    paper = "Wan et al. 2024, arXiv 2406.13035"
+    selection: Selection = field(default_factory=VarianceBudgets)
+    merging: Merge = field(default_factory=D2OMerge)

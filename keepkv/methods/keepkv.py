@@ -1,19 +1,29 @@
-"""KeepKV: Electoral Votes, ZIP-Merging, EMA attention scores and periodic lossless refresh."""
+"""KeepKV: Electoral Votes, ZIP-Merging, EMA attention scores and periodic lossless refresh.
+
+KeepKV is a selection plus KeepKV's merge (:class:`KeepKVMerge`): ZIP-merging with Electoral
+Votes whose decode-time weights are EMA-predicted attention scores (eq. 8), with merge gates, the
+paper's merge-first prefill as an option and the periodic lossless refresh. The merge keeps the
+EMA; KeepKV's own ranking by it is the selection ``ema`` (:class:`EmaAttention`).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
 from ..merging import MergedRows, _Groups, _group_logsumexp, cosine_nearest
-from ..offload import FullKVCopy, offload_report
+from ..offload import FullKVCopy
 from ..store import NEG_INF, slots_of
-from .base import METHODS, ScoredEviction, check_range, plan_eviction, protected, register
-from .zip_merging import ZipChoice, pool_log_scores, zip_rows
+from .base import (
+    ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, plan_eviction, protected, register,
+    register_merge, register_selection,
+)
+from .snapkv import ObservationWindow
+from .zip_merging import ZipMerge, pool_log_scores, zip_rows
 
 SCORE_MODES = ("ema", "exact")
 SCORE_NORMS = ("none", "row")
@@ -55,46 +65,22 @@ def merged_ema_rows(
     return (mean_score - log_scale + log_n).transpose(-1, -2)
 
 
-@register
-@dataclass
-class KeepKV(ZipChoice, ScoredEviction):
-    """KeepKV (Tian et al., "KeepKV: Achieving Periodic Lossless KV Cache Compression for
-    Efficient LLM Inference", arXiv 2504.09936).
-
-    What is kept is a selection rule's choice (``selection``). The default is SnapKV's (the
-    attention of the last 32 prompt queries, pooled; the window kept), the best measured on the
-    dev seed; the paper's is PyramidInfer's, and ``selection="ema"`` is KeepKV's own: ``sinks``
-    leading tokens, a recent window and heavy hitters (recent:heavy = ``recent_ratio``:(1 -
-    ``recent_ratio``)) ranked by their attention mass ln p + ln ŝ, with PyramidInfer's
-    cosine-decayed layer budgets. Every entry chosen for eviction is ZIP-merged
-    (eq. 7 / 25) into the kept entry (sinks and recent included) whose key is most
-    cosine-similar, if that similarity is at least ``threshold``; otherwise it is evicted.
-    Every entry carries Electoral Votes p (1 for a token; a merge adds them), stored as ln p in
-    the cache's bias, so attention computes Σ p s v / Σ p s.
-
-    How the scores, merges, GQA pooling, refresh and prefill orders work: docs/keepkv.md, "How the
-    implementation works"; the measured choices of the defaults: docs/keepkv.md.
+@register_selection
+@dataclass(frozen=True)
+class EmaAttention(ScoredSelection):
+    """KeepKV's own selection: ``sinks`` leading tokens, a recent window (recent:heavy =
+    ``recent_ratio``:(1 - ``recent_ratio``) of the budget left after the sinks) and heavy hitters
+    ranked by their predicted attention mass ln p + ln ŝ (the EMA scores that KeepKV's merge keeps,
+    so it pairs with merge ``keepkv`` only), with PyramidInfer's cosine-decayed layer budgets.
 
     Parameters
     ----------
-    selection : str
-        A scored eviction method whose selection to use (default "snapkv", see above), or "ema"
-        (KeepKV's EMA ranking, the only one a periodic refresh can use).
+    sinks : int
+        Leading tokens always kept (4).
     kernel : int
-        Odd max-pool width over neighbouring entries of the EMA ranking (1: no pooling). Pooling
+        Odd max-pool width over neighbouring entries of the ranking (1: no pooling). Pooling
         keeps the neighbours of a highly attended token, so a multi-token fact survives whole
         (SnapKV's pooling; not in the KeepKV paper).
-    merge : str
-        "zip" (ZIP-merge evicted entries, the paper) or "none" (evict only: the selection alone).
-    threshold : float
-        Merge threshold T on key cosine similarity, in [-1, 1] (paper: 0.8). T = -1 merges every
-        evicted entry (nothing is evicted unmerged).
-    alpha : float
-        EMA decay α in (0, 1). Default 0.94 ≈ 1 - 2/(w + 1) for w = 32: the EMA whose centre of
-        mass matches a w-row window (so the prefill window carries 86% of the initial weight).
-        The paper gives no value.
-    window : int
-        w >= 1, query rows the EMA is initialised over at the end of prefill (paper: 32).
     recent_ratio : float
         Recent window as a share of the budget left after the sinks, in [0, 1]. Default 0.2:
         recent:heavy = 1:4, the upper end of the 1:5-1:4 range in Appendix B.3 (whose wording
@@ -103,122 +89,43 @@ class KeepKV(ZipChoice, ScoredEviction):
     last_layer_share : float
         PyramidInfer cosine decay: the heavy-hitter share of a layer falls from 1.0 at layer 0 to
         this at the last layer (Appendix B.3: 0.8), rescaled so the mean budget is the budget.
-    zip_key : str
-        ZIP key rule, see :func:`keepkv.merging.zip_merge`: "paper" (eq. 25 with a gain
-        safeguard), "projection" (singularity-free, the default; docs/keepkv.md compares them),
-        "group" (GQA min-norm) or "mean" (the weighted mean key of the authors' released code).
-    score_norm : str
-        "none" (the paper: the EMA of the unnormalised scores s, eq. 8, so a query whose logits
-        are large outweighs the others) or "row" (each query's scores divided by its partition
-        function Σ p s before they enter the EMA, so every query counts equally, as in H2O's and
-        SnapKV's sums of attention probabilities; read back on the newest query's logit scale).
-    scores : str
-        "ema" or "exact": scores of decode-time merges (see above).
-    prefill_scores : str
-        "exact" or "ema": scores of prefill merges (see above).
-    prefill_order : str
-        "evict_first" (default): eviction with merging only, as during decoding. "merge_first"
-        (the paper, Appendix B, Table 3): every non-protected entry that has a more important
-        entry at least T similar first merges into its most similar "root" (an entry with no more
-        important entry at least T similar; at most the entries a row must shed), then eviction
-        (with merging) brings the layer to its budget. Decode-time compression is always
-        evict-then-merge.
-    refresh_interval : int or None
-        N >= 1: rebuild every layer from the full copy every N decode steps. None: never, and no
-        full copy is kept.
-    protect, max_value_change, max_share : float
-        Merge gates of evict-then-merge (:class:`ZipMerge`); here 0.75, 1.0 and 1.0: the top
-        3/4 of the entries kept by score take no merges, the others move by at most their norm
-        (docs/keepkv.md, "Merge gates"). ``protect=0+max_value_change=None``: the paper's merge.
-    sinks : int
-        Leading tokens always kept (4).
-    interval : int
-        Compress every ``interval`` decode steps.
     """
 
-    name = "keepkv"
-    paper = "Tian et al. 2025, arXiv 2504.09936"
+    name = "ema"
+    scored = False  # it ranks by the merge's EMA extras, not by a "score" of its own
     sinks: int = 4
-    merge: str = "zip"
-    selection: str = "snapkv"
     kernel: int = 1
-    alpha: float = 0.94
-    window: int = 32
     recent_ratio: float = 0.2
     last_layer_share: float = 0.8
-    score_norm: str = "none"
-    scores: str = "ema"
-    prefill_scores: str = "exact"
-    prefill_order: str = "evict_first"
-    refresh_interval: int | None = None
-    # Merges that cannot corrupt an important entry (docs/keepkv.md, "Merge gates"): the top 3/4
-    # of the entries the selection keeps by score take no merges, the others move by at most
-    # their own norm. ZipChoice's defaults (0, None) are the paper's: every kept entry merges.
-    protect: float = 0.75
-    max_value_change: float | None = 1.0
 
     def __post_init__(self):
         super().__post_init__()
-        check_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=True)
         check_range("recent_ratio", self.recent_ratio, 0.0, 1.0)
         check_range("last_layer_share", self.last_layer_share, 0.0, 1.0, low_open=True)
-        check_range("window", self.window, 1, math.inf)  # types: check_field_types
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd int >= 1, got {self.kernel!r}")
-        self._selector = None if self.selection == "ema" else self._build_selector()
-        if self.score_norm not in SCORE_NORMS:
-            raise ValueError(f"score_norm must be one of {', '.join(map(repr, SCORE_NORMS))}, got {self.score_norm!r}")
-        if self._selector is not None and self.refresh_interval is not None:
-            raise ValueError("refresh_interval re-ranks entries by the EMA: use it with selection='ema'")
-        if self.refresh_interval is not None:
-            check_range("refresh_interval", self.refresh_interval, 1, math.inf)
-        choices = {
-            "scores": SCORE_MODES,
-            "prefill_scores": SCORE_MODES,
-            "prefill_order": PREFILL_ORDERS,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
 
-    def _build_selector(self) -> ScoredEviction:
-        selectors = sorted(
-            name for name, cls in METHODS.items() if issubclass(cls, ZipChoice) and cls is not KeepKV
-        )
-        if self.selection not in selectors:
-            raise ValueError(f"selection must be 'ema' or one of {', '.join(selectors)}, got {self.selection!r}")
-        return METHODS[self.selection](interval=self.interval)
+    def refusal(self, merging) -> str | None:
+        if not isinstance(merging, KeepKVMerge):
+            return f"selection 'ema' ranks by the EMA that merge 'keepkv' keeps; merge {merging.name!r} keeps none"
+        return None
 
-    # -- hooks of Method -------------------------------------------------------------------
-    def needs(self, is_prefill: bool) -> Needs:
-        # While decoding, the EMA and the merges read the logits the attention computed; at prefill
-        # KeepKV computes its window's logits itself. A selector may ask for more.
-        own = Needs(logits=not is_prefill)
-        return own if self._selector is None else Needs.union([own, self._selector.needs(is_prefill)])
-
-    def setup_layer(self, layer) -> None:
-        # KeepKV's own extras need the GQA group size, known at the first observe().
-        if self._selector is not None:
-            self._selector.setup_layer(layer)
-
-    def protected_entries(self) -> int:
-        return self.sinks if self._selector is None else self._selector.protected_entries()
+    @property
+    def keeps_order(self) -> bool:
+        """The pooled ranking compares neighbouring slots: the kept entries stay in position order."""
+        return self.kernel > 1
 
     def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
         sinks = budget.clamp(max=self.sinks)
         return ((budget - sinks).double() * self.recent_ratio).round().long()
 
     def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None) -> torch.Tensor:
-        """The selector's budgets, or (``selection="ema"``) PyramidInfer's cosine decay.
-
-        PyramidInfer cosine decay of the heavy share; sinks and recent equal in every layer.
+        """PyramidInfer cosine decay of the heavy share; sinks and recent equal in every layer.
 
         Per row with mean budget b: heavy_l = (b - sinks - recent) · f_l / mean(f), with
         f_l = c + (1 - c)(1 + cos(π l / (L - 1))) / 2 falling from 1 to c = ``last_layer_share``.
         Layer budgets are rounded cumulatively, so they sum to exactly L·b.
         """
-        if self._selector is not None:
-            return self._selector.allocate(layers, kv_heads, row_budget, prompt_lengths, states)
         budget = row_budget.double()
         recent = self.recent_count(row_budget)
         fixed = budget.clamp(max=self.sinks) + recent
@@ -231,7 +138,104 @@ class KeepKV(ZipChoice, ScoredEviction):
         budgets = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1])).long().clamp(min=1)
         return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
 
-    def observe(self, layer, stats: StepStats) -> None:
+    def priority(self, layer, pooled: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, H_kv, S]: +inf for sinks and recent, else the predicted attention mass ln p + ln ŝ,
+        max-pooled over ``kernel`` neighbouring slots. ``pooled`` [B, H_kv, S]: the pooled EMA
+        log-scores (:meth:`KeepKVMerge.ema`), which KeepKV's merge computes once per compression."""
+        if pooled is None:
+            raise ValueError("selection 'ema' ranks by the EMA that merge 'keepkv' computes (pass pooled)")
+        # Recent tokens are a share of the row's mean budget, alike in every layer (see allocate).
+        recent = self.recent_count(layer.row_budget)[:, None].expand_as(layer.budget)
+        mass = layer.bias + pooled
+        if self.kernel > 1:  # slots are in position order: neighbours are neighbouring tokens
+            batch, kv_heads, size = mass.shape
+            mass = F.max_pool1d(mass.view(-1, 1, size), self.kernel, stride=1, padding=self.kernel // 2)
+            mass = mass.view(batch, kv_heads, size).masked_fill(~layer.live(), NEG_INF)
+        return mass.masked_fill(protected(layer, self.sinks, recent), float("inf"))
+
+
+@register_merge
+@dataclass(frozen=True)
+class KeepKVMerge(ZipMerge):
+    """KeepKV's merge (Tian et al., "KeepKV: Achieving Periodic Lossless KV Cache Compression for
+    Efficient LLM Inference", arXiv 2504.09936): every entry the selection evicts is ZIP-merged
+    (eq. 7 / 25) into the kept entry (sinks and recent included) whose key is most cosine-similar,
+    if that similarity is at least ``threshold``; otherwise it is evicted. Every entry carries
+    Electoral Votes p (1 for a token; a merge adds them), stored as ln p in the cache's bias, so
+    attention computes Σ p s v / Σ p s. Decode-time merges weigh entries by EMA-predicted scores
+    (eq. 8), which this merge keeps per entry and query head.
+
+    How the scores, merges, GQA pooling, refresh and prefill orders work: docs/keepkv.md, "How the
+    implementation works".
+
+    Parameters
+    ----------
+    threshold, zip_key, max_share
+        As ZIP's (:class:`~keepkv.methods.zip_merging.ZipMerge`; T = 0.8 as the paper's).
+    protect, max_value_change : float
+        Merge gates of evict-then-merge; here 0.75 and 1.0: the top 3/4 of the entries kept by
+        score take no merges, the others move by at most their norm (docs/keepkv.md, "Merge
+        gates"). ``protect=0+max_value_change=None``: the paper's merge.
+    alpha : float
+        EMA decay α in (0, 1). Default 0.94 ≈ 1 - 2/(w + 1) for w = 32: the EMA whose centre of
+        mass matches a w-row window (so the prefill window carries 86% of the initial weight).
+        The paper gives no value.
+    window : int
+        w >= 1, query rows the EMA is initialised over at the end of prefill (paper: 32).
+    score_norm : str
+        "none" (the paper: the EMA of the unnormalised scores s, eq. 8, so a query whose logits
+        are large outweighs the others) or "row" (each query's scores divided by its partition
+        function Σ p s before they enter the EMA, so every query counts equally, as in H2O's and
+        SnapKV's sums of attention probabilities; read back on the newest query's logit scale).
+    scores : str
+        "ema" or "exact": scores of decode-time merges (the EMA, or the newest query's logits).
+    prefill_scores : str
+        "exact" or "ema": scores of prefill merges (the last prompt query's logits, or the EMA).
+    prefill_order : str
+        "evict_first" (default): eviction with merging only, as during decoding. "merge_first"
+        (the paper, Appendix B, Table 3): every non-protected entry that has a more important
+        entry at least T similar first merges into its most similar "root" (an entry with no more
+        important entry at least T similar; at most the entries a row must shed), then eviction
+        (with merging) brings the layer to its budget. Decode-time compression is always
+        evict-then-merge.
+    refresh_interval : int or None
+        N >= 1: rebuild every layer from the full copy every N decode steps (selection ``ema``
+        only). None: never, and no full copy is kept.
+    """
+
+    name = "keepkv"
+    protect: float = 0.75
+    max_value_change: float | None = 1.0
+    alpha: float = 0.94
+    window: int = 32
+    score_norm: str = "none"
+    scores: str = "ema"
+    prefill_scores: str = "exact"
+    prefill_order: str = "evict_first"
+    refresh_interval: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=True)
+        check_range("window", self.window, 1, math.inf)  # types: check_field_types
+        check_choice("score_norm", self.score_norm, SCORE_NORMS)
+        if self.refresh_interval is not None:
+            check_range("refresh_interval", self.refresh_interval, 1, math.inf)
+        check_choice("scores", self.scores, SCORE_MODES)
+        check_choice("prefill_scores", self.prefill_scores, SCORE_MODES)
+        check_choice("prefill_order", self.prefill_order, PREFILL_ORDERS)
+
+    def refusal(self, selection) -> str | None:
+        if self.refresh_interval is not None and not isinstance(selection, EmaAttention):
+            return "refresh_interval re-ranks entries by the EMA: use it with selection='ema'"
+        return None
+
+    def needs(self, is_prefill: bool) -> Needs:
+        # While decoding, the EMA and the merges read the logits the attention computed; at prefill
+        # the merge computes its window's logits itself.
+        return Needs(logits=not is_prefill)
+
+    def observe(self, layer, stats: StepStats, selection) -> None:
         query = stats.query  # [B, H_kv, g, q, D]
         rows = query.shape[3]
         if stats.is_prefill:
@@ -242,8 +246,6 @@ class KeepKV(ZipChoice, ScoredEviction):
         else:
             query_pos = layer.positions[:, 0, -rows:]
             self._absorb(layer, query, query_pos, stats.logits)
-        if self._selector is not None:
-            self._selector.observe(layer, stats)
         if self.refresh_interval is None:
             return
         is_real = layer.positions[:, 0, -rows:] >= 0
@@ -260,35 +262,20 @@ class KeepKV(ZipChoice, ScoredEviction):
         if not stats.is_prefill and layer.budget is not None:
             steps = layer.state["steps"]
             if steps // self.refresh_interval > (steps - rows) // self.refresh_interval:
-                self.refresh(layer)  # a compression: the store has nothing pending after it
+                self.refresh(layer, selection)  # a compression: the store has nothing pending after it
 
-    def compress(self, layer, stats: StepStats) -> None:
+    def compress(self, layer, selection, stats: StepStats) -> None:
         if layer.size > layer.min_budget:
             if stats.is_prefill:
-                self._compress_prefill(layer, exact=self.prefill_scores == "exact")
+                self._compress_prefill(layer, selection, exact=self.prefill_scores == "exact")
             else:
-                self._evict_and_merge(layer, exact=self.scores == "exact")
+                self._evict_and_merge(layer, selection, exact=self.scores == "exact")
         # The newest query and its exact logits are one step's scratch (the logits over that
         # step's slots, [B, H_kv, g, S], a prompt's S after a prefill): observe writes them before
         # any read, so the state does not carry them (nor a serving engine copy them per request
         # and step).
         layer.state.pop("exact_logits", None)
         layer.state.pop("query", None)
-
-    # -- reporting -------------------------------------------------------------------------
-    @staticmethod
-    def votes(layer) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, H_kv] votes on live entries, [B, H_kv] tokens evicted unmerged), both float64.
-
-        Their sum is the number of real tokens seen (vote conservation).
-        """
-        live_votes = layer.bias.double().exp().sum(-1)
-        return live_votes, layer.state["lost_votes"].double()
-
-    @staticmethod
-    def offload_report(cache) -> dict:
-        """Memory and transfer cost of the full copies (see :func:`keepkv.offload.offload_report`)."""
-        return offload_report(cache)
 
     # -- scores ------------------------------------------------------------------------------
     def _start_layer(self, layer, group: int, scaling: float) -> None:
@@ -365,25 +352,6 @@ class KeepKV(ZipChoice, ScoredEviction):
         """[B, H_kv, g, S] bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (-inf on empty slots)."""
         return self._ema(layer, live)[0]
 
-    def priority(self, layer, pooled: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, H_kv, S]: +inf for sinks and recent, else the predicted attention mass ln p + ln ŝ,
-        max-pooled over ``kernel`` neighbouring slots (the selector's priority if there is one).
-
-        ``pooled``: the pooled EMA log-scores, if already computed.
-        """
-        if self._selector is not None:
-            return self._selector.priority(layer)
-        # Recent tokens are a share of the row's mean budget, alike in every layer (see allocate).
-        recent = self.recent_count(layer.row_budget)[:, None].expand_as(layer.budget)
-        if pooled is None:
-            pooled = self._ema(layer)[1]
-        mass = layer.bias + pooled
-        if self.kernel > 1:  # slots are in position order: neighbours are neighbouring tokens
-            batch, kv_heads, size = mass.shape
-            mass = F.max_pool1d(mass.view(-1, 1, size), self.kernel, stride=1, padding=self.kernel // 2)
-            mass = mass.view(batch, kv_heads, size).masked_fill(~layer.live(), NEG_INF)
-        return mass.masked_fill(protected(layer, self.sinks, recent), float("inf"))
-
     # -- compression -------------------------------------------------------------------------
     def merge_entries(
         self, layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, exact: bool, ema=None,
@@ -402,7 +370,7 @@ class KeepKV(ZipChoice, ScoredEviction):
         heads = layer.state["exact_logits"] if exact else heads_ema
         if pooled is None:
             pooled = self._merge_scores(layer, exact, ema)[1]
-        gates = self.zip.gates() if gated else (math.inf, 1.0)
+        gates = self.gates() if gated else (math.inf, 1.0)
         merged = zip_rows(
             layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key, pooled, *gates
         )
@@ -427,7 +395,7 @@ class KeepKV(ZipChoice, ScoredEviction):
         ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)
         return ema_log_scores(ema_s, layer.extras["ema_log_n"], layer.bias, live, self._log_scale(layer))
 
-    def _merge_first(self, layer, exact: bool) -> None:
+    def _merge_first(self, layer, selection, exact: bool) -> None:
         """Prefill phase 1: consolidate similar entries before any eviction (Appendix B, Table 3).
 
         At most the entries each row and head must shed merge, the most similar to their root
@@ -436,7 +404,7 @@ class KeepKV(ZipChoice, ScoredEviction):
         live = layer.live()
         excess = (live.sum(-1) - layer.budget).clamp(min=0)  # [B, H_kv]
         ema = self._ema(layer, live)
-        priority = self.priority(layer, ema[1])
+        priority = self._priority(layer, selection, ema[1])
         is_protected = torch.isinf(priority) & (priority > 0)
         order = priority.masked_fill(~live, NEG_INF).argsort(dim=-1, descending=True, stable=True)
         ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
@@ -468,36 +436,39 @@ class KeepKV(ZipChoice, ScoredEviction):
             logits = scaled_logits(layer.state["query"][:, :, :, None], layer.keys, layer.state["scaling"])[:, :, :, 0]
             layer.state["exact_logits"] = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
 
-    def _evict_and_merge(self, layer, exact: bool) -> None:
+    @staticmethod
+    def _priority(layer, selection, pooled: torch.Tensor | None) -> torch.Tensor:
+        """The selection's ranking; KeepKV's own (``ema``) reads the pooled EMA computed here."""
+        return selection.priority(layer, pooled) if isinstance(selection, EmaAttention) else selection.priority(layer)
+
+    def _evict_and_merge(self, layer, selection, exact: bool) -> None:
         """Keep the budget by priority; merge each evicted entry into its most similar kept one (>= T)."""
         live = layer.live()
-        # A selector ranks by its own scores: the EMA is then read only if something merges.
-        ema = self._ema(layer, live) if self._selector is None else None
-        plan = plan_eviction(layer, self.priority(layer, None if ema is None else ema[1]))
+        # Another selection ranks by its own scores: the EMA is then read only if something merges.
+        ema = self._ema(layer, live) if isinstance(selection, EmaAttention) else None
+        plan = plan_eviction(layer, self._priority(layer, selection, None if ema is None else ema[1]))
         if plan.evict_idx.shape[-1] > 0:
-            dropped = plan.evict_valid
-            if self.merge == "zip":
-                ema = self._ema(layer, live) if ema is None else ema  # the merge's votes and EMA need it
-                dst, merge = self.zip.targets(layer, plan)
-                # Always run the merge, on every device: reading "does anything merge?" would be a
-                # host sync, and an empty merge changes nothing, bit for bit. The gates weigh as
-                # the merge does. An evicted slot's votes are not a merge's target: still readable.
-                merged = self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema, gated=True)
-                dropped = dropped & ~merged
+            ema = self._ema(layer, live) if ema is None else ema  # the merge's votes and EMA need it
+            dst, merge = self.targets(layer, plan)
+            # Always run the merge, on every device: reading "does anything merge?" would be a
+            # host sync, and an empty merge changes nothing, bit for bit. The gates weigh as
+            # the merge does. An evicted slot's votes are not a merge's target: still readable.
+            merged = self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema, gated=True)
+            dropped = plan.evict_valid & ~merged
             lost = (layer.bias.gather(-1, plan.evict_idx).exp() * dropped).sum(-1)
             layer.state["lost_votes"] += lost
-        if self.kernel > 1:  # the pooled ranking needs slots in position order
+        if getattr(selection, "keeps_order", False):  # the pooled ranking needs slots in position order
             layer.select(plan.keep_idx, plan.keep_valid)
         else:
             layer.keep(plan.kept, plan.slots)
 
-    def _compress_prefill(self, layer, exact: bool) -> None:
-        if self.prefill_order == "merge_first" and self.merge == "zip":
-            self._merge_first(layer, exact)
-        self._evict_and_merge(layer, exact)
+    def _compress_prefill(self, layer, selection, exact: bool) -> None:
+        if self.prefill_order == "merge_first":
+            self._merge_first(layer, selection, exact)
+        self._evict_and_merge(layer, selection, exact)
 
     # -- periodic refresh --------------------------------------------------------------------
-    def refresh(self, layer) -> None:
+    def refresh(self, layer, selection) -> None:
         """Rebuild the layer's store from the full copy with the current query's exact scores.
 
         The store becomes every token seen (1 vote each), the EMA is re-initialised over the
@@ -510,5 +481,28 @@ class KeepKV(ZipChoice, ScoredEviction):
         layer.state["lost_votes"] = torch.zeros_like(layer.state["lost_votes"])
         self._absorb(layer, layer.state["query_window"], layer.state["query_window_pos"])
         if size > layer.min_budget:
-            self._compress_prefill(layer, exact=True)
+            self._compress_prefill(layer, selection, exact=True)
         layer.state["refreshes"] += 1
+
+
+@register
+@dataclass
+class KeepKV(ComposedMethod):
+    """KeepKV (Tian et al., "KeepKV: Achieving Periodic Lossless KV Cache Compression for
+    Efficient LLM Inference", arXiv 2504.09936).
+
+    A selection plus KeepKV's merge (:class:`KeepKVMerge`: ZIP-merging with Electoral Votes, EMA
+    scores, merge gates). What is kept is the selection's choice: the default is SnapKV's
+    (``selection=snapkv``, the best measured on the dev seed); KeepKV's own is ``selection=ema``
+    (:class:`EmaAttention`); the paper's runs select with PyramidInfer. Any registered selection
+    pairs with it (``keepkv+selection=kvzip`` for a context compressed before its question).
+    ``merge=none`` is the selection alone.
+
+    The paper-literal configuration is
+    ``keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None``.
+    """
+
+    name = "keepkv"
+    paper = "Tian et al. 2025, arXiv 2504.09936"
+    selection: Selection = field(default_factory=ObservationWindow)
+    merging: Merge = field(default_factory=KeepKVMerge)

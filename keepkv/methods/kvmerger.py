@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..merging import MergedRows, convex_merge_rows
 from ..store import slots_of
-from .base import Merge, check_range, register
+from .base import ComposedMethod, Merge, ScoredSelection, Selection, check_range, register, register_merge
 from .h2o import AccumulatedAttention
 
 
@@ -30,27 +30,22 @@ def kvmerger_merge_rows(keys, values, src, dst, merge, sigma) -> MergedRows:
     return convex_merge_rows(keys, values, src, dst, merge, gaussian_weights(keys, src, dst, sigma))
 
 
-@register
-@dataclass
-class KVMerger(AccumulatedAttention):
-    """KVMerger (Wang et al., "Model Tells You Where to Merge: Adaptive KV Cache Merging for
-    LLMs on Long-Context Tasks", 2024), following the paper as summarised in KeepKV's appendix
-    A.2 (eq. 12); no public code exists.
+@register_merge
+@dataclass(frozen=True)
+class PivotMerge(Merge):
+    """KVMerger's merge of a plan: evicted members of a merging set go into its pivot, by
+    Gaussian-kernel weights; the kept entries are then gathered in position order, since sets are
+    runs of adjacent slots.
 
-    Choices made here:
-
-    - **What is evicted.** H2O's plan (accumulated attention, GQA groups pooled by their mean,
-      ``sinks`` + a recent window of ``recent_ratio`` of the budget), so that KVMerger differs
-      from ``h2o`` only by merging. It runs at the end of prefill and at every decode-time
-      compression.
     - **Merging sets.** KVMerger observes that adjacent tokens' keys are highly similar and
       groups consecutive tokens into merging sets. Here a set is a maximal run of live entries,
       adjacent in position, whose consecutive keys have cosine similarity >= ``threshold``
       (a chain, computed for all rows and heads at once), and a set matters when it holds at
       least one entry chosen for eviction.
     - **Pivot.** KVMerger's pivotal state is the set's most attended token; here the kept member
-      of the set with the highest H2O score, since the merged state must survive. Evicted members
-      of a set with no kept member, and evicted tokens in no set, are dropped.
+      of the set with the highest score of the selection (its per-entry ``"score"``), since the
+      merged state must survive. Evicted members of a set with no kept member, and evicted tokens
+      in no set, are dropped.
     - **Weights.** The evicted members merge into the pivot by the plain convex merge of eq. 11
       with Gaussian-kernel weights exp(−‖k_i − k_p‖²/2σ²) (eq. 12; the pivot's own is 1). No votes,
       no bias: the merged entry's attention sags (Theorem 2).
@@ -64,12 +59,9 @@ class KVMerger(AccumulatedAttention):
         Cosine similarity in [-1, 1] that links two adjacent keys into one merging set.
     sigma : float or None
         Kernel width σ > 0, or None for the mean key norm.
-    recent_ratio, sinks, interval
-        As in H2O.
     """
 
-    name = "kvmerger"
-    paper = "Wang et al. 2024, arXiv 2407.08454"
+    name = "pivot"
     threshold: float = 0.8
     sigma: float | None = None
 
@@ -79,20 +71,10 @@ class KVMerger(AccumulatedAttention):
         if self.sigma is not None:
             check_range("sigma", self.sigma, 0.0, math.inf, low_open=True)
 
-    @property
-    def merging(self) -> Merge:
-        return PivotMerge(self.threshold, self.sigma)
-
-
-@dataclass(frozen=True)
-class PivotMerge(Merge):
-    """KVMerger's merge of a plan (see :class:`KVMerger`): evicted members of a merging set (a run
-    of adjacent live entries whose consecutive keys are at least ``threshold`` cosine-similar) go
-    into its pivot, by Gaussian kernel weights of width ``sigma`` (None: the mean key norm); the
-    kept entries are then gathered in position order, since sets are runs of adjacent slots."""
-
-    threshold: float = 0.8
-    sigma: float | None = None
+    def refusal(self, selection) -> str | None:
+        if not (isinstance(selection, ScoredSelection) and selection.scored):
+            return f"merge 'pivot' picks each set's pivot by the selection's scores; selection {selection.name!r} keeps none"
+        return None
 
     def apply(self, layer, plan, stats) -> None:
         pivot, has_pivot = self.pivots(layer, plan.kept)
@@ -137,3 +119,22 @@ class PivotMerge(Merge):
         pivot = torch.zeros_like(order).scatter_(-1, order, pivot_slot_c)
         has_pivot = torch.zeros_like(live).scatter_(-1, order, has_c)
         return pivot, has_pivot
+
+
+@register
+@dataclass
+class KVMerger(ComposedMethod):
+    """KVMerger (Wang et al., "Model Tells You Where to Merge: Adaptive KV Cache Merging for
+    LLMs on Long-Context Tasks", 2024), following the paper as summarised in KeepKV's appendix
+    A.2 (eq. 12); no public code exists.
+
+    Selection ``h2o`` (:class:`~keepkv.methods.h2o.AccumulatedAttention`: so KVMerger differs from
+    H2O only by merging; at the end of prefill and at every decode-time compression), merge
+    ``pivot`` (:class:`PivotMerge`: evicted members of a run of adjacent similar keys merge into
+    its most attended kept member).
+    """
+
+    name = "kvmerger"
+    paper = "Wang et al. 2024, arXiv 2407.08454"
+    selection: Selection = field(default_factory=AccumulatedAttention)
+    merging: Merge = field(default_factory=PivotMerge)

@@ -1,33 +1,29 @@
 """PyramidKV: SnapKV scores with more budget in lower layers."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .base import check_range, register
-from .snapkv import SnapKV
+from .base import ComposedMethod, Merge, Selection, check_range, register, register_selection
+from .snapkv import ObservationWindow
 
 
-@register
-@dataclass
-class PyramidKV(SnapKV):
-    """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
-    Information Funneling", 2024).
-
-    SnapKV's selection, with layer budgets decreasing linearly from the first layer to the
-    last: the last layer gets (b − w)/β + w and the first 2(b − w) − (b − w)/β + w, where b is
-    the mean budget and w the window, so the mean stays b (the authors' code).
+@register_selection
+@dataclass(frozen=True)
+class PyramidBudgets(ObservationWindow):
+    """SnapKV's selection with layer budgets decreasing linearly from the first layer to the
+    last: the last layer gets (b − w)/β + w and the first 2(b − w) − (b − w)/β + w, where b is the
+    mean budget and w the window, so the mean stays b (the authors' code).
 
     Parameters
     ----------
     beta : float
         Steepness of the pyramid (paper: 20).
-    window, kernel, interval
-        As in SnapKV.
+    window, kernel, sinks
+        As SnapKV's (:class:`ObservationWindow`).
     """
 
     name = "pyramidkv"
-    paper = "Cai et al. 2024, arXiv 2406.02069"
     beta: float = 20.0
 
     def __post_init__(self):
@@ -46,3 +42,19 @@ class PyramidKV(SnapKV):
         per_layer = largest[None] - depth[:, None] * (largest - smallest)[None] + window[None]
         budgets = per_layer.round().long().clamp(min=1)
         return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
+
+
+@register
+@dataclass
+class PyramidKV(ComposedMethod):
+    """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+    Information Funneling", 2024).
+
+    Selection ``pyramidkv`` (:class:`PyramidBudgets`: SnapKV's scores, pyramidal layer budgets),
+    merge ``none`` (evict).
+    """
+
+    name = "pyramidkv"
+    paper = "Cai et al. 2024, arXiv 2406.02069"
+    selection: Selection = field(default_factory=PyramidBudgets)
+    merging: Merge = field(default_factory=Merge)

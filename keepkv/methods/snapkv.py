@@ -1,19 +1,36 @@
 """SnapKV: what the last prompt queries attend to, pooled, picks the kept prefix."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import Needs
-from .base import ScoredEviction, check_range, pool_group, register
-from .zip_merging import ZipChoice
+from .base import ComposedMethod, Merge, ScoredSelection, Selection, check_range, pool_group, register, register_selection
 
 
-@dataclass
-class ObservationWindow(ScoredEviction):
-    """SnapKV's selection (see :class:`SnapKV`), shared by the methods built on it: SnapKV, PyramidKV."""
+@register_selection
+@dataclass(frozen=True)
+class ObservationWindow(ScoredSelection):
+    """SnapKV's selection: at the end of prefill, the attention of the last ``window`` queries
+    (the observation window), summed over those queries and averaged over each GQA group, is
+    max-pooled along the prefix before the window with ``kernel`` (the window's own columns are not
+    pooled, as in the authors' code and kvpress: pooling them would hand the window's large
+    self-attention to the tokens just before it), and the top entries are kept with the window
+    itself. While decoding, new tokens' attention is added to the scores and the newest ``window``
+    tokens stay protected.
 
+    Parameters
+    ----------
+    window : int
+        Observation window w (paper: 32). Also the recent tokens always kept.
+    kernel : int
+        Max-pool kernel size (paper: 7; odd).
+    sinks : int
+        Leading tokens always kept (0).
+    """
+
+    name = "snapkv"
     window: int = 32
     kernel: int = 7
 
@@ -23,7 +40,7 @@ class ObservationWindow(ScoredEviction):
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd int >= 1, got {self.kernel!r}")
 
-    def selection_needs(self, is_prefill):
+    def needs(self, is_prefill):
         return Needs(window=self.window) if is_prefill else Needs(probs=True)
 
     def observe(self, layer, stats):
@@ -48,29 +65,15 @@ class ObservationWindow(ScoredEviction):
 
 @register
 @dataclass
-class SnapKV(ZipChoice, ObservationWindow):
+class SnapKV(ComposedMethod):
     """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024).
 
-    At the end of prefill, the attention of the last ``window`` queries (the observation
-    window), summed over those queries and averaged over each GQA group, is max-pooled along
-    the prefix before the window with ``kernel`` (the window's own columns are not pooled, as
-    in the authors' code and kvpress: pooling them would hand the window's large self-attention
-    to the tokens just before it), and the top entries are kept with the window itself.
-    The paper compresses at prefill only; here decoding keeps memory bounded too: new
-    tokens' attention is added to the scores and the newest ``window`` tokens stay protected.
-
-    Parameters
-    ----------
-    window : int
-        Observation window w (paper: 32). Also the recent tokens always kept.
-    kernel : int
-        Max-pool kernel size (paper: 7; odd).
-    merge, threshold, zip_key
-        ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
-        (:class:`keepkv.methods.zip_merging.ZipChoice`); the paper evicts ("none").
-    interval : int
-        Compress every ``interval`` decode steps.
+    Selection ``snapkv`` (:class:`ObservationWindow`: the last 32 prompt queries' attention,
+    max-pooled with kernel 7, the window kept), merge ``none`` (evict). The paper compresses at
+    prefill only; here decoding keeps memory bounded too.
     """
 
     name = "snapkv"
     paper = "Li et al. 2024, arXiv 2404.14469"
+    selection: Selection = field(default_factory=ObservationWindow)
+    merging: Merge = field(default_factory=Merge)

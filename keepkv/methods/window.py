@@ -1,28 +1,32 @@
 """Local window: the most recent tokens only."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .base import ScoredEviction, register
-from .zip_merging import ZipChoice
+from .base import ComposedMethod, Merge, ScoredSelection, Selection, register, register_selection
 
 
-@register
-@dataclass
-class Window(ZipChoice, ScoredEviction):
-    """Keep the ``budget`` most recent tokens of each row (a sliding window).
-
-    Parameters
-    ----------
-    merge, threshold, zip_key
-        ``merge="zip"`` ZIP-merges evicted entries with Electoral Votes
-        (:class:`keepkv.methods.zip_merging.ZipChoice`); default "none" (evict).
-    interval : int
-        Compress every ``interval`` decode steps.
-    """
+@register_selection
+@dataclass(frozen=True)
+class Recent(ScoredSelection):
+    """The ``budget`` most recent tokens of each row."""
 
     name = "window"
-    paper = "local window attention (baseline)"
     scored = False  # recency alone: no per-entry score is kept
 
     def recent_count(self, budget):
         return budget
+
+
+@register
+@dataclass
+class Window(ComposedMethod):
+    """Keep the ``budget`` most recent tokens of each row (a sliding window).
+
+    Selection ``window`` (:class:`Recent`); merge ``none`` (evict). ``merge=zip`` (or any other
+    merge) folds what leaves into what stays.
+    """
+
+    name = "window"
+    paper = "local window attention (baseline)"
+    selection: Selection = field(default_factory=Recent)
+    merging: Merge = field(default_factory=Merge)

@@ -1,19 +1,13 @@
-"""ZIP-merging with Electoral Votes as a choice any scored selection can take.
+"""ZIP-merging with Electoral Votes: a merge any selection can take (``merge=zip``).
 
 KeepKV's paper says its merging "imposes no specific constraints on cache allocation or token
-selection" and combines it with H2O and PyramidInfer (its Figure 5). Here selection (which
-entries leave: a method's scores, protected tokens and layer budgets) and merging (what
-happens to the entries that leave) are separate objects: :class:`ZipMerge` is a
-:class:`~keepkv.methods.base.Merge`, and :class:`ZipChoice` gives an eviction method the
-parameters that pick it (``merge``, ``threshold``, ``zip_key`` and the gates), so
-``snapkv+merge=zip`` is SnapKV's selection whose evicted entries are ZIP-merged (eq. 7 / 25) into their most cosine-similar
-kept entry (similarity >= ``threshold``), the merged entry carrying the summed votes as ln p
-in the cache's bias. KeepKV itself is EMA selection with the same merge (``keepkv+merge=none``
-is its selection alone).
-
-An eviction method's merges use the exact logits of the current query (the last prompt query
-at prefill, the newest query while decoding), so each merge leaves that query's attention
-output unchanged on an MHA model (Theorem 3).
+selection" and combines it with H2O and PyramidInfer (its Figure 5). :class:`ZipMerge` ZIP-merges
+(eq. 7 / 25) each entry a selection evicts into its most cosine-similar kept entry (similarity >=
+``threshold``), the merged entry carrying the summed votes as ln p in the cache's bias, with the
+exact logits of the current query (the last prompt query at prefill, the newest query while
+decoding), so each merge leaves that query's attention output unchanged on an MHA model
+(Theorem 3). KeepKV's own merge (:class:`keepkv.methods.keepkv.KeepKVMerge`) adds EMA-predicted
+scores for decode-time merges.
 """
 
 from __future__ import annotations
@@ -26,10 +20,7 @@ import torch
 from ..attention import Needs, scaled_logits
 from ..merging import KEY_RULES, MergedRows, cosine_nearest, zip_merge_rows
 from ..store import NEG_INF
-from .base import EVICT, EvictionPlan, Merge, check_range
-
-MERGE_RULES = ("none", "zip")
-
+from .base import EvictionPlan, Merge, check_range, register_merge
 
 def pool_log_scores(head_scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Pool per-query-head log-scores of a GQA group into one log-score per entry.
@@ -102,16 +93,31 @@ def zip_rows(
     )
 
 
+@register_merge
 @dataclass(frozen=True)
 class ZipMerge(Merge):
     """ZIP-merging with Electoral Votes (KeepKV eq. 7 / 25) of what a plan evicts, with the exact
     logits of the current query, then the plan's entries kept (see the module docstring).
 
-    threshold: key cosine similarity a target needs, in [-1, 1] (KeepKV's T, paper 0.8); -1
-    merges every evicted entry. zip_key: the key rule of :func:`keepkv.merging.zip_merge`.
-    protect, max_value_change, max_share: the merge gates (:meth:`targets`).
+    Parameters
+    ----------
+    threshold : float
+        Merge only into a kept entry whose key cosine similarity is at least this, in [-1, 1]
+        (KeepKV's T, paper 0.8); -1 merges every evicted entry.
+    zip_key : str
+        Key rule of :func:`keepkv.merging.zip_merge`: "projection", "group", "paper" or "mean".
+    protect : float
+        Share in [0, 1] of the kept entries, the selection's highest-ranked first, that take no
+        merges (its own protected sinks and window not counted). 0: every kept entry may.
+    max_value_change : float or None
+        Value gate ε >= 0: a target takes its merges only if they move its value by at most ε
+        relative, ‖v_r - v_t‖ <= ε ‖v_t‖ (else they are evicted). None: no gate.
+    max_share : float
+        Weight cap δ in [0, 1]: a target takes its merges only if they bring at most δ of the
+        merged weight, Σ w_e / Σ w <= δ (else they are evicted). 1: no cap.
     """
 
+    name = "zip"
     threshold: float = 0.8
     zip_key: str = "projection"
     protect: float = 0.0
@@ -119,6 +125,7 @@ class ZipMerge(Merge):
     max_share: float = 1.0
 
     def __post_init__(self):
+        super().__post_init__()
         check_range("threshold", self.threshold, -1.0, 1.0)
         if self.zip_key not in KEY_RULES:
             raise ValueError(f"zip_key must be one of {', '.join(map(repr, KEY_RULES))}, got {self.zip_key!r}")
@@ -159,51 +166,3 @@ class ZipMerge(Merge):
                 zip_rows(layer, plan.evict_idx, dst, merge, logits, query, stats.scaling, self.zip_key, pooled, *self.gates())
             )
         layer.keep(plan.kept, plan.slots)
-
-
-@dataclass
-class ZipChoice:
-    """The parameters of a scored eviction method that may ZIP-merge what it evicts: its
-    ``merging`` is :class:`ZipMerge` built from them when ``merge="zip"``, else eviction.
-
-    Parameters
-    ----------
-    merge : str
-        "none" (evict) or "zip" (ZIP-merge evicted entries with Electoral Votes).
-    threshold : float
-        Merge only into a kept entry whose key cosine similarity is at least this, in [-1, 1]
-        (KeepKV's T, paper 0.8); -1 merges every evicted entry.
-    zip_key : str
-        Key rule of :func:`keepkv.merging.zip_merge`: "projection", "group", "paper" or "mean".
-    protect : float
-        Share in [0, 1] of the kept entries, the selection's highest-ranked first, that take no
-        merges (its own protected sinks and window not counted). 0: every kept entry may.
-    max_value_change : float or None
-        Value gate ε >= 0: a target takes its merges only if they move its value by at most ε
-        relative, ‖v_r - v_t‖ <= ε ‖v_t‖ (else they are evicted). None: no gate.
-    max_share : float
-        Weight cap δ in [0, 1]: a target takes its merges only if they bring at most δ of the
-        merged weight, Σ w_e / Σ w <= δ (else they are evicted). 1: no cap.
-    """
-
-    merge: str = "none"
-    threshold: float = 0.8
-    zip_key: str = "projection"
-    protect: float = 0.0
-    max_value_change: float | None = None
-    max_share: float = 1.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.merge not in MERGE_RULES:
-            raise ValueError(f"merge must be one of {', '.join(map(repr, MERGE_RULES))}, got {self.merge!r}")
-        self.zip  # the merge's own checks, whatever ``merge`` is
-
-    @property
-    def zip(self) -> ZipMerge:
-        """The ZIP merge these parameters describe."""
-        return ZipMerge(self.threshold, self.zip_key, self.protect, self.max_value_change, self.max_share)
-
-    @property
-    def merging(self) -> Merge:
-        return self.zip if self.merge == "zip" else EVICT

@@ -1,0 +1,54 @@
+"""KeyDiff: keep the keys least like the layer's mean key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .base import ComposedMethod, Merge, ScoredSelection, Selection, protected, register, register_selection
+
+
+@register_selection
+@dataclass(frozen=True)
+class KeyDeviation(ScoredSelection):
+    """KeyDiff's selection: an entry's score is the negative cosine similarity of its key to the anchor, the mean of the
+    unit keys of its row and KV head: keys unlike the rest are kept. It reads no attention, so the
+    prefill runs SDPA and the score costs one pass over the keys; it needs no question (the cheap
+    question-agnostic baseline). The anchor is taken over the live entries whenever the layer is
+    compressed, so decoding keeps the budget by the same rule.
+
+    Parameters
+    ----------
+    sinks : int
+        Leading tokens always kept (0, as the paper and kvpress's KeyDiffPress).
+    """
+
+    name = "keydiff"
+    scored = False  # the score is computed from the keys when needed: nothing is accumulated
+
+    def priority(self, layer) -> torch.Tensor:
+        """[B, H_kv, S]: +inf for the sinks, else -cos(k, mean unit key of the live entries)."""
+        live = layer.live()
+        unit = F.normalize(layer.keys.float(), dim=-1)  # [B, H_kv, S, D]
+        anchor = (unit * live[..., None]).sum(2) / live.sum(-1, keepdim=True).clamp_min(1)  # [B, H_kv, D]
+        similarity = F.cosine_similarity(unit, anchor[:, :, None], dim=-1)
+        return (-similarity).masked_fill(protected(layer, self.sinks, torch.zeros_like(layer.budget)), float("inf"))
+
+
+@register
+@dataclass
+class KeyDiff(ComposedMethod):
+    """KeyDiff (Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM
+    Inference in Resource-Constrained Environments", arXiv 2504.15364).
+
+    Selection ``keydiff`` (:class:`KeyDeviation`: keys least like their row and head's mean key),
+    merge ``none`` (evict). No attention statistics and no extra pass: the cheap question-agnostic
+    baseline.
+    """
+
+    name = "keydiff"
+    paper = "Park et al. 2025, arXiv 2504.15364"
+    selection: Selection = field(default_factory=KeyDeviation)
+    merging: Merge = field(default_factory=Merge)

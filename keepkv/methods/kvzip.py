@@ -1,0 +1,128 @@
+"""KVzip: entries ranked by how much the model needs them to repeat the prompt."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import RECONSTRUCTION_PICKS as PICKS, Needs, Reconstruction
+from ..store import NEG_INF
+from .base import ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, register, register_selection
+
+BUDGETS = ("uniform", "layer", "global")
+
+
+@register_selection
+@dataclass(frozen=True)
+class ContextReconstruction(ScoredSelection):
+    """KVzip's selection: after the prompt is prefilled, the model reads "Repeat the previous
+    context exactly." and the prompt's own tokens, teacher-forced (:mod:`keepkv.reconstruction`).
+    An entry's score is the largest attention probability any of those queries gave it, maxed over
+    the query heads of its KV group; the highest-scoring entries are kept, and the pass's own keys
+    and values are discarded. The score needs no question, so one compressed context serves any
+    question asked later.
+
+    While decoding, a new entry's score is the largest probability a decode query gives it, and the
+    old scores rise the same way (the same max, over the queries that follow the prompt).
+
+    Parameters
+    ----------
+    sinks : int
+        Leading tokens always kept (4, as kvpress's KVzipPress).
+    chunk : int
+        Tokens the pass repeats per block (the paper: 2000): the cache holds the prompt plus one
+        block during the pass.
+    share : float
+        Share of the prompt's tokens the pass repeats, in (0, 1]. 1: the paper's full pass; less is
+        a cheaper pass over about that share of the tokens (``pick``).
+    pick : str
+        Which tokens a cheaper pass repeats: "stride" (single tokens at an even stride) or "blocks"
+        (runs of 16 at an even stride).
+    budgets : str
+        "uniform": every layer and KV head keeps the budget (the cache's usual allocation).
+        "layer": each layer keeps its share, split over its KV heads by one top-k of the layer's
+        scores (non-uniform head budgets, the paper's). "global": one top-k over every layer and
+        head (kvpress's default ``layerwise=False``).
+    """
+
+    name = "kvzip"
+    sinks: int = 4
+    chunk: int = 2048
+    share: float = 1.0
+    pick: str = "stride"
+    budgets: str = "uniform"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("chunk", self.chunk, 1, math.inf)
+        check_range("share", self.share, 0.0, 1.0, low_open=True)
+        check_choice("pick", self.pick, PICKS)
+        check_choice("budgets", self.budgets, BUDGETS)
+
+    @property
+    def reconstruction(self) -> Reconstruction:
+        return Reconstruction(self.chunk, self.share, self.pick)
+
+    @property
+    def allocates_from_all_layers(self) -> bool:
+        return self.budgets != "uniform"
+
+    def needs(self, is_prefill):
+        return Needs(reconstruct=(self.reconstruction,)) if is_prefill else Needs(probs=True)
+
+    def observe(self, layer, stats):
+        if stats.is_prefill:
+            score = stats.reconstructed[self.reconstruction].amax(2)  # [B, H_kv, S]
+            layer.overwrite(score=score)
+            if self.allocates_from_all_layers:  # allocate() reads every layer's scores, once
+                layer.state["reconstruction_score"] = score.masked_fill(~layer.live(), NEG_INF)
+        else:
+            found = stats.probs.amax(dim=(2, 3))  # [B, H_kv, S] over the group and the block's queries
+            layer.overwrite(score=torch.maximum(layer.extras["score"], found))
+
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+        uniform = super().allocate(layers, kv_heads, row_budget, prompt_lengths, states)
+        if self.budgets == "uniform" or states is None:
+            return uniform
+        # [L, B, H_kv, S] scores, sinks first (always kept), empty slots last (never counted)
+        scores = torch.stack([state.pop("reconstruction_score") for state in states])
+        live = scores > NEG_INF
+        sink = live & (live.long().cumsum(-1) <= self.sinks)
+        scores = scores.masked_fill(sink, math.inf)
+        if self.budgets == "layer":  # each layer's total over its heads: its uniform total
+            flat = scores.reshape(layers, scores.shape[1], -1)  # [L, B, H_kv·S]
+            totals = uniform.sum(-1)  # [L, B]
+        else:
+            flat = scores.permute(1, 0, 2, 3).reshape(scores.shape[1], -1)[None]  # [1, B, L·H_kv·S]
+            totals = uniform.sum((0, 2))[None]  # [1, B]
+        totals = torch.minimum(totals, (flat > NEG_INF).sum(-1))
+        most = int(totals.max())
+        top = flat.topk(most, dim=-1).indices  # [., B, most]
+        chosen = torch.zeros_like(flat, dtype=torch.bool).scatter_(
+            -1, top, torch.arange(most, device=flat.device) < totals[..., None]
+        )
+        size = scores.shape[-1]
+        if self.budgets == "layer":
+            counts = chosen.view(layers, -1, kv_heads, size).sum(-1)
+        else:
+            counts = chosen.view(-1, layers, kv_heads, size).sum(-1).permute(1, 0, 2)
+        return counts.clamp(min=1)
+
+
+@register
+@dataclass
+class KVzip(ComposedMethod):
+    """KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
+    arXiv 2505.23416).
+
+    Selection ``kvzip`` (:class:`ContextReconstruction`: the largest attention each entry gets
+    while the model repeats the prompt), merge ``none`` (evict, the paper's). Compress a context
+    once, before any question (:func:`keepkv.compress`), and ask it many.
+    """
+
+    name = "kvzip"
+    paper = "Kim et al. 2025, arXiv 2505.23416"
+    selection: Selection = field(default_factory=ContextReconstruction)
+    merging: Merge = field(default_factory=Merge)
