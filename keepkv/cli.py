@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import warnings
 from functools import partial
@@ -44,7 +45,10 @@ def _prompt(args, default=None) -> str | None:
     if args.prompt is not None and args.prompt_file:
         raise ValueError("give the prompt as an argument or with --prompt-file, not both")
     if args.prompt_file:
-        return Path(args.prompt_file).read_text()
+        try:
+            return Path(args.prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"--prompt-file {args.prompt_file!r}: {getattr(error, 'strerror', None) or error}") from None
     return default if args.prompt is None else args.prompt
 
 
@@ -264,7 +268,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(f"unrecognized arguments: {shlex.join(extra)}")
     args.server_args = extra
     return args
 

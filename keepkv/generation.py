@@ -326,8 +326,6 @@ def generate(
     ``max_position_embeddings``, or when the budget leaves a compressed prompt fewer entries than
     the method's protected tokens.
     """
-    check_model(model)
-    check_tokenizer(tokenizer)
     if past_key_values is not None:
         if not isinstance(past_key_values, CompressedCache) or getattr(past_key_values, "context_ids", None) is None:
             raise ValueError(f"past_key_values must be a cache returned by keepkv.compress(), got {shown(past_key_values)}")
@@ -339,6 +337,8 @@ def generate(
     prompts, budget, max_new_tokens, prefill_chunk = (args[k] for k in ("prompts", "budget", "max_new_tokens",
                                                                          "prefill_chunk"))
     chat, answer_prefix, progress = args["chat"], args["answer_prefix"], args["progress"]
+    check_model(model)
+    check_tokenizer(tokenizer)
     if past_key_values is not None:
         return _ask(model, tokenizer, prompts, past_key_values, max_new_tokens, answer_prefix, progress)
     cache = CompressedCache(model.config, method, budget, **method_params)
