@@ -125,9 +125,14 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config) -> l
         from .methods import get_method  # the registry, imported when a name is given
 
         method = get_method(method)
+    if not hasattr(method, "allocate"):
+        raise ValueError(f"method must be a keepkv.Method or a registered name, got {shown(method)}")
     budget = validate_budget(budget)
     prompt_length = as_int("prompt_length", prompt_length, low=1)
-    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    layers = getattr(config, "num_hidden_layers", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if not (is_int(layers) and is_int(kv_heads)):
+        raise ValueError(f"config must be the model's transformers config (model.config), got {shown(config)}")
     lengths = torch.tensor([prompt_length])
     if method.allocates_from_all_layers:
         per_row = row_budgets(budget, lengths, budget_floor(method))

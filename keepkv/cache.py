@@ -24,6 +24,19 @@ from .models import check_architecture, check_context, sliding_window
 from .store import LayerStore
 
 
+def method_of(method, method_params: dict) -> Method:
+    """The Method of a registered name or variant built with ``method_params``, or ``method`` itself
+    (then without parameters); ValueError in one line otherwise."""
+    if isinstance(method, Method):
+        if method_params:
+            raise ValueError("pass method parameters either to get_method() or here, not with an instance")
+        return method
+    if isinstance(method, str):
+        return get_method(method, **method_params)
+    raise ValueError(f"method must be a method name or variant (str, see keepkv.describe_methods()) or a "
+                     f"keepkv.Method, got {shown(method)}")
+
+
 @dataclass
 class CacheSummary:
     """Per-row memory of a CompressedCache (lists indexed by row).
@@ -113,15 +126,7 @@ class CompressedCache(Cache):
         if record is not None and not isinstance(record, Needs):
             raise ValueError(f"record must be a keepkv.attention.Needs or None, got {shown(record)}")
         self._method_step = CompiledStep() if compile else method_step
-        if isinstance(method, Method):
-            if method_params:
-                raise ValueError("pass method parameters either to get_method() or here, not with an instance")
-            self.method = method
-        elif isinstance(method, str):
-            self.method = get_method(method, **method_params)
-        else:
-            raise ValueError(f"method must be a method name or variant (str, see keepkv.describe_methods()) or a "
-                             f"keepkv.Method, got {shown(method)}")
+        self.method = method_of(method, method_params)
         self.method_spec = method if isinstance(method, str) else method.name  # the variant as given
         self.budget = budget
         self.num_layers = config.num_hidden_layers
@@ -213,7 +218,8 @@ class CompressedCache(Cache):
         if self.prompt_mask is not None:
             self.prompt_mask = self.prompt_mask.index_select(0, index.to(self.prompt_mask.device))
         if self.token_hash is not None:
-            self.token_hash, self.token_count = (t.index_select(0, index.to(t.device)) for t in (self.token_hash, self.token_count))
+            self.token_hash, self.token_count = (t.index_select(0, index.to(t.device))
+                                                 for t in (self.token_hash, self.token_count))
         if self.pending is not None:
             self.pending = (*(t.index_select(0, index.to(t.device)) for t in self.pending[:2]), self.pending[2])
 

@@ -31,7 +31,8 @@ def as_int(name: str, value, low: int = 0, high: int = MAX_COUNT, none_ok: bool 
         return None
     if not is_int(value) or not low <= int(value) <= high:
         top = "2**48" if high == MAX_COUNT else high
-        raise ValueError(f"{name} must be an int in [{low}, {top}]{' (or None)' if none_ok else ''}, got {shown(value)}")
+        optional = " (or None)" if none_ok else ""
+        raise ValueError(f"{name} must be an int in [{low}, {top}]{optional}, got {shown(value)}")
     return int(value)
 
 

@@ -48,7 +48,8 @@ def _prompt(args, default=None) -> str | None:
         try:
             return Path(args.prompt_file).read_text()
         except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(f"--prompt-file {args.prompt_file!r}: {getattr(error, 'strerror', None) or error}") from None
+            why = getattr(error, "strerror", None) or error
+            raise ValueError(f"--prompt-file {args.prompt_file!r}: {why}") from None
     return default if args.prompt is None else args.prompt
 
 

@@ -10,10 +10,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .attention import enabled
 from .budgets import validate_budget
-from .cache import CompressedCache
+from .cache import CompressedCache, method_of
 from .checks import as_bool, as_int, as_text, check_model, check_tokenizer, shown
 from .diagnostics import warn_context_length
-from .methods import Method, get_method
 from .models import CACHE_KWARG, check_context
 
 
@@ -137,15 +136,6 @@ def validate_prompts(prompts) -> list[str]:
     return list(prompts)
 
 
-def check_method(method, method_params: dict) -> None:
-    """A registered method name or variant with its parameters, or a Method (then no parameters)."""
-    if isinstance(method, str):
-        get_method(method, **method_params)
-    elif not isinstance(method, Method):
-        raise ValueError(f"method must be a method name or variant (str, see keepkv.describe_methods()) or a "
-                         f"keepkv.Method, got {shown(method)}")
-
-
 def check_arguments(prompts, method="full", budget=1.0, max_new_tokens=64, chat=True, answer_prefix="",
                     progress=False, prefill_chunk=None, **method_params) -> dict:
     """:func:`generate`'s arguments other than the model, tokenizer and cache, checked before any
@@ -160,7 +150,7 @@ def check_arguments(prompts, method="full", budget=1.0, max_new_tokens=64, chat=
         prefill_chunk=as_int("prefill_chunk", prefill_chunk, 1, none_ok=True),
         budget=validate_budget(budget),
     )
-    check_method(method, method_params)
+    method_of(method, method_params)
     return checked
 
 
@@ -250,7 +240,7 @@ def compress(
     context = as_text("context", context, empty_ok=False)
     chat = as_bool("chat", chat)
     prefill_chunk = as_int("prefill_chunk", prefill_chunk, 1, none_ok=True)
-    check_method(method, method_params)
+    method_of(method, method_params)
     cache = CompressedCache(model.config, method, budget, **method_params)
     cache.method.prepare(model)
     device = next(model.parameters()).device
@@ -322,13 +312,14 @@ def generate(
     Every argument is checked before any work starts (:func:`check_arguments`): a wrong one is
     refused with a ValueError, in one line that names it. ``result.method`` is the method as
     given (a variant keeps its parameters). The model's attention implementation is switched to
-    ``"keepkv"`` for the call and restored after it. A :class:`keepkv.KeepKVWarning` says when prompt plus new tokens exceed the model's
-    ``max_position_embeddings``, or when the budget leaves a compressed prompt fewer entries than
-    the method's protected tokens.
+    ``"keepkv"`` for the call and restored after it. A :class:`keepkv.KeepKVWarning` says when
+    prompt plus new tokens exceed the model's ``max_position_embeddings``, or when the budget
+    leaves a compressed prompt fewer entries than the method's protected tokens.
     """
     if past_key_values is not None:
         if not isinstance(past_key_values, CompressedCache) or getattr(past_key_values, "context_ids", None) is None:
-            raise ValueError(f"past_key_values must be a cache returned by keepkv.compress(), got {shown(past_key_values)}")
+            raise ValueError(f"past_key_values must be a cache returned by keepkv.compress(), got "
+                             f"{shown(past_key_values)}")
         defaults = isinstance(method, str) and method == "full" and isinstance(budget, float) and budget == 1.0
         if not defaults or method_params:
             raise ValueError("with past_key_values the method and budget are the cache's: pass neither")

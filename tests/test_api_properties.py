@@ -11,6 +11,8 @@ CI runs conftest.FUZZ_EXAMPLES (a fixed, small count) of each; ``pytest
 --hypothesis-profile=long tests/test_api_properties.py`` searches deeper.
 """
 
+import shlex
+
 import numpy as np
 import pytest
 import torch
@@ -169,7 +171,8 @@ def test_the_command_line_answers_or_names_the_flag_in_one_line(tiny_loads, flag
     lines = err.splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("keepkv: error: "), (argv, err)
     # It names the flag (as given, or as the Python argument it becomes), or quotes what was given.
-    names = {flag, flag.lstrip("-").replace("-", "_"), value.strip(), value.partition("=")[0].strip()}
+    names = {flag, flag.lstrip("-").replace("-", "_"), value, value.partition("=")[0], shlex.quote(value)}
+    names = {" ".join(name.split()) for name in names}  # as the one line shows them
     assert any(n and n in lines[0] for n in names), (argv, lines[0])
 
 

@@ -256,7 +256,8 @@ def test_compressed_cache_takes_a_model_for_its_config():
 
 @pytest.mark.parametrize(
     "kwargs, argument",
-    [(dict(path=5), "path"), (dict(dtype=None), "dtype"), (dict(device=3.5), "device"), (dict(device="nodevice"), "device")],
+    [(dict(path=5), "path"), (dict(dtype=None), "dtype"), (dict(device=3.5), "device"),
+     (dict(device="nodevice"), "device")],
 )
 def test_a_wrong_argument_to_load_model_is_named_in_one_line(kwargs, argument):
     _refused(lambda: keepkv.load_model(**kwargs), argument)
@@ -295,7 +296,8 @@ def test_a_prompt_and_a_prompt_file_together_are_refused(tmp_path, capsys, monke
 @pytest.mark.parametrize(
     "argv, argument",
     [(["generate", "Q", "--budget", "abc"], "budget"), (["generate", "Q", "--max-new-tokens", "x"], "max-new-tokens"),
-     (["generate"], "prompt"), (["nosuchcommand"], "nosuchcommand"), (["generate", "Q", "--frobnicate"], "--frobnicate"),
+     (["generate"], "prompt"), (["nosuchcommand"], "nosuchcommand"),
+     (["generate", "Q", "--frobnicate"], "--frobnicate"),
      (["generate", "Q", "--max-new-tokens", "-1"], "max_new_tokens"), (["demo", "--threads", "0"], "threads"),
      (["generate", "Q", "--prefill-chunk", "0"], "prefill_chunk"), ([], "command")],
 )

@@ -121,7 +121,8 @@ def check_field_types(method) -> None:
             continue
         accepts, wanted = kind
         if not accepts(value):
-            raise ValueError(f"{method.name}: {field.name} must be {wanted}{' or None' if optional else ''}, got {shown(value)}")
+            wanted += " or None" if optional else ""
+            raise ValueError(f"{method.name}: {field.name} must be {wanted}, got {shown(value)}")
         if is_int(value) and abs(int(value)) > MAX_COUNT:  # past what int64 tensor arithmetic holds
             raise ValueError(f"{method.name}: {field.name} must be an int in [-2**48, 2**48], got {shown(value)}")
         if type(value).__module__ == "numpy":  # a numpy scalar, as the Python number it stands for
