@@ -66,6 +66,23 @@ counts = st.one_of(st.integers(-3, 3), st.integers(min_value=MAX_COUNT + 1), st.
                    anything.filter(lambda v: not (keepkv.checks.is_int(v) and 3 < int(v) <= MAX_COUNT)))
 methods = st.one_of(st.sampled_from(sorted(METHODS) + ["keepkv+protect=0.9", "snapkv+window=8"]), anything)
 PARAMS = ["interval", "window", "sinks", "protect", "kernel", "bogus"]
+small = st.integers(1, 40)
+VALID = {  # values that work, numpy's among them, drawn as often as arbitrary ones
+    "budget": st.one_of(small, st.floats(0.01, 1.0), st.just(MAX_COUNT), small.map(np.int32), st.just(np.float32(0.5))),
+    "max_new_tokens": st.integers(0, 3) | st.integers(0, 3).map(np.int64),
+    "prefill_chunk": st.none() | small | small.map(np.uint16),
+    "prompts": st.text(min_size=1, max_size=20).filter(str.strip) | st.lists(st.sampled_from(["a b", "xyz"]), min_size=1),
+    "context": st.text(min_size=1, max_size=40).filter(str.strip),
+    "chat": st.booleans() | st.just(np.bool_(True)),
+    "progress": st.booleans(),
+    "answer_prefix": st.text(max_size=8),
+    "compile": st.just(False),
+    "interval": small | small.map(np.int64),
+    "window": st.integers(1, 16),
+    "sinks": st.integers(0, 8),
+    "kernel": st.sampled_from([1, 3, 5]),
+    "protect": st.floats(0.0, 1.0),
+}
 
 GENERATE = dict(model=MODEL, tokenizer=TOKENIZER, prompts="hello there", method="snapkv", budget=8,
                 max_new_tokens=2, chat=False, answer_prefix="", progress=False, prefill_chunk=None)
@@ -80,7 +97,8 @@ STRATEGY = {"max_new_tokens": counts, "prefill_chunk": counts, "method": methods
 def one_argument_changed(draw, call: dict):
     """(name, value): one of the call's arguments or a method parameter, and what it becomes."""
     name = draw(st.sampled_from(sorted(call) + PARAMS))
-    return name, draw(STRATEGY.get(name, anything))
+    arbitrary = STRATEGY.get(name, anything)
+    return name, draw(st.one_of(VALID[name], arbitrary) if name in VALID else arbitrary)
 
 
 def _named(error: Exception, name: str, value) -> None:
