@@ -71,7 +71,8 @@ VALID = {  # values that work, numpy's among them, drawn as often as arbitrary o
     "budget": st.one_of(small, st.floats(0.01, 1.0), st.just(MAX_COUNT), small.map(np.int32), st.just(np.float32(0.5))),
     "max_new_tokens": st.integers(0, 3) | st.integers(0, 3).map(np.int64),
     "prefill_chunk": st.none() | small | small.map(np.uint16),
-    "prompts": st.text(min_size=1, max_size=20).filter(str.strip) | st.lists(st.sampled_from(["a b", "xyz"]), min_size=1),
+    "prompts": st.text(min_size=1, max_size=20).filter(str.strip)
+    | st.lists(st.sampled_from(["a b", "xyz"]), min_size=1, max_size=3),
     "context": st.text(min_size=1, max_size=40).filter(str.strip),
     "chat": st.booleans() | st.just(np.bool_(True)),
     "progress": st.booleans(),
