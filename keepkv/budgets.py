@@ -46,7 +46,7 @@ def validate_budget(budget) -> int | float:
         if not 0.0 < float(budget) <= 1.0:
             raise ValueError(f"a float budget is a fraction of the prompt and must be in (0, 1], got {shown(budget)}")
         return float(budget)
-    raise ValueError(f"budget must be a float in (0, 1] or an int >= 1, got {shown(budget)}")
+    raise ValueError(f"budget must be a float in (0, 1] or an int in [1, 2**48], got {shown(budget)}")
 
 
 def budget_floor(method) -> int:

@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .demo import DEMO_BUDGETS, DEMO_METHODS
 
     parser = OneLineParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs",
-                                     formatter_class=DefaultsFormatter)
+                           formatter_class=DefaultsFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", help="local HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     common.add_argument("--json", action="store_true", help="print JSON")
@@ -278,12 +278,12 @@ def main(argv=None) -> int:
     try:
         args = parse_arguments(argv)
     except SystemExit as stop:  # a one-line parse error (OneLineParser), or --help
-        return stop.code
+        return stop.code or 0
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings()
             code = args.func(args)
-    except (ValueError, OSError, RuntimeError) as error:  # OSError: a prompt file that cannot be read
+    except (ValueError, OSError, RuntimeError) as error:  # OSError: a file that cannot be read or written
         print(f"keepkv: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
