@@ -30,9 +30,10 @@ def as_int(name: str, value, low: int = 0, high: int = MAX_COUNT, none_ok: bool 
     if none_ok and value is None:
         return None
     if not is_int(value) or not low <= int(value) <= high:
-        top = "2**48" if high == MAX_COUNT else high
+        too_big = is_int(value) and int(value) > high
+        bound = f"in [{low}, {'2**48' if high == MAX_COUNT else high}]" if too_big or high != MAX_COUNT else f">= {low}"
         optional = " (or None)" if none_ok else ""
-        raise ValueError(f"{name} must be an int in [{low}, {top}]{optional}, got {shown(value)}")
+        raise ValueError(f"{name} must be an int {bound}{optional}, got {shown(value)}")
     return int(value)
 
 
