@@ -25,6 +25,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .continuation import unwatch_ids, watch_ids
+
 NEG_INF = float("-inf")
 # Floats in one chunk of prefill logits: bounds the workspace, never a full T×T matrix.
 CHUNK_ELEMENTS = 1 << 24
@@ -504,10 +506,12 @@ def enable(model) -> None:
     """Switch ``model`` to keepkv's attention path (works for any Llama-family model).
 
     The model keeps working without a CompressedCache: that path is then the standard SDPA one.
-    :func:`enabled` switches back when it is done.
+    :func:`enabled` switches back when it is done. ``model.generate`` then also hands a cache the
+    token ids of each step (:mod:`keepkv.continuation`), so that a new prompt on a used cache is refused.
     """
     if model.config._attn_implementation != "keepkv":
         model.set_attn_implementation("keepkv")
+    watch_ids(model)
 
 
 # Overlapping enabled() blocks on one model (threads of a server): the first to enter saves the
@@ -537,5 +541,7 @@ def enabled(model):
             users[1] -= 1
             if users[1] == 0:
                 del _USERS[id(model)]
+                if users[2] != "keepkv":  # enable() before the block keeps the hook too
+                    unwatch_ids(model)
                 if model.config._attn_implementation != users[2]:
                     model.set_attn_implementation(users[2])

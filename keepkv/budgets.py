@@ -14,7 +14,11 @@ The cache (keepkv.cache), a serving scheduler (``capacity_bound``) and the paged
 
 from __future__ import annotations
 
+import numbers
+
 import torch
+
+from .checks import MAX_COUNT, as_int, is_int, shown
 
 # The budget floor: a fractional budget keeps at least the method's protected tokens plus this
 # many scored entries per layer and head. A fraction of a short prompt (a chat template around a
@@ -25,14 +29,24 @@ import torch
 SCORED_FLOOR = 32
 
 
-def validate_budget(budget) -> None:
-    """Raise ValueError unless budget is a float in (0, 1] or an int >= 1."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget must be a float in (0, 1] or an int >= 1, got {budget!r}")
-    if isinstance(budget, int) and budget < 1:
-        raise ValueError(f"an integer budget is an entry count and must be >= 1, got {budget}")
-    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-        raise ValueError(f"a float budget is a fraction of the prompt and must be in (0, 1], got {budget}")
+# The largest int budget (entries per layer and head): no context comes near it, so it keeps
+# everything, as a full cache does. A larger one is refused in one line, not clamped.
+MAX_BUDGET = MAX_COUNT
+
+
+def validate_budget(budget) -> int | float:
+    """The budget as an int in [1, MAX_BUDGET] (an entry count) or a float in (0, 1] (a fraction of
+    the prompt); integer numpy scalars count as ints, numpy floats as floats. ValueError otherwise."""
+    if is_int(budget):
+        if not 1 <= int(budget) <= MAX_BUDGET:
+            raise ValueError(f"an integer budget is an entry count per layer and head and must be in [1, 2**48], "
+                             f"got {shown(budget)}")
+        return int(budget)
+    if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
+        if not 0.0 < float(budget) <= 1.0:
+            raise ValueError(f"a float budget is a fraction of the prompt and must be in (0, 1], got {shown(budget)}")
+        return float(budget)
+    raise ValueError(f"budget must be a float in (0, 1] or an int in [1, 2**48], got {shown(budget)}")
 
 
 def budget_floor(method) -> int:
@@ -111,10 +125,14 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config) -> l
         from .methods import get_method  # the registry, imported when a name is given
 
         method = get_method(method)
-    validate_budget(budget)
-    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 1:
-        raise ValueError(f"prompt_length must be an int >= 1, got {prompt_length!r}")
-    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    if not hasattr(method, "allocate"):
+        raise ValueError(f"method must be a keepkv.Method or a registered name, got {shown(method)}")
+    budget = validate_budget(budget)
+    prompt_length = as_int("prompt_length", prompt_length, low=1)
+    layers = getattr(config, "num_hidden_layers", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if not (is_int(layers) and is_int(kv_heads)):
+        raise ValueError(f"config must be the model's transformers config (model.config), got {shown(config)}")
     lengths = torch.tensor([prompt_length])
     if method.allocates_from_all_layers:
         per_row = row_budgets(budget, lengths, budget_floor(method))

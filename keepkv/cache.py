@@ -15,11 +15,26 @@ from transformers.cache_utils import Cache
 
 from .attention import Needs, Reconstruction, attend, hand_over, join_prefill_stats
 from .budgets import budget_floor, layer_budgets, row_budgets, validate_budget
+from .checks import as_bool, shown
+from .continuation import P, ids_hash
 from .diagnostics import warn_budget
 from .fused import CompiledStep, method_step
 from .methods import Method, get_method
 from .models import check_architecture, check_context, sliding_window
 from .store import LayerStore
+
+
+def method_of(method, method_params: dict) -> Method:
+    """The Method of a registered name or variant built with ``method_params``, or ``method`` itself
+    (then without parameters); ValueError in one line otherwise."""
+    if isinstance(method, Method):
+        if method_params:
+            raise ValueError("pass method parameters either to get_method() or here, not with an instance")
+        return method
+    if isinstance(method, str):
+        return get_method(method, **method_params)
+    raise ValueError(f"method must be a method name or variant (str, see keepkv.describe_methods()) or a "
+                     f"keepkv.Method, got {shown(method)}")
 
 
 @dataclass
@@ -57,13 +72,15 @@ class CompressedCache(Cache):
 
     Parameters
     ----------
-    config : transformers.PretrainedConfig
-        The model's config (Llama, Mistral, Qwen2 or Qwen3).
+    config : transformers.PretrainedConfig or model
+        The model's config (Llama, Mistral, Qwen2 or Qwen3), or the model (its config is taken).
     method : str or Method
-        A registered method name (``keepkv methods``) or an instance.
+        A registered method name or variant (``keepkv methods``, ``"keepkv+protect=0.9"``) or an
+        instance.
     budget : float or int
         A float in (0, 1]: that fraction of each row's prompt length, but at least the method's
-        protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). An int >= 1: an entry count.
+        protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). An int in [1, 2**48]
+        (``keepkv.budgets.MAX_BUDGET``): an entry count; integer numpy scalars count as ints.
         Methods may split it unevenly over layers and heads; the mean stays at the budget.
     decoding : str
         "compress" (default): the method keeps the budget while decoding, compressing every
@@ -81,10 +98,15 @@ class CompressedCache(Cache):
         Parameters of the method when it is given by name.
 
     One cache holds one sequence per row. A second ``model.generate`` on it continues that
-    sequence: pass the whole sequence so far (prompt and generated tokens) plus any new tokens;
-    a new prompt on a used cache is refused (``check_continuation``): use a new cache, or
-    ``reset()``. Beam search and ``num_return_sequences`` are supported (every per-row tensor and
-    the method's state follow ``reorder_cache``); ``crop`` (assisted decoding) is refused.
+    sequence: pass the whole sequence so far (prompt and generated tokens) plus any new tokens.
+    The cache keeps a running hash of each row's token ids and their count (``see_ids``, handed
+    the ids by ``model.generate`` on a model that ``keepkv.enable`` switched), and refuses in one
+    line, before anything changes, input that does not continue it: a new prompt, longer or
+    shorter, padded or not; use a fresh cache, ``cache.copy()`` of a compressed context, or
+    ``reset()``. Fed by a forward loop, which hands it no ids, it checks positions only
+    (``check_continuation``: a padded new prompt is refused, an unpadded one cannot be told from
+    a continuation). Beam search and ``num_return_sequences`` are supported (every per-row tensor,
+    the hash and the method's state follow ``reorder_cache``); ``crop`` (assisted decoding) is refused.
 
     A cache built with ``record=Needs(...)`` compresses nothing and keeps the prefill's
     statistics, so that ``fork()`` can start any number of methods from one prefill.
@@ -105,21 +127,22 @@ class CompressedCache(Cache):
         self, config, method: str | Method = "full", budget: int | float = 1.0, record: Needs | None = None,
         compile: bool = False, decoding: str = "compress", **method_params,
     ):
+        if isinstance(config, torch.nn.Module) and hasattr(config, "config"):
+            config = config.config  # the model, for its config
+        if not isinstance(getattr(config, "model_type", None), str) or not hasattr(config, "num_hidden_layers"):
+            raise ValueError(f"config must be the model's transformers config (model.config) or the model, got "
+                             f"{shown(config)}")
         check_architecture(config)
-        validate_budget(budget)
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile must be True or False, got {compile!r}")
-        self.compile = compile
-        if decoding not in DECODING:
-            raise ValueError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {decoding!r}")
+        budget = validate_budget(budget)
+        self.compile = as_bool("compile", compile)
+        if record is not None and not isinstance(record, Needs):
+            raise ValueError(f"record must be a keepkv.attention.Needs or None, got {shown(record)}")
+        if not isinstance(decoding, str) or decoding not in DECODING:
+            raise ValueError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {shown(decoding)}")
         self.decoding = decoding
         self._method_step = CompiledStep() if compile else method_step
-        if isinstance(method, Method):
-            if method_params:
-                raise ValueError("pass method parameters either to get_method() or here, not with an instance")
-            self.method = method
-        else:
-            self.method = get_method(method, **method_params)
+        self.method = method_of(method, method_params)
+        self.method_spec = method if isinstance(method, str) else method.name  # the variant as given
         self.budget = budget
         self.num_layers = config.num_hidden_layers
         self.config = config
@@ -137,6 +160,12 @@ class CompressedCache(Cache):
         # Callables (layer_idx, query, keys, values, block_mask, scaling, output, is_prefill) that
         # see every attention call after the method ran: they read, never write.
         self.observers: list = []
+        # What the rows have seen (see_ids): the hash [B] of each row's token ids (ids_hash), their
+        # count [B], and the tokens (padding included) the record covers; None: ids never seen.
+        self.token_hash: torch.Tensor | None = None
+        self.token_count: torch.Tensor | None = None
+        self.ids_seen = 0
+        self.pending: tuple | None = None  # (hash, count, ids_seen) once the announced forward has run
         self.method.check_budget(self)
 
     # -- HF Cache API ------------------------------------------------------------------
@@ -161,6 +190,8 @@ class CompressedCache(Cache):
         self.layer_budgets = None
         self.prefill_peak_bytes = 0
         self.prompt_mask = None
+        self.token_hash = self.token_count = self.pending = None
+        self.ids_seen = 0
 
     # -- row-reshaping hooks transformers calls ----------------------------------------------
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
@@ -205,6 +236,11 @@ class CompressedCache(Cache):
             self.layer_budgets = self.layer_budgets.index_select(1, index.to(self.layer_budgets.device))
         if self.prompt_mask is not None:
             self.prompt_mask = self.prompt_mask.index_select(0, index.to(self.prompt_mask.device))
+        if self.token_hash is not None:
+            self.token_hash, self.token_count = (t.index_select(0, index.to(t.device))
+                                                 for t in (self.token_hash, self.token_count))
+        if self.pending is not None:
+            self.pending = (*(t.index_select(0, index.to(t.device)) for t in self.pending[:2]), self.pending[2])
 
     @property
     def is_croppable(self) -> bool:
@@ -220,24 +256,70 @@ class CompressedCache(Cache):
                 "decoding); generate without assistant_model, or with a DynamicCache"
             )
 
+    def see_ids(self, input_ids: torch.Tensor, fed: int | None = None, attention_mask: torch.Tensor | None = None,
+                check: bool = True) -> None:
+        """Take the token ids of the next forward: refuse them in one line (ValueError, nothing
+        changed) unless they continue what this cache holds, and note the new ones for its record.
+
+        input_ids [B, T]: the sequence up to the end of the next forward, which feeds its last
+        ``fed`` columns (default: those past the ``seen`` this cache holds). Its first T - fed
+        columns, when there are any, must be the ones this cache holds, ids included; with none,
+        the block is taken as following them (only positions can be checked then). attention_mask
+        [B, T] or [B, seen + fed]: 1 = real token (left padding); None: all real. check: compare
+        the ids with the record (one host sync; ``model.generate``'s hook checks at the first step
+        of each call only).
+
+        ``model.generate`` on a model switched by ``keepkv.enable`` calls this at every step
+        (:mod:`keepkv.continuation`); a forward loop may call it before each forward. The new ids
+        enter the record once their forward has run (at the next call); a forward it was not told
+        about leaves the record unknown, and positions alone are checked from then on.
+        """
+        seen, rows, width = self.get_seq_length(), input_ids.shape[0], input_ids.shape[1]
+        fed = width - seen if fed is None else fed
+        if self.pending is not None and seen == self.pending[2]:
+            self.token_hash, self.token_count, self.ids_seen = self.pending
+        self.pending = None
+        if self.ids_seen != seen:
+            self.token_hash = self.token_count = None  # a forward it was not told about
+        if seen and rows != self._rows():
+            self._refuse(f"input of {rows} rows, the cache holds {self._rows()}")
+        if fed < 1 or width - fed not in (0, seen):
+            self._refuse(f"input of {width} tokens")
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        start = torch.zeros(rows, dtype=torch.long, device=input_ids.device)
+        if seen and width > fed and check and self.token_hash is not None:
+            before, count = ids_hash(input_ids[:, :seen], mask[:, :seen], start)
+            differ = (before != self.token_hash.to(before.device)) | (count != self.token_count.to(count.device))
+            if bool(differ.any()):
+                self._refuse(f"row {int(differ.nonzero()[0])} has other token ids")
+        if seen == 0:
+            self.token_hash, self.token_count = start, start
+        if self.token_hash is not None:
+            added, count = ids_hash(input_ids[:, width - fed:], mask[:, mask.shape[1] - fed:], self.token_count)
+            self.pending = ((self.token_hash + added) % P, self.token_count + count, seen + fed)
+
+    def _refuse(self, why: str):
+        raise ValueError(
+            f"this CompressedCache holds {self.get_seq_length()} tokens per row and the input does not continue it "
+            f"({why}): for a new prompt pass a fresh cache (or cache.copy() of a compressed context, or "
+            "cache.reset()); to continue, pass the whole sequence so far plus the new tokens"
+        )
+
     def check_continuation(self, layer_idx: int, position_ids: torch.Tensor, block_mask: torch.Tensor) -> None:
         """Raise ValueError unless a block of several tokens fed after the prefill continues the
         sequence this cache holds: its last token's position (position_ids [B or 1, q]) must be each
         row's real tokens so far plus the block's. A second ``model.generate`` on one cache continues
         it (input_ids: the whole sequence so far, then the new tokens); HF slices off as many tokens
-        as the cache has seen, so a new prompt would otherwise be fed from the middle, silently.
-        Checked on the first layer only: one host sync per multi-token continuation block."""
+        as the cache has seen, so a new padded prompt would otherwise be fed from the middle,
+        silently (an unpadded one lines up: ``see_ids`` tells it by its ids). Checked on the first
+        layer only: one host sync per multi-token continuation block."""
         layer = self.layers[layer_idx]
         if layer_idx != 0 or layer.seen == 0 or layer.seen < self.prefill_tokens or self._reconstruction is not None:
             return  # a reconstruction pass's block is read once and forgotten: it continues nothing
         due = layer.real_seen + block_mask[:, 0, -1, :].sum(-1) - 1
         got = position_ids[:, -1].to(due.device).expand_as(due)
         if not torch.equal(got, due):
-            raise ValueError(
-                f"this CompressedCache holds a sequence of {layer.seen} tokens and the new block does not continue it "
-                f"(last position {got.tolist()}, due {due.tolist()}): to continue, pass the whole sequence so far plus "
-                "the new tokens; for a new prompt, use a new CompressedCache (or cache.reset())"
-            )
+            self._refuse(f"last position {got.tolist()}, due {due.tolist()}")
 
     def start_prefill(self, attention_mask: torch.Tensor) -> None:
         """Announce a prompt that will be fed in several blocks: attention_mask [B, T] (1 = real
@@ -444,6 +526,7 @@ class CompressedCache(Cache):
                 raise ValueError("stack: the caches differ in method, budget, depth, compile or decoding")
         for i in range(first.num_layers):  # everything checked before the first layer moves
             LayerStore.check_stackable([cache.layers[i] for cache in caches])
+        known = all(cache.token_hash is not None and cache.ids_seen == cache.get_seq_length() for cache in caches)
         out = cls(first.config, first.method, first.budget, compile=first.compile, decoding=first.decoding)
         for i in range(first.num_layers):
             out.layers[i] = LayerStore.stack([cache.layers[i] for cache in caches], out.layers[i].shared)
@@ -453,6 +536,10 @@ class CompressedCache(Cache):
         if first.layer_budgets is not None:
             out.layer_budgets = torch.cat([cache.layer_budgets for cache in caches], dim=1)
         out.prefill_peak_bytes = max(cache.prefill_peak_bytes for cache in caches)
+        if known:
+            out.token_hash = torch.cat([cache.token_hash for cache in caches])
+            out.token_count = torch.cat([cache.token_count for cache in caches])
+            out.ids_seen = first.ids_seen
         return out
 
     def fork(self, method: str | Method, budget: int | float = 1.0, decoding: str = "compress",
@@ -485,6 +572,7 @@ class CompressedCache(Cache):
             cache.method.observe(layer, source.prefill_stats)
             layer.prefill_stats = source.prefill_stats
         cache._end_prefill(cache.layers)
+        cache.token_hash, cache.token_count, cache.ids_seen = self.token_hash, self.token_count, self.ids_seen
         return cache
 
     def copy(self) -> "CompressedCache":

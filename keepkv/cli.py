@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import warnings
 from functools import partial
@@ -29,12 +30,27 @@ def _load(args):
 
 
 def _check_method(args) -> None:
-    """Reject a bad method, parameter or budget before the model loads."""
+    """Reject a bad method, parameter, budget or dtype before the model loads."""
     from .budgets import validate_budget
     from .methods import get_method
+    from .models import parse_dtype
 
     validate_budget(args.budget)
     get_method(args.method, **dict(args.param))
+    parse_dtype(args.dtype)
+
+
+def _prompt(args, default=None) -> str | None:
+    """The prompt given as an argument or in --prompt-file (not both), else ``default``."""
+    if args.prompt is not None and args.prompt_file:
+        raise ValueError("give the prompt as an argument or with --prompt-file, not both")
+    if args.prompt_file:
+        try:
+            return Path(args.prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            why = getattr(error, "strerror", None) or error
+            raise ValueError(f"--prompt-file {args.prompt_file!r}: {why}") from None
+    return default if args.prompt is None else args.prompt
 
 
 def cmd_methods(args) -> None:
@@ -50,15 +66,14 @@ def cmd_methods(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from .generation import generate
+    from .generation import check_arguments, generate
 
-    if args.prompt_file:
-        prompt = Path(args.prompt_file).read_text()
-    elif args.prompt is not None:
-        prompt = args.prompt
-    else:
+    prompt = _prompt(args)
+    if prompt is None:
         raise ValueError("give a prompt as an argument or with --prompt-file")
     _check_method(args)
+    check_arguments(prompt, args.method, args.budget, args.max_new_tokens, not args.raw, args.answer_prefix,
+                    prefill_chunk=args.prefill_chunk, **dict(args.param))
     model, tokenizer = _load(args)
     result = generate(
         model, tokenizer, prompt, method=args.method, budget=args.budget, max_new_tokens=args.max_new_tokens,
@@ -107,7 +122,7 @@ def cmd_demo(args) -> None:
 def cmd_perturbation(args) -> None:
     from .perturbation import format_perturbation, perturbation
 
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    prompt = _prompt(args)
     _check_method(args)
     model, tokenizer = _load(args)
     result = perturbation(model, tokenizer, prompt=prompt, method=args.method, budget=args.budget,
@@ -139,11 +154,19 @@ def cmd_serve(args) -> int:
     return serve.main(args, args.server_args)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are the one line every other error of the command line is,
+    ``keepkv: error: ...`` (exit status 2), without argparse's usage block (``--help`` shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"keepkv: error: {' '.join(message.split())}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .demo import DEMO_BUDGETS, DEMO_METHODS
 
-    parser = argparse.ArgumentParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs",
-                                     formatter_class=DefaultsFormatter)
+    parser = OneLineParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs",
+                           formatter_class=DefaultsFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", help="local HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     common.add_argument("--json", action="store_true", help="print JSON")
@@ -246,19 +269,22 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(f"unrecognized arguments: {shlex.join(extra)}")
     args.server_args = extra
     return args
 
 
 def main(argv=None) -> int:
-    args = parse_arguments(argv)
+    try:
+        args = parse_arguments(argv)
+    except SystemExit as stop:  # a one-line parse error (OneLineParser), or --help
+        return stop.code or 0
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings()
             code = args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
-        print(f"keepkv: error: {error}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as error:  # OSError: a file that cannot be read or written
+        print(f"keepkv: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -10,7 +10,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import reconstruction
 from .attention import enabled
-from .cache import CompressedCache
+from .budgets import validate_budget
+from .cache import CompressedCache, method_of
+from .checks import as_bool, as_int, as_text, check_model, check_tokenizer, shown
 from .diagnostics import warn_context_length
 from .models import CACHE_KWARG, check_context
 from .templates import split_template
@@ -109,19 +111,32 @@ def encode(tokenizer, texts: list[str], chat: bool, device) -> dict:
 
 
 def validate_prompts(prompts) -> list[str]:
-    """A str or a non-empty list of non-empty str."""
+    """A str or a non-empty list (or tuple) of non-empty str."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
-        raise ValueError("prompts must be a non-empty string or a non-empty list of non-empty strings")
+    if (not isinstance(prompts, (list, tuple)) or not prompts
+            or any(not isinstance(p, str) or not p.strip() for p in prompts)):
+        raise ValueError(f"prompts must be a non-empty string or a non-empty list of non-empty strings, got "
+                         f"{shown(prompts)}")
     return list(prompts)
 
 
-def _check_int(name: str, value, low: int, none_ok: bool = False) -> None:
-    if none_ok and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}{' (or None)' if none_ok else ''}, got {value!r}")
+def check_arguments(prompts, method="full", budget=1.0, max_new_tokens=64, chat=True, answer_prefix="",
+                    progress=False, prefill_chunk=None, **method_params) -> dict:
+    """:func:`generate`'s arguments other than the model, tokenizer and cache, checked before any
+    work starts (the command line checks them before it loads the model): ValueError in one line
+    naming the argument, or the arguments in their plain types (numpy integers as ints)."""
+    checked = dict(
+        prompts=validate_prompts(prompts),
+        max_new_tokens=as_int("max_new_tokens", max_new_tokens, 0),
+        chat=as_bool("chat", chat),
+        answer_prefix=as_text("answer_prefix", answer_prefix),
+        progress=as_bool("progress", progress),
+        prefill_chunk=as_int("prefill_chunk", prefill_chunk, 1, none_ok=True),
+        budget=validate_budget(budget),
+    )
+    method_of(method, method_params)
+    return checked
 
 
 def _run(model, tokenizer, cache, inputs: dict, max_new_tokens: int, progress: bool, prefill_chunk,
@@ -135,6 +150,7 @@ def _run(model, tokenizer, cache, inputs: dict, max_new_tokens: int, progress: b
     total = inputs["input_ids"].shape[1]
     seen = cache.get_seq_length()
     if seen == 0 and cache.defers_to_reconstruction:
+        cache.see_ids(inputs["input_ids"], total, inputs["attention_mask"], check=False)  # the record of the prompt
         with enabled(model):
             logits = reconstruction.prefill(model, tokenizer, cache, inputs["input_ids"], inputs["attention_mask"],
                                             chat, prefill_chunk, progress)
@@ -160,6 +176,7 @@ def _run(model, tokenizer, cache, inputs: dict, max_new_tokens: int, progress: b
                 for start in range(seen, total, chunk):
                     stop = min(start + chunk, total)
                     mask = inputs["attention_mask"][:, :stop]
+                    cache.see_ids(inputs["input_ids"][:, :stop], stop - start, mask, check=start == seen)
                     model(input_ids=inputs["input_ids"][:, start:stop], attention_mask=mask, **{CACHE_KWARG: cache},
                           use_cache=True)
                 return inputs["input_ids"][:, :0]
@@ -196,7 +213,7 @@ def _results(tokenizer, cache, inputs: dict, new_tokens: torch.Tensor, budget) -
             spare_bytes=summary.spare_bytes[row],
             state_bytes=summary.state_bytes[row],
             full_cache_bytes=summary.full_cache_bytes[row],
-            method=cache.method.name,
+            method=cache.method_spec,
             budget=None if cache.layer_budgets is None else budget,
             new_tokens=int(real_new[row]),
         )
@@ -228,9 +245,12 @@ def compress(
     budget. The answer equals that of prefilling context + question in one sequence with the
     compression triggered at the context's end (``tests/test_compress_once.py``).
     """
-    if not isinstance(context, str) or not context.strip():
-        raise ValueError("context must be a non-empty string")
-    _check_int("prefill_chunk", prefill_chunk, 1, none_ok=True)
+    check_model(model)
+    check_tokenizer(tokenizer)
+    context = as_text("context", context, empty_ok=False)
+    chat = as_bool("chat", chat)
+    prefill_chunk = as_int("prefill_chunk", prefill_chunk, 1, none_ok=True)
+    method_of(method, method_params)
     cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
     cache.method.prepare(model)
     device = next(model.parameters()).device
@@ -275,8 +295,10 @@ def generate(
     method : str or Method
         A registered method (``keepkv.describe_methods()``).
     budget : float or int
-        Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head. A fraction never keeps fewer than the method's protected tokens + 32
-        (``keepkv.budgets.budget_floor``): a prompt no longer than that is not compressed.
+        Fraction of each prompt in (0, 1], or an entry count in [1, 2**48], per layer and head
+        (integer numpy scalars count as ints). A fraction never keeps fewer than the method's
+        protected tokens + 32 (``keepkv.budgets.budget_floor``): a prompt no longer than that is
+        not compressed.
     max_new_tokens : int
         Tokens to generate (>= 0; 0 runs the prefill and compression only).
     chat : bool
@@ -302,20 +324,29 @@ def generate(
     **method_params
         Parameters of the method.
 
-    The model's attention implementation is switched to ``"keepkv"`` for the call and restored
-    after it. A :class:`keepkv.KeepKVWarning` says when prompt plus new tokens exceed the model's
-    ``max_position_embeddings``, or when the budget leaves a compressed prompt fewer entries than
-    the method's protected tokens.
+    Every argument is checked before any work starts (:func:`check_arguments`): a wrong one is
+    refused with a ValueError, in one line that names it. ``result.method`` is the method as
+    given (a variant keeps its parameters). The model's attention implementation is switched to
+    ``"keepkv"`` for the call and restored after it. A :class:`keepkv.KeepKVWarning` says when
+    prompt plus new tokens exceed the model's ``max_position_embeddings``, or when the budget
+    leaves a compressed prompt fewer entries than the method's protected tokens.
     """
-    prompts = validate_prompts(prompts)
-    _check_int("max_new_tokens", max_new_tokens, 0)
-    if prefill_chunk is not None and (
-        isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
-    ):
-        raise ValueError(f"prefill_chunk must be an int >= 1 (or None: one block), got {prefill_chunk!r}")
     if past_key_values is not None:
-        return _ask(model, tokenizer, prompts, past_key_values, method, budget, max_new_tokens, answer_prefix,
-                    progress, method_params)
+        if not isinstance(past_key_values, CompressedCache) or getattr(past_key_values, "context_ids", None) is None:
+            raise ValueError(f"past_key_values must be a cache returned by keepkv.compress(), got "
+                             f"{shown(past_key_values)}")
+        defaults = isinstance(method, str) and method == "full" and isinstance(budget, float) and budget == 1.0
+        if not defaults or method_params or decoding != "compress":
+            raise ValueError("with past_key_values the method, budget and decoding are the cache's: pass none of them")
+    args = check_arguments(prompts, method, budget, max_new_tokens, chat, answer_prefix, progress, prefill_chunk,
+                           **method_params)
+    prompts, budget, max_new_tokens, prefill_chunk = (args[k] for k in ("prompts", "budget", "max_new_tokens",
+                                                                         "prefill_chunk"))
+    chat, answer_prefix, progress = args["chat"], args["answer_prefix"], args["progress"]
+    check_model(model)
+    check_tokenizer(tokenizer)
+    if past_key_values is not None:
+        return _ask(model, tokenizer, prompts, past_key_values, max_new_tokens, answer_prefix, progress)
     cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
     cache.method.prepare(model)
     device = next(model.parameters()).device
@@ -329,14 +360,8 @@ def generate(
     return _results(tokenizer, cache, inputs, new_tokens, budget)
 
 
-def _ask(model, tokenizer, questions, context_cache, method, budget, max_new_tokens, answer_prefix, progress,
-         method_params) -> list[GenerationResult]:
+def _ask(model, tokenizer, questions, context_cache, max_new_tokens, answer_prefix, progress) -> list[GenerationResult]:
     """Each question on its own copy of a compressed context (see :func:`compress`)."""
-    if not isinstance(context_cache, CompressedCache) or getattr(context_cache, "context_ids", None) is None:
-        raise ValueError("past_key_values must be a cache returned by keepkv.compress()")
-    defaults = isinstance(method, str) and method == "full" and isinstance(budget, float) and budget == 1.0
-    if not defaults or method_params:
-        raise ValueError("with past_key_values the method and budget are the cache's: pass neither")
     device = next(model.parameters()).device
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

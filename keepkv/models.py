@@ -21,6 +21,8 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.generation import utils as generation_utils
 
+from .checks import shown
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The keyword a model's forward() and generate() take the cache by: transformers 5.24 renamed
@@ -98,7 +100,27 @@ def parse_dtype(dtype) -> torch.dtype:
         return DTYPES[dtype]
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
-    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {shown(dtype)}")
+
+
+def parse_device(device) -> torch.device:
+    """A device torch knows and can use here, as a torch.device, a name ("cpu", "cuda:0") or an index.
+
+    Raises
+    ------
+    ValueError
+        Naming the argument, for anything else or a CUDA device without CUDA.
+    """
+    try:
+        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+            raise TypeError
+        parsed = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        raise ValueError(f"device must be a torch.device, a device name such as 'cpu' or 'cuda:0', or a CUDA "
+                         f"index, got {shown(device)}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {shown(device)} is a CUDA device and CUDA is not available here: use device='cpu'")
+    return parsed
 
 
 @contextmanager
@@ -237,8 +259,8 @@ def load_model(path: str | os.PathLike | None = None, dtype=torch.float32, devic
         use and its dense copy cached under :func:`cache_dir`.
     dtype : torch.dtype or str
         Parameter dtype of the returned model: float32, bfloat16 or float16.
-    device : str or torch.device
-        Device the model is moved to.
+    device : str or torch.device or int
+        Device the model is moved to (checked before the model loads).
 
     Returns
     -------
@@ -251,13 +273,17 @@ def load_model(path: str | os.PathLike | None = None, dtype=torch.float32, devic
     Raises
     ------
     ValueError
-        One line, if the dtype is not one of :data:`DTYPES`, the path does not
+        One line, if the path is not a str, os.PathLike or None, the dtype is not
+        one of :data:`DTYPES`, the device is not one torch can use here, the path does not
         exist, is a file other than ``.gguf``, is a truncated or corrupt GGUF, is
         a directory without ``config.json`` or one whose config, weights or
         tokenizer cannot be read, or names an unsupported architecture (see
         :data:`SUPPORTED_ARCHITECTURES`).
     """
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be None (the embedded model), a str or an os.PathLike, got {shown(path)}")
     dtype = parse_dtype(dtype)
+    device = parse_device(device)
     model, tokenizer = _load_dir(model_directory(path), dtype)
     model.to(device).eval()
     if tokenizer is not None:

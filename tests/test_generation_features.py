@@ -105,10 +105,14 @@ def test_generate_twice_on_one_cache_continues_the_sequence_or_is_refused():
     assert torch.equal(continued, fresh)
     for method in ("full", "h2o"):
         cache = keepkv.CompressedCache(model.config, method, 8)
-        _generate(model, cache, input_ids, attention_mask, **options)
+        own = _generate(model, cache, input_ids, attention_mask, **options)
         with pytest.raises(ValueError, match="does not continue it") as error:
             _generate(model, cache, input_ids, attention_mask, **options)
         assert "\n" not in str(error.value)
+        if not torch.equal(own, first):  # another cache's answer does not continue this one
+            with pytest.raises(ValueError, match="other token ids"):
+                _generate(model, cache, more, more_mask, **options)
         seen = cache.layers[0].seen
-        _generate(model, cache, more, more_mask, **options)  # a compressed cache continues too
+        own_more = torch.cat([own, more[:, first.shape[1]:]], dim=-1)
+        _generate(model, cache, own_more, more_mask, **options)  # a compressed cache continues too
         assert cache.layers[0].seen == seen + more.shape[1] - first.shape[1] + 1 + 4

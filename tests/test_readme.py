@@ -96,6 +96,12 @@ def test_the_readme_has_blocks_to_check():
     assert PYTHON and COMMANDS  # a change to the fence syntax would otherwise skip every check
 
 
+# The README's Python runs without a warning from the installed transformers or torch (a
+# deprecated keyword, say): a reader copies it as it is. keepkv's own warnings are its output.
+NO_WARNINGS = pytest.mark.filterwarnings("error", "default::keepkv.KeepKVWarning")
+
+
+@NO_WARNINGS
 @pytest.mark.parametrize(
     "code",
     [pytest.param(code, id=where, marks=[pytest.mark.integration] if "load_model" in code else [])
@@ -140,6 +146,7 @@ def test_the_readme_has_outputs_to_compare():
     assert PY_OUTPUTS and SHELL_OUTPUTS
 
 
+@NO_WARNINGS
 @pytest.mark.integration
 @pytest.mark.parametrize("code, expected", PY_OUTPUTS)
 def test_python_block_prints_what_the_readme_shows(code, expected, capsys):

@@ -21,12 +21,14 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from ..attention import Needs, StepStats
+from ..checks import MAX_COUNT, is_int, shown
 from ..merging import compacts
 from ..store import slots_of
 
@@ -137,8 +139,8 @@ def check_choice(name: str, value, allowed) -> None:
 
 
 _KINDS = {  # a field's declared type -> (accepted values, how the error names them)
-    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
-    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == v, "a number"),
+    "int": (is_int, "an int"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v, "a number"),
     "bool": (lambda v: isinstance(v, bool), "True or False"),
     "str": (lambda v: isinstance(v, str), "a string"),
 }
@@ -157,7 +159,12 @@ def check_field_types(part) -> None:
             continue
         accepts, wanted = kind
         if not accepts(value):
-            raise ValueError(f"{part.name}: {field_.name} must be {wanted}{' or None' if optional else ''}, got {value!r}")
+            wanted += " or None" if optional else ""
+            raise ValueError(f"{part.name}: {field_.name} must be {wanted}, got {shown(value)}")
+        if is_int(value) and abs(int(value)) > MAX_COUNT:  # past what int64 tensor arithmetic holds
+            raise ValueError(f"{part.name}: {field_.name} must be an int in [-2**48, 2**48], got {shown(value)}")
+        if type(value).__module__ == "numpy":  # a numpy scalar, as the Python number it stands for
+            object.__setattr__(part, field_.name, value.item())  # parts are frozen dataclasses
 
 
 def part_params(part) -> dict:

@@ -43,8 +43,9 @@ def check(given) -> dict:
     unknown = sorted(set(given) - {"method", "budget"})
     if unknown or "method" not in given:
         raise ValueError(f'additional_config["keepkv"] takes "method" and "budget", got {sorted(given)}')
-    budget = given.get("budget", 0.1)
-    validate_budget(budget)
+    budget = validate_budget(given.get("budget", 0.1))
+    if not isinstance(given["method"], str):
+        raise ValueError(f'additional_config["keepkv"]["method"] must be a method name (str), got {given["method"]!r}')
     servable_method(given["method"])
     return {"method": str(given["method"]), "budget": budget}
 

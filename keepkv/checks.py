@@ -1,0 +1,64 @@
+"""One-line checks of the public entries' arguments, run before any work starts.
+
+Each raises ValueError in one line that names the argument and what it accepts, and returns the
+value in its plain Python type. An integer-like numpy scalar counts as an int (as ``np.float64``
+counts as a float); a bool counts as neither.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+# The largest count of tokens or entries an argument may give: far beyond any context, and far
+# inside the int64 tensors that hold positions, lengths and their sums over layers, heads and rows.
+MAX_COUNT = 2**48
+
+
+def shown(value) -> str:
+    """A value as an error message shows it: its repr, cut to one short line."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def is_int(value) -> bool:
+    """An int or an integer numpy scalar, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def as_int(name: str, value, low: int = 0, high: int = MAX_COUNT, none_ok: bool = False) -> int | None:
+    """``value`` as an int in [low, high] (or None when ``none_ok``)."""
+    if none_ok and value is None:
+        return None
+    if not is_int(value) or not low <= int(value) <= high:
+        too_big = is_int(value) and int(value) > high
+        bound = f"in [{low}, {'2**48' if high == MAX_COUNT else high}]" if too_big or high != MAX_COUNT else f">= {low}"
+        optional = " (or None)" if none_ok else ""
+        raise ValueError(f"{name} must be an int {bound}{optional}, got {shown(value)}")
+    return int(value)
+
+
+def as_bool(name: str, value) -> bool:
+    """``value`` if it is True or False (numpy's bool too)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {shown(value)}")
+
+
+def as_text(name: str, value, empty_ok: bool = True) -> str:
+    """``value`` if it is a str (a non-blank one unless ``empty_ok``)."""
+    if not isinstance(value, str) or not (empty_ok or value.strip()):
+        raise ValueError(f"{name} must be a {'' if empty_ok else 'non-empty '}string, got {shown(value)}")
+    return value
+
+
+def check_model(model) -> None:
+    """A transformers causal LM (what ``keepkv.load_model()`` returns)."""
+    if not (callable(model) and hasattr(model, "config") and hasattr(model, "generate")):
+        raise ValueError(f"model must be a transformers causal LM (keepkv.load_model()), got {shown(model)}")
+
+
+def check_tokenizer(tokenizer) -> None:
+    """A transformers tokenizer: callable on a list of texts, with ``batch_decode``."""
+    if not (callable(tokenizer) and hasattr(tokenizer, "batch_decode") and hasattr(tokenizer, "pad_token")):
+        raise ValueError(f"tokenizer must be the model's transformers tokenizer (keepkv.load_model()), got "
+                         f"{shown(tokenizer)}")
