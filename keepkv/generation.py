@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .attention import enabled
+from .budgets import check_budget_holds
 from .cache import CompressedCache
 from .diagnostics import warn_context_length
 from .models import CACHE_KWARG, check_context
@@ -223,6 +224,7 @@ def compress(
         raise ValueError("context must be a non-empty string")
     _check_int("prefill_chunk", prefill_chunk, 1, none_ok=True)
     cache = CompressedCache(model.config, method, budget, **method_params)
+    check_budget_holds(cache.method, budget)
     cache.method.prepare(model)
     device = next(model.parameters()).device
     if tokenizer.pad_token is None:
@@ -266,7 +268,9 @@ def generate(
         A registered method (``keepkv.describe_methods()``).
     budget : float or int
         Fraction of each prompt in (0, 1], or an entry count >= 1, per layer and head. A fraction never keeps fewer than the method's protected tokens + 32
-        (``keepkv.budgets.budget_floor``): a prompt no longer than that is not compressed.
+        (``keepkv.budgets.budget_floor``): a prompt no longer than that is not compressed. An
+        entry count below the method's protected tokens is refused (ValueError,
+        ``keepkv.budgets.check_budget_holds``).
     max_new_tokens : int
         Tokens to generate (>= 0; 0 runs the prefill and compression only).
     chat : bool
@@ -303,6 +307,7 @@ def generate(
         return _ask(model, tokenizer, prompts, past_key_values, method, budget, max_new_tokens, answer_prefix,
                     progress, method_params)
     cache = CompressedCache(model.config, method, budget, **method_params)
+    check_budget_holds(cache.method, budget)
     cache.method.prepare(model)
     device = next(model.parameters()).device
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
