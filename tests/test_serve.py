@@ -245,3 +245,19 @@ def test_the_serving_bench_spreads_ragged_prompts_around_the_length():
     assert abs(sum(ragged) / 32 - 1024) < 1
     assert prompt_lengths(32, 1024, ragged=True) == ragged  # a fixed order: runs compare
     assert min(prompt_lengths(3, 1, ragged=True)) == 1  # never an empty prompt
+
+
+def test_serve_says_it_is_warming_up_until_the_server_is_ready(monkeypatch, capsys):
+    """The server's output passes through; a "warming up" line while it starts, one "ready" line
+    when it says it answers, and its exit status is the command's."""
+    import sys
+
+    monkeypatch.setattr(serve, "PROGRESS_EVERY", 0.2)
+    fake = ("import sys, time; print('loading', flush=True); time.sleep(1.5); "
+            "print('INFO:     Application startup complete.', flush=True); time.sleep(0.5); sys.exit(3)")
+    assert serve.supervise([sys.executable, "-c", fake], {}, "http://localhost:8000/v1") == 3
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["loading", "INFO:     Application startup complete."]
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("keepkv serve: warming up, ") and lines[-1].startswith("keepkv serve: ready after ")
+    assert lines[-1].endswith(" s at http://localhost:8000/v1") and len(lines) >= 3

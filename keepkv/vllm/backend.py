@@ -38,6 +38,7 @@ def compression(vllm_config: VllmConfig) -> PagedCompression | None:
     """This process's PagedCompression for the engine, or None when keepkv is not configured."""
     chosen = engine_settings(vllm_config)
     if chosen is None:
+        _WORKER.clear()  # a stock engine after a keepkv one in this process: its spec is stock's
         return None
     key = (chosen["method"], chosen["budget"], chosen["chunked"])
     if key not in _COMPRESSIONS:

@@ -216,7 +216,7 @@ def main(args, server_args: list[str]) -> int:
 def supervise(argv: list[str], environ: dict[str, str], address: str) -> int:
     """Run the server, pass its output through, print a "warming up" line every
     :data:`PROGRESS_EVERY` seconds until it answers, then one "ready" line; forward SIGINT and
-    SIGTERM to it. Returns its exit status."""
+    SIGTERM to it. Returns its exit status (128 + the signal's number if a signal stopped it)."""
     start = time.monotonic()
     ready = threading.Event()
     server = subprocess.Popen(argv, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -248,4 +248,4 @@ def supervise(argv: list[str], environ: dict[str, str], address: str) -> int:
             signal.signal(number, handler)
     for thread in relays:
         thread.join(timeout=5)
-    return server.returncode
+    return server.returncode if server.returncode >= 0 else 128 - server.returncode  # killed by a signal: 128 + its number
