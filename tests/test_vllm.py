@@ -327,9 +327,9 @@ def test_the_start_up_line_counts_slots_and_requests_against_stock():
     spec = KeepKVSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, state_content_bytes=content,
                       method="keepkv", budget=0.1, num_layers=30, max_model_len=8192)
     line = spec.capacity_line(num_blocks=329)
-    stock_tokens = 328 * 128 * content // 256
+    stock_tokens = 329 * 128 * content // 256  # vLLM's figures count its null block
     context_blocks, prompt_blocks = (math.ceil(paged.capacity(p) / 128) for p in (8192, 1024))
-    assert line.startswith(f"keepkv: keepkv at budget 0.1: KV cache of {328 * 128:,} slots (stock vLLM would hold "
+    assert line.startswith(f"keepkv: keepkv at budget 0.1: KV cache of {329 * 128:,} slots (stock vLLM would hold "
                            f"{stock_tokens:,} tokens in the same memory: each slot also holds {content - 256} bytes")
     assert (f"requests at once: {328 // context_blocks:,} of 8,192 tokens (stock {stock_tokens / 8192:.2f}), "
             f"{328 // prompt_blocks:,} of a 1,024-token prompt (stock {stock_tokens / 1024:.2f})") in line

@@ -66,8 +66,8 @@ class KeepKVSpec(FullAttentionSpec):
         block included): its slots, the tokens stock vLLM would hold in the same memory (a slot
         also holds the metadata words), and how many requests fit at once, of the context length
         and of a 1,024-token prompt, against stock's (whose requests hold every token)."""
-        usable = num_blocks - 1  # block 0 is vLLM's null block
-        slots = usable * self.block_size
+        usable = num_blocks - 1  # requests never get block 0, vLLM's null block (its own figures count it)
+        slots = num_blocks * self.block_size
         stock_bytes = 2 * self.head_size * self.dtype.itemsize  # key and value, per token and KV head
         stock_tokens = slots * self.state_content_bytes // stock_bytes  # state_content_bytes: key, value, metadata
         # Requests held whole at once: keepkv's are capped at their capacity, in whole blocks.
