@@ -1,24 +1,39 @@
-"""keepkv: KV-cache compression for Hugging Face LLMs (KeepKV and the methods it is measured against)."""
+"""keepkv: KV-cache compression for Hugging Face LLMs (KeepKV and the methods it is measured against).
 
-from .attention import enable, enabled
-from .budgets import capacity_bound
-from .cache import CompressedCache
-from .diagnostics import KeepKVWarning
-from .generation import GenerationResult, compress, generate
-from .methods import Method, describe_methods, get_method
-from .models import load_model
+The public names below load on first use (torch and transformers with them), so that a command
+that needs neither, such as ``keepkv serve``'s checks, starts in a fraction of a second.
+"""
 
-__all__ = [
-    "CompressedCache",
-    "GenerationResult",
-    "KeepKVWarning",
-    "Method",
-    "capacity_bound",
-    "compress",
-    "describe_methods",
-    "enable",
-    "enabled",
-    "generate",
-    "get_method",
-    "load_model",
-]
+import importlib
+
+# name -> the module that defines it
+_PUBLIC = {
+    "enable": ".attention",
+    "enabled": ".attention",
+    "capacity_bound": ".budgets",
+    "CompressedCache": ".cache",
+    "KeepKVWarning": ".diagnostics",
+    "GenerationResult": ".generation",
+    "compress": ".generation",
+    "generate": ".generation",
+    "Method": ".methods",
+    "describe_methods": ".methods",
+    "get_method": ".methods",
+    "load_model": ".models",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    """Load the public names on first use (all at once: importing them registers keepkv's
+    attention with transformers, as ``import keepkv`` did)."""
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'keepkv' has no attribute {name!r}")
+    for public, module in _PUBLIC.items():
+        globals()[public] = getattr(importlib.import_module(module, __name__), public)
+    return globals()[name]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

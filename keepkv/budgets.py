@@ -54,6 +54,33 @@ def budget_floor(method) -> int:
     return method.protected_entries() + SCORED_FLOOR
 
 
+def check_budget_holds(method, budget: int | float) -> None:
+    """Raise ValueError, in one line, when an entry budget cannot hold the entries ``method`` keeps
+    whatever their scores (its sinks and fixed recent window, ``protected_entries()``): every
+    compressed prompt would lose part of them, and the answers are garbage. A fraction never goes
+    below them (the budget floor). The rule of the command line, ``keepkv.generate`` and serving;
+    a ``CompressedCache`` built by hand only warns (experiments at tiny budgets)."""
+    protected = method.protected_entries()
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget < protected:
+        hint = " (an int budget is an entry count; 1.0 keeps the whole prompt)" if budget == 1 else ""
+        raise ValueError(
+            f"budget {budget}{hint} keeps {budget} per layer and head, fewer than {method.name}'s {protected} "
+            f"protected tokens (sinks + recent window): give at least {protected} entries, or a fraction "
+            f"(it never keeps fewer than {budget_floor(method)})"
+        )
+
+
+def floor_warning(method, budget: int | float) -> str | None:
+    """One line when an entry budget holds the method's protected entries but is under its budget
+    floor (so few entries are left to choose by score that answers may suffer); None otherwise."""
+    floor = budget_floor(method)
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget < floor:
+        return (f"budget {budget} is under {method.name}'s budget floor of {floor} entries ({method.protected_entries()} "
+                f"protected + {SCORED_FLOOR} chosen by score): a prompt longer than {budget} tokens keeps {budget} "
+                "entries per layer and head, and its answers may suffer; a fraction never goes below the floor")
+    return None
+
+
 def row_budgets(budget: int | float, prompt_lengths: torch.Tensor, floor: int = 0) -> torch.Tensor:
     """[B] entries per layer and head each row may keep: a fraction of its prompt, but at least
     ``floor`` (:func:`budget_floor`) and 1; or a count. A row whose prompt is no longer than its

@@ -31,12 +31,12 @@ def _load(args):
 
 def _check_method(args) -> None:
     """Reject a bad method, parameter, budget or dtype before the model loads."""
-    from .budgets import validate_budget
+    from .budgets import check_budget_holds, validate_budget
     from .methods import get_method
     from .models import parse_dtype
 
     validate_budget(args.budget)
-    get_method(args.method, **dict(args.param))
+    check_budget_holds(get_method(args.method, **dict(args.param)), args.budget)
     parse_dtype(args.dtype)
 
 
@@ -230,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
 
+    add_serve_command(add_command)
+    return parser
+
+
+def add_serve_command(add_command) -> argparse.ArgumentParser:
     from .vllm import serve
 
     # Flags it does not take go to vLLM's server (main() passes them); no abbreviations, so that
@@ -237,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = add_command("serve", help="vLLM's OpenAI-compatible server with a keepkv method", allow_abbrev=False)
     serve.add_arguments(serve_parser)
     serve_parser.set_defaults(func=cmd_serve)
+    return serve_parser
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The parser of ``keepkv serve`` alone: it imports none of the other commands' modules (nor
+    torch), so that serve refuses a flag within a second or two."""
+    parser = argparse.ArgumentParser(prog="keepkv", formatter_class=DefaultsFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_command(partial(commands.add_parser, formatter_class=DefaultsFormatter))
     return parser
 
 
@@ -266,7 +280,8 @@ def _one_line_warnings():
 def parse_arguments(argv=None) -> argparse.Namespace:
     """The command line's arguments; ``server_args``: the flags ``keepkv serve`` passes on to
     vLLM's server (any other command refuses flags it does not take)."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = serve_parser() if argv[:1] == ["serve"] else build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":
         parser.error(f"unrecognized arguments: {shlex.join(extra)}")

@@ -10,7 +10,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import reconstruction
 from .attention import enabled
-from .budgets import validate_budget
+from .budgets import check_budget_holds, validate_budget
 from .cache import CompressedCache, method_of
 from .checks import as_bool, as_int, as_text, check_model, check_tokenizer, shown
 from .diagnostics import warn_context_length
@@ -252,6 +252,7 @@ def compress(
     prefill_chunk = as_int("prefill_chunk", prefill_chunk, 1, none_ok=True)
     method_of(method, method_params)
     cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
+    check_budget_holds(cache.method, cache.budget)
     cache.method.prepare(model)
     device = next(model.parameters()).device
     if tokenizer.pad_token is None:
@@ -298,7 +299,8 @@ def generate(
         Fraction of each prompt in (0, 1], or an entry count in [1, 2**48], per layer and head
         (integer numpy scalars count as ints). A fraction never keeps fewer than the method's
         protected tokens + 32 (``keepkv.budgets.budget_floor``): a prompt no longer than that is
-        not compressed.
+        not compressed. An entry count below the method's protected tokens is refused
+        (ValueError, ``keepkv.budgets.check_budget_holds``).
     max_new_tokens : int
         Tokens to generate (>= 0; 0 runs the prefill and compression only).
     chat : bool
@@ -348,6 +350,7 @@ def generate(
     if past_key_values is not None:
         return _ask(model, tokenizer, prompts, past_key_values, max_new_tokens, answer_prefix, progress)
     cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
+    check_budget_holds(cache.method, cache.budget)
     cache.method.prepare(model)
     device = next(model.parameters()).device
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)

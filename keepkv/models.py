@@ -228,11 +228,11 @@ def _load_dir(directory: Path, dtype: torch.dtype):
     return model, tokenizer
 
 
-def model_directory(path: str | os.PathLike | None = None) -> Path:
+def model_directory(path: str | os.PathLike | None = None, convert: bool = True) -> Path:
     """The Hugging Face model directory of ``path`` (as :func:`load_model` takes it): a GGUF's
-    dense copy under :func:`cache_dir`, converted on first use; a directory as given. What a
-    serving engine loads (``keepkv serve``). ValueError, in one line, for a missing path or a
-    file other than ``.gguf``."""
+    dense copy under :func:`cache_dir`, converted on first use (``convert=False``: its path only,
+    nothing written); a directory as given. What a serving engine loads (``keepkv serve``).
+    ValueError, in one line, for a missing path or a file other than ``.gguf``."""
     source = embedded_gguf_path() if path is None else Path(path).expanduser()
     if not source.exists():
         raise ValueError(f"model path does not exist: {source}")
@@ -242,7 +242,7 @@ def model_directory(path: str | os.PathLike | None = None) -> Path:
                 f"{source} is a file but not a .gguf; pass a .gguf file or a model directory"
             )
         converted = _converted_dir(source)
-        if not (converted / "config.json").is_file():
+        if convert and not (converted / "config.json").is_file():
             _convert_gguf(source, converted)
         source = converted
     return source

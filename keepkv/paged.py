@@ -238,6 +238,23 @@ class PagedCompression:
         """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
         return max(capacity_bound(self.method, prompt_length, self.budget, self.config))
 
+    def uncompressed(self, batch: "PagedBatch") -> list[int]:
+        """The rows of ``batch`` that every layer holds whole after this step, each token in the
+        slot of its position: never compressed, and not compressing now (a prompt under its
+        budget that has not outgrown it; a prompt read in chunks while its tokens so far would
+        be one). Their attention is the full cache's, so an engine may run it with its own
+        kernel and numerics (keepkv.vllm does); the step still runs them through the method,
+        which observes them. From host-side token counts only."""
+        rows = []
+        interval = self.method.interval
+        for row, (phase, done, length) in enumerate(zip(batch.phases, batch.computed, batch.query_lengths)):
+            after = done + length
+            prompt = after if phase == "chunk" else batch.prompt[row]
+            self.kept(prompt)  # fills self._kept[prompt]: each layer's budget
+            if held_entries(min(self._kept[prompt]), prompt, after, interval) == after:
+                rows.append(row)
+        return rows
+
     # -- one step -----------------------------------------------------------------------------
     def batch(
         self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,

@@ -3,6 +3,7 @@
 import warnings
 
 import pytest
+import torch
 
 import keepkv
 
@@ -18,14 +19,35 @@ def generate_warnings(model, prompts=PROMPT, method="keepkv+selection=ema", budg
     return [str(w.message) for w in caught if issubclass(w.category, keepkv.KeepKVWarning)]
 
 
-def test_budget_below_protected_tokens_warns_once(gqa_model):
+def cache_warnings(model, prompts=PROMPT, method="keepkv+selection=ema", budget=0.1) -> list[str]:
+    """The warnings of a prefill into a CompressedCache built by hand (which takes any budget)."""
+    batch = CharTokenizer()([prompts] if isinstance(prompts, str) else prompts)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), keepkv.enabled(model):
+        warnings.simplefilter("always")
+        model(**batch, past_key_values=keepkv.CompressedCache(model.config, method, budget), use_cache=True)
+    return [str(w.message) for w in caught if issubclass(w.category, keepkv.KeepKVWarning)]
+
+
+@pytest.mark.parametrize("method, protected", [("keepkv+selection=ema", 4), ("snapkv", 32), ("streamingllm", 4)])
+def test_a_budget_below_the_protected_tokens_is_refused_in_one_line(gqa_model, method, protected):
+    """keepkv.generate, keepkv.compress and the command line refuse it before any work (the
+    answers would be garbage); the budget that holds them runs."""
+    for run in (lambda budget: generate_warnings(gqa_model, method=method, budget=budget),
+                lambda budget: keepkv.compress(gqa_model, CharTokenizer(), PROMPT, method=method, budget=budget)):
+        with pytest.raises(ValueError, match=f"budget {protected - 1} .* fewer than .*'s {protected} protected") as raised:
+            run(protected - 1)
+        assert "\n" not in str(raised.value)
+        run(protected)
+
+
+def test_a_cache_built_by_hand_below_the_protected_tokens_warns_once(gqa_model):
     # keepkv with its EMA selection protects 4 sinks; an entry budget of 3 keeps 3.
-    (message,) = generate_warnings(gqa_model, budget=3)
+    (message,) = cache_warnings(gqa_model, budget=3)
     assert "keeps 3 entries" in message and "31-token" in message and "4 protected" in message
     assert "\n" not in message
-    assert generate_warnings(gqa_model, budget=4) == []
+    assert cache_warnings(gqa_model, budget=4) == []
     # snapkv protects its observation window.
-    (message,) = generate_warnings(gqa_model, method="snapkv", budget=16)
+    (message,) = cache_warnings(gqa_model, method="snapkv", budget=16)
     assert "32 protected" in message
 
 
@@ -38,16 +60,18 @@ def test_a_fraction_never_keeps_fewer_than_the_protected_tokens(gqa_model, metho
 
 
 def test_fewest_kept_compressed_row_is_named_and_fitting_rows_are_not(gqa_model):
-    (message,) = generate_warnings(gqa_model, [PROMPT, "y" * 200], budget=3)
+    (message,) = cache_warnings(gqa_model, [PROMPT, "y" * 200], budget=3)
     assert "keeps 3 entries" in message and "31-token" in message
     # A row that fits its budget is never touched, so a short prompt under an entry budget is fine.
-    assert generate_warnings(gqa_model, ["abc"], budget=3) == []
+    assert cache_warnings(gqa_model, ["abc"], budget=3) == []
 
 
 def test_int_budget_one_warns(gqa_model):
     (message,) = generate_warnings(gqa_model, method="h2o", budget=1)
     assert "1.0" in message and "entry count" in message
-    (message,) = generate_warnings(gqa_model, method="keepkv", budget=1)
+    with pytest.raises(ValueError, match=r"budget 1 \(an int budget is an entry count; 1.0 keeps the whole prompt\)"):
+        generate_warnings(gqa_model, method="keepkv", budget=1)
+    (message,) = cache_warnings(gqa_model, method="keepkv", budget=1)
     assert "1.0" in message and "protected" in message
     assert generate_warnings(gqa_model, method="h2o", budget=1.0) == []
 
@@ -67,6 +91,6 @@ def test_warnings_can_be_filtered(gqa_model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", category=keepkv.KeepKVWarning)
-        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "keepkv", 3, max_new_tokens=1)
+        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "h2o", 1, max_new_tokens=1)
     with pytest.warns(keepkv.KeepKVWarning):
-        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "keepkv", 3, max_new_tokens=1)
+        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, "h2o", 1, max_new_tokens=1)

@@ -68,11 +68,11 @@ def test_plain_generate_unchanged_after_keepkv(embedded):
     assert torch.equal(plain(), before)
 
 
-def test_cli_budget_warning_is_one_line(embedded, capsys):
-    # A one-letter question in the chat template is ~31 tokens: an entry budget of 3 is below keepkv's 32 protected.
-    assert main(["generate", "a", "--max-new-tokens", "2", "--budget", "3", "--json"]) == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and warnings[0].startswith("keepkv: warning: budget 3 keeps 3 entries")
+def test_cli_budget_refusal_is_one_line(embedded, capsys):
+    # An entry budget of 3 cannot hold keepkv's 32 protected tokens: refused before any work.
+    assert main(["generate", "a", "--max-new-tokens", "2", "--budget", "3", "--json"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("keepkv: error: budget 3 keeps 3 per layer and head, fewer than keepkv's 32 protected")
     # The default fraction (0.1) has the budget floor: no warning, the prompt is not compressed.
     assert main(["generate", "a", "--max-new-tokens", "2", "--json"]) == 0
     assert "warning" not in capsys.readouterr().err

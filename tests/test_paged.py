@@ -226,8 +226,42 @@ def held_slots(engine, request) -> torch.Tensor:
     return engine.kv_cache[blocks, :, torch.arange(held) % BLOCK].transpose(0, 1).clone()
 
 
-@pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "h2o+interval=3"])
-def test_a_decode_step_moves_and_rewrites_only_the_entries_that_change(method):
+@pytest.mark.parametrize("method", ["window", "streamingllm", "snapkv", "h2o", "keepkv", "h2o+interval=3"])
+@pytest.mark.parametrize("budget", [12, 0.5])
+def test_uncompressed_rows_are_those_that_hold_every_token_at_its_position(method, budget):
+    """PagedCompression.uncompressed names, after each step, the requests whose cache holds every
+    token seen so far, each in the slot of its position (an engine may attend over them with its
+    own kernel), and no other: short prompts until they outgrow their budget, never a compressed
+    one. (PyramidKV's layers differ; this engine runs one layer.)"""
+    generator = torch.Generator().manual_seed(3)
+    paged = PagedCompression(CONFIG, method, budget)
+    engine = Engine(paged)
+    batches = []
+    batch = paged.batch
+    paged.batch = lambda *args: batches.append(batch(*args)) or batches[-1]
+    prompts = {0: 5, 1: 20, 2: 9}
+    references = {r: CompressedCache(CONFIG, method, budget) for r in prompts}
+    changed = set()
+    for step in range(26):
+        new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
+        engine.step(new)
+        rows = paged.uncompressed(batches[-1])
+        for row, (request, (query, key, value)) in enumerate(new.items()):
+            alone(references[request], query, key, value)
+            positions = references[request].layers[0].positions[0]  # [H_kv, S]
+            done = engine.computed[request]
+            held = positions.sort(-1).values[:, -done:]  # each head's newest positions, in order
+            whole = bool(((positions >= 0).sum(-1) == done).all()) and bool((held == torch.arange(done)).all())
+            slots = held_slots(engine, request)[..., 2 * HEAD_DIM].long()  # each slot's position word
+            in_place = slots.shape[1] == done and bool((slots == torch.arange(done)).all())
+            assert (row in rows) == whole == in_place, (step, request)
+            changed.add((request, whole))
+            if isinstance(budget, float):  # under the floor, nothing is compressed
+                assert whole or done > budget_floor(paged.method)
+    assert (0, True) in changed  # a short prompt, held whole
+    if isinstance(budget, int):  # it outgrew its budget of 12; the 20-token prompt was compressed at once
+        assert {(0, False), (1, False)} <= changed
+
     """A decode step leaves every entry that stays in its slot, with its key and value bytes as they
     were unless its votes changed (a merge into it), and writes keys and values of a few slots per
     request and head (the new token's, a merge target's), not of every slot a request holds. A

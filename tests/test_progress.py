@@ -35,13 +35,20 @@ def tiny_cli(monkeypatch):
 
 
 def test_a_warning_is_its_own_line_beside_progress_bars(tiny_cli, capsys):
-    # an entry budget below keepkv's protected tokens warns at the end of the prefill, while the
+    # an entry budget of 1 (likely meant as 1.0) warns at the end of the prefill, while the
     # prefill's bar is on screen
-    assert cli.main(["generate", "x" * 40, "--budget", "3", "--max-new-tokens", "4", "--raw"]) == 0
+    assert cli.main(["generate", "x" * 40, "--method", "h2o", "--budget", "1", "--max-new-tokens", "4", "--raw"]) == 0
     err = capsys.readouterr().err
-    assert "keepkv: prefill" in err  # the bars were drawn
+    assert "h2o: prefill" in err  # the bars were drawn
     warned = [line for line in visible_lines(err) if "keepkv: warning:" in line]
-    assert warned and all(line.startswith("keepkv: warning: budget 3 keeps 3 entries") for line in warned), warned
+    assert warned and all(line.startswith("keepkv: warning: budget=1 is an entry count") for line in warned), warned
+
+
+def test_a_budget_below_the_protected_tokens_is_refused_before_the_model_loads(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded"))
+    assert cli.main(["generate", "x" * 40, "--budget", "3"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("keepkv: error: budget 3 keeps 3 per layer and head, fewer than keepkv's 32 protected")
 
 
 def test_perturbation_shows_progress(tiny_cli, capsys):

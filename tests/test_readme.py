@@ -120,10 +120,11 @@ def test_shell_command_parses(argv, compared):
         args = parse_arguments(argv)
     except SystemExit as error:  # argparse's way to reject a command line
         pytest.fail(f"`keepkv {' '.join(argv)}` does not parse (exit {error.code})")
-    if args.command == "serve":  # a method or budget keepkv.vllm does not serve
+    if args.command == "serve" and args.method != "full":  # a method or budget keepkv.vllm does not serve
         from keepkv.vllm import check
+        from keepkv.vllm.serve import DEFAULT_BUDGET
 
-        check({"method": args.method, "budget": args.budget})
+        check({"method": args.method, "budget": DEFAULT_BUDGET if args.budget is None else args.budget})
     # a method, variant, parameter or budget the code no longer takes
     if hasattr(args, "budget") and hasattr(args, "param") and hasattr(args, "method"):
         _check_method(args)

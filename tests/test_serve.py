@@ -2,6 +2,7 @@
 line `keepkv serve` builds (tests/test_vllm.py starts the server itself, in the serving venv)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -56,43 +57,145 @@ def test_a_config_vllm_would_ignore_is_refused(monkeypatch, plugins, loaded):
             config("h2o", 64)
 
 
-def command(argv, environ=None, cpu=True, monkeypatch=None):
+def command(argv, environ=None, cpu=True, monkeypatch=None, convert=True):
     monkeypatch.setattr(serve, "cpu_build", lambda: cpu)
     args = parse_arguments(["serve", *argv])
-    return serve.server_command(args, args.server_args, {} if environ is None else environ)
+    return serve.server_command(args, args.server_args, {} if environ is None else environ, convert=convert)
 
 
 def test_serve_passes_vllm_flags_on_and_adds_what_the_cpu_build_needs(tmp_path, monkeypatch):
-    argv, added = command(["--model", str(tmp_path), "--method", "h2o", "--budget", "64", "--port", "8123",
+    model = tmp_path / "SmolLM2-135M-Instruct"
+    model.mkdir()
+    argv, added = command(["--model", str(model), "--method", "h2o", "--budget", "64", "--port", "8123",
                            "--dtype", "float32"], monkeypatch=monkeypatch)
-    assert argv[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and argv[4] == str(tmp_path)
+    assert argv[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and argv[4] == str(model)
     config_at = argv.index("--additional-config")
     assert json.loads(argv[config_at + 1]) == {"keepkv": {"method": "h2o", "budget": 64}}
     assert argv[-4:] == ["--port", "8123", "--dtype", "float32"]  # as given, in order
     assert "--no-enable-prefix-caching" in argv and "--no-enable-chunked-prefill" in argv
+    assert "--enforce-eager" in argv  # no compile wait on CPU
+    assert argv[argv.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"  # not a path
     assert added == {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    # What the user set is kept; off CPU nothing is added for the CPU build.
-    _, added = command(["--model", str(tmp_path)], {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "0"},
+    # What the user set is kept; off CPU (stock vLLM only, --method full) nothing is added for the CPU build.
+    _, added = command(["--model", str(model)], {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "0"},
                        monkeypatch=monkeypatch)
     assert added == {}
-    _, added = command(["--model", str(tmp_path)], cpu=False, monkeypatch=monkeypatch)
-    assert added == {"HF_HUB_OFFLINE": "1"}
-    for flag in ("--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--enable-chunked-prefill"):
-        argv, _ = command(["--model", str(tmp_path), flag], monkeypatch=monkeypatch)
+    argv, added = command(["--model", str(model), "--method", "full"], cpu=False, monkeypatch=monkeypatch)
+    assert added == {"HF_HUB_OFFLINE": "1"} and "--enforce-eager" not in argv
+    for flag in ("--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--enable-chunked-prefill",
+                 "--served-model-name"):
+        argv, _ = command(["--model", str(model), flag, *(["other"] if flag == "--served-model-name" else [])],
+                          monkeypatch=monkeypatch)
         assert argv.count(flag) == 1
+    argv, _ = command(["--model", str(model), "--enable-chunked-prefill"], monkeypatch=monkeypatch)
     assert "--no-enable-chunked-prefill" not in argv  # chunked prefill asked for: served as asked
+
+
+@pytest.mark.parametrize("given", [["-O3"], ["-O", "2"], ["--optimization-level=3"], ["--compilation-config", "{}"],
+                                   ["-cc", "{}"], ["--no-enforce-eager"], ["--enforce-eager"]])
+def test_serve_runs_eager_on_cpu_unless_compilation_is_asked_for(tmp_path, monkeypatch, given):
+    argv, _ = command(["--model", str(tmp_path), *given], monkeypatch=monkeypatch)
+    assert argv.count("--enforce-eager") == given.count("--enforce-eager")
+    argv, _ = command(["--model", str(tmp_path)], monkeypatch=monkeypatch)
+    assert argv.count("--enforce-eager") == 1
+
+
+def test_stock_vllm_is_served_under_the_same_flags(tmp_path, monkeypatch):
+    """--method full: no keepkv settings, every flag keepkv serve adds for a method, and what
+    keepkv.vllm refuses is vLLM's to serve."""
+    keepkv_argv, _ = command(["--model", str(tmp_path), "--port", "8000"], monkeypatch=monkeypatch)
+    stock_argv, _ = command(["--model", str(tmp_path), "--method", "full", "--port", "8000"], monkeypatch=monkeypatch)
+    at = keepkv_argv.index("--additional-config")
+    assert stock_argv == keepkv_argv[:at] + keepkv_argv[at + 2 :]
+    argv, _ = command(["--model", str(tmp_path), "--method", "full", "--enable-prefix-caching", "-tp", "2"],
+                      monkeypatch=monkeypatch)
+    assert "--enable-prefix-caching" in argv and "--no-enable-prefix-caching" not in argv
+    with pytest.raises(ValueError, match="--method full keeps every entry: drop --budget"):
+        command(["--model", str(tmp_path), "--method", "full", "--budget", "0.1"], monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("model, name", [("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+                                         ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Llama-3.2-1B-Instruct"),
+                                         ("qwen2.5-0.5b.f16.gguf", "qwen2.5-0.5b"),
+                                         ("my-model", "my-model")])
+def test_the_served_model_is_named_after_the_model(model, name):
+    assert serve.model_name(Path("/models") / model) == name
+
+
+def test_a_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
+    """--dry-run names the embedded model's dense copy and converts nothing (517 MB otherwise)."""
+    from keepkv.models import embedded_gguf_path
+
+    monkeypatch.setenv("KEEPKV_CACHE_DIR", str(tmp_path / "cache"))
+    find_spec = serve.importlib.util.find_spec
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, *rest: object() if name == "vllm" else find_spec(name, *rest))
+    monkeypatch.setattr(serve, "cpu_build", lambda: True)
+    args = parse_arguments(["serve", "--dry-run", "--port", "8001"])
+    assert serve.main(args, args.server_args) == 0
+    err = capsys.readouterr().err
+    assert str(tmp_path / "cache" / embedded_gguf_path().stem) in err and "written on the first real start" in err
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("argv, environ, message", [
     (["--enable-prefix-caching"], {}, "does not support prefix caching: a block shared"),
-    (["--additional-config", "{}"], {}, "writes --additional-config"),
+    (["--additional-config", "{}"], {}, "writes it from --method and --budget"),
     (["--method", "cam"], {}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keydiff, keepkv"),
     (["--budget", "0"], {}, "budget"),
+    (["--budget", "2"], {}, "budget 2 keeps 2 per layer and head, fewer than keepkv's 32 protected"),
     ([], {"VLLM_PLUGINS": ""}, "leaves out keepkv's plugin"),
+    (["--speculative-config", '{"method": "ngram"}'], {}, "does not support speculative decoding"),
+    (["--spec-method=ngram"], {}, "does not support speculative decoding"),
+    (["-tp", "3"], {}, r"does not support tensor or pipeline parallelism > 1"),
+    (["--tensor_parallel_size=2"], {}, r"parallelism > 1"),
+    (["--pipeline-parallel-size", "2"], {}, r"parallelism > 1"),
+    (["--enable-lora"], {}, "does not support LoRA"),
+    (["--kv-cache-dtype", "fp8_e4m3"], {}, "does not support an fp8 KV cache"),
 ])
 def test_serve_refuses_before_starting_anything(tmp_path, monkeypatch, argv, environ, message):
-    with pytest.raises((ValueError, RuntimeError), match=message):
+    with pytest.raises((ValueError, RuntimeError), match=message) as raised:
         command(["--model", str(tmp_path), *argv], environ, monkeypatch=monkeypatch)
+    assert "\n" not in str(raised.value)
+
+
+def test_serve_refuses_keepkv_off_the_cpu_build(tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="CPU build only .* --method full serves this vLLM stock"):
+        command(["--model", str(tmp_path)], cpu=False, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("flag", [["--speculative-config", "{}"], ["-tp", "2"], ["--enable-lora"],
+                                  ["--kv-cache-dtype", "fp8"], ["-pp", "2"]])
+def test_serve_refuses_flags_before_torch_or_vllm_is_imported(flag):
+    """keepkv serve's flag refusals come from its own process, before torch (or vLLM) is imported:
+    one line on stderr, status 2, whatever the load of the host (the times are in docs/serving.md)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from keepkv.cli import main; status = main(['serve', *sys.argv[1:]]); "
+            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules); sys.exit(status)")
+    done = subprocess.run([sys.executable, "-c", code, *flag], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("keepkv: error: keepkv.vllm does not support ") and done.stderr.count("\n") == 1
+
+
+def test_a_budget_under_the_floor_warns_in_config():
+    import keepkv
+    from keepkv.vllm import config
+
+    with pytest.warns(keepkv.KeepKVWarning, match="budget 40 is under snapkv's budget floor of 64 entries"):
+        assert config("snapkv", 40) == {"keepkv": {"method": "snapkv", "budget": 40}}
+    with pytest.raises(ValueError, match="budget 8 keeps 8 per layer and head, fewer than snapkv's 32"):
+        config("snapkv", 8)
+
+
+def test_a_budget_under_the_floor_warns_in_one_line_at_serve_start(tmp_path, monkeypatch):
+    args = parse_arguments(["serve", "--budget", "40"])
+    (line,) = [serve.floor_warning(args)]
+    assert "budget 40 is under keepkv's budget floor of 64 entries" in line and "\n" not in line
+    assert serve.floor_warning(parse_arguments(["serve", "--budget", "64"])) is None
+    assert serve.floor_warning(parse_arguments(["serve", "--budget", "0.05"])) is None  # a fraction has the floor
+    assert serve.floor_warning(parse_arguments(["serve"])) is None
 
 
 def test_only_serve_takes_flags_it_does_not_know():
@@ -145,3 +248,19 @@ def test_the_serving_bench_spreads_ragged_prompts_around_the_length():
     assert abs(sum(ragged) / 32 - 1024) < 1
     assert prompt_lengths(32, 1024, ragged=True) == ragged  # a fixed order: runs compare
     assert min(prompt_lengths(3, 1, ragged=True)) == 1  # never an empty prompt
+
+
+def test_serve_says_it_is_warming_up_until_the_server_is_ready(monkeypatch, capsys):
+    """The server's output passes through; a "warming up" line while it starts, one "ready" line
+    when it says it answers, and its exit status is the command's."""
+    import sys
+
+    monkeypatch.setattr(serve, "PROGRESS_EVERY", 0.2)
+    fake = ("import sys, time; print('loading', flush=True); time.sleep(1.5); "
+            "print('INFO:     Application startup complete.', flush=True); time.sleep(0.5); sys.exit(3)")
+    assert serve.supervise([sys.executable, "-c", fake], {}, "http://localhost:8000/v1") == 3
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["loading", "INFO:     Application startup complete."]
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("keepkv serve: warming up, ") and lines[-1].startswith("keepkv serve: ready after ")
+    assert lines[-1].endswith(" s at http://localhost:8000/v1") and len(lines) >= 3

@@ -135,6 +135,67 @@ def test_budget_covering_everything_is_stock_vllm(model_dir, prompts, stock):
     assert blocks == stock[1]
 
 
+QUESTIONS = [
+    "What is 2 + 2?", "Name a primary colour.", "What is the capital of France?", "Who wrote Hamlet?",
+    "What is water made of?", "How many legs has a spider?", "What colour is the sky?", "Name a planet.",
+    "What is 3 times 3?", "Say hello.", "What is ice?", "Name a fruit.", "What do bees make?", "Is fire hot?",
+    "What is a cat?", "Count to three.", "Name a month.", "What is the sun?", "Name an ocean.", "What is rain?",
+    "Spell dog.", "What is 10 - 4?", "Name a bird.", "What is milk?", "Name a tree.", "What is a day?",
+    "Name a colour.", "What is snow?", "Who was Newton?", "What is a car?", "Name a river.", "Is ice cold?",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(model_dir):
+    """The 32 questions in the chat template (token ids): 30-40 tokens each, under the budget floor."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                    tokenize=False), add_special_tokens=False).input_ids
+            for q in QUESTIONS]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_uncompressed_requests_answer_as_stock_vllm(model_dir, prompts, chat_prompts, hf_model, dtype, monkeypatch):
+    """32 chat prompts under keepkv's budget floor at 0.1, batched with two long prompts that are
+    compressed: each short one gets stock vLLM's greedy tokens for the same batch, in the served
+    dtype (their attention runs through vLLM's own kernel), while the long ones are compressed.
+    vLLM's warning for each weight it casts (the fp32 checkpoint served in bf16) shows once."""
+    import logging
+
+    from keepkv.vllm import CAST_LOGGER, _OncePerCast
+
+    new_tokens = 16
+    batch = [prompts[1], *chat_prompts, prompts[2]]
+    paged = PagedCompression(hf_model.config, "keepkv", 0.1)
+    assert all(len(p) + new_tokens <= paged.kept(len(p)) for p in chat_prompts)  # never compressed
+    assert all(paged.kept(len(p)) < len(p) for p in (prompts[1], prompts[2]))  # compressed
+    for once in logging.getLogger(CAST_LOGGER).filters:  # the plugin's: as in a new process
+        if isinstance(once, _OncePerCast):
+            once.seen.clear()
+    verdicts = []  # (let through, the message) of every record the plugin's filter sees
+    keep = _OncePerCast.filter
+    monkeypatch.setattr(_OncePerCast, "filter",
+                        lambda self, record: verdicts.append((keep(self, record), record.getMessage())) or verdicts[-1][0])
+    stock = Engine(model_dir, dtype=dtype)
+    stock_tokens, stock_blocks = stock.run(batch, new_tokens)
+    stock.close()
+    keepkv_engine = Engine(model_dir, {"method": "keepkv", "budget": 0.1}, dtype=dtype)
+    tokens, blocks = keepkv_engine.run(batch, new_tokens)
+    keepkv_engine.close()
+    assert tokens[1:-1] == stock_tokens[1:-1]
+    assert blocks[0] < stock_blocks[0]  # the long prompt is compressed
+    shown = [message for kept, message in verdicts if kept and "weight" in message]
+    dropped = [message for kept, message in verdicts if not kept]
+    if dtype == "bfloat16":  # one line in a process, not one per weight (122 per engine)
+        assert shown == ["Casting the checkpoint's torch.float32 weights to torch.bfloat16 as they load "
+                         "(shown once, not per weight)"]
+        assert len(dropped) > 200 and all(message.startswith("Attempted to load weight") for message in dropped)
+    else:
+        assert shown == dropped == []
+
+
 @pytest.mark.parametrize("method", SERVED)
 def test_matches_hf_path_and_caps_blocks(model_dir, prompts, stock, hf_model, method):
     """Three unequal prompts in one batch: each request's greedy tokens are keepkv's Hugging Face
@@ -226,7 +287,13 @@ def no_engine_core(monkeypatch):
     ({"enable_prefix_caching": True}, r"does not support prefix caching: a block shared .* \(--no-enable-prefix-caching"),
     ({"config": {"method": "cam", "budget": 0.3}}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keepkv"),
     ({"config": {"method": "snapkv", "budget": 0.0}}, "budget"),
+    ({"config": {"method": "keepkv", "budget": 2}}, "budget 2 keeps 2 per layer and head, fewer than keepkv's 32"),
     ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method" and "budget"'),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
+     "does not support speculative decoding"),
+    ({"tensor_parallel_size": 3}, r"does not support tensor or pipeline parallelism > 1"),
+    ({"enable_lora": True}, "does not support LoRA"),
+    ({"kv_cache_dtype": "fp8"}, "does not support an fp8 KV cache"),
 ])
 def test_rejects_unsupported_settings_before_any_worker_starts(model_dir, no_engine_core, overrides, message):
     """Refused where the engine's config is built, in one line (not inside a worker's traceback),
@@ -254,6 +321,42 @@ def test_refuses_keepkv_settings_off_cpu(model_dir, no_engine_core, monkeypatch)
     assert engine_settings(type("Config", (), {"additional_config": {}})()) is None  # stock: untouched
 
 
+def test_the_start_up_line_counts_slots_and_requests_against_stock():
+    """What keepkv buys, from the spec vLLM builds: its slots, stock's tokens in the same bytes,
+    and requests that fit at once (each capped at its capacity, in whole blocks)."""
+    from keepkv.vllm.spec import KeepKVSpec
+
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+    paged = PagedCompression(smollm2, "keepkv", 0.1)
+    content = paged.content_bytes(64, torch.bfloat16)
+    spec = KeepKVSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, state_content_bytes=content,
+                      method="keepkv", budget=0.1, num_layers=30, max_model_len=8192)
+    line = spec.capacity_line(num_blocks=329)
+    stock_tokens = 329 * 128 * content // 256  # vLLM's figures count its null block
+    context_blocks, prompt_blocks = (math.ceil(paged.capacity(p) / 128) for p in (8192, 1024))
+    assert line.startswith(f"keepkv: keepkv at budget 0.1: KV cache of {329 * 128:,} slots (stock vLLM would hold "
+                           f"{stock_tokens:,} tokens in the same memory: each slot also holds {content - 256} bytes")
+    assert (f"requests at once: {328 // context_blocks:,} of 8,192 tokens (stock {stock_tokens / 8192:.2f}), "
+            f"{328 // prompt_blocks:,} of a 1,024-token prompt (stock {stock_tokens / 1024:.2f})") in line
+    assert 328 // context_blocks > 8 * stock_tokens / 8192  # budget 0.1: about ten times as many
+
+
+def test_keepkv_serve_knows_the_flags_it_reads():
+    """The vLLM flags keepkv serve refuses, adds or reads (keepkv.vllm.serve) are vLLM's server's."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from keepkv.vllm import serve
+
+    known = set(make_arg_parser(FlexibleArgumentParser())._option_string_actions)
+    read = [*serve.SPECULATIVE, *serve.PARALLEL, *serve.COMPILATION, *serve.OFF_BY_DEFAULT, "--enable-lora",
+            "--kv-cache-dtype", "--served-model-name", "--enable-prefix-caching", "--enable-chunked-prefill",
+            "--additional-config", "--host", "--port", "--model"]
+    assert [flag for flag in read if flag not in known] == []
+
+
 def _free_port() -> int:
     import socket
 
@@ -278,8 +381,10 @@ def _stop(process) -> None:
 
 def test_keepkv_serve_answers_a_chat_request_as_stock(model_dir, hf_model, tmp_path):
     """`keepkv serve` on 127.0.0.1 (vLLM's CPU build, multiprocessing on, no VLLM_CPU_KVCACHE_SPACE
-    given): one chat request, greedy, answered with the tokens of the full cache: a short chat
-    prompt is under snapkv's budget floor at 0.1, so it is not compressed (README "Serving")."""
+    given, eager by keepkv serve's default): one chat request to the model's name, greedy, answered
+    with the tokens of the full cache: a short chat prompt is under snapkv's budget floor at 0.1, so
+    it is not compressed (README "Serving"). The log says what the cache holds and when the
+    server is ready."""
     import subprocess
     import sys
     import time
@@ -293,8 +398,7 @@ def test_keepkv_serve_answers_a_chat_request_as_stock(model_dir, hf_model, tmp_p
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "keepkv.cli", "serve", "--model", model_dir, "--method", "snapkv", "--budget", "0.1",
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-         "--enforce-eager"],
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -308,14 +412,19 @@ def test_keepkv_serve_answers_a_chat_request_as_stock(model_dir, hf_model, tmp_p
                 break
             except OSError:
                 time.sleep(2)
-        body = json.dumps({"model": model_dir, "messages": messages, "max_tokens": 12, "temperature": 0,
+        body = json.dumps({"model": os.path.basename(model_dir), "messages": messages, "max_tokens": 12, "temperature": 0,
                            "ignore_eos": True}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
                                          {"Content-Type": "application/json"})
         reply = json.load(urllib.request.urlopen(request, timeout=120))
+        time.sleep(1)  # the relay's "ready" line follows the server's own
     finally:
         _stop(server)
         log.close()
+    logged = (tmp_path / "server.log").read_text()
+    assert "--enforce-eager" in logged.splitlines()[0]  # keepkv serve's command line
+    assert "keepkv: snapkv at budget 0.1: KV cache of " in logged and "requests at once: " in logged
+    assert "keepkv serve: ready after " in logged
     text = reply["choices"][0]["message"]["content"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

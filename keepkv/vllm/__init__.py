@@ -18,6 +18,7 @@ not honour is refused in one line, never ignored.
 
 from __future__ import annotations
 
+import logging
 import os
 
 BACKEND = "keepkv.vllm.backend.KeepKVBackend"
@@ -33,9 +34,10 @@ def check(given) -> dict:
     """``additional_config["keepkv"]`` checked, without vLLM: {"method", "budget"}.
 
     Raises ValueError in one line: unknown keys, a method the paged adapter does not serve (the
-    message names those it serves), a bad budget.
+    message names those it serves), a bad budget, an entry budget that cannot hold the method's
+    protected tokens (``keepkv.budgets.check_budget_holds``).
     """
-    from ..budgets import validate_budget
+    from ..budgets import check_budget_holds, validate_budget
     from ..paged import servable_method
 
     if not isinstance(given, dict):
@@ -46,7 +48,7 @@ def check(given) -> dict:
     budget = validate_budget(given.get("budget", 0.1))
     if not isinstance(given["method"], str):
         raise ValueError(f'additional_config["keepkv"]["method"] must be a method name (str), got {given["method"]!r}')
-    servable_method(given["method"])
+    check_budget_holds(servable_method(given["method"]), budget)
     return {"method": str(given["method"]), "budget": budget}
 
 
@@ -70,9 +72,20 @@ def require_plugin(environ=None) -> None:
 
 def config(method: str = "snapkv", budget: int | float = 0.1) -> dict:
     """The engine's ``additional_config`` for keepkv, checked in the caller's process: the method
-    is served, the budget valid, and vLLM will load the plugin."""
+    is served, the budget valid, and vLLM will load the plugin. An entry budget under the
+    method's budget floor warns (:class:`keepkv.KeepKVWarning`, one line)."""
+    import warnings
+
+    from ..budgets import floor_warning
+    from ..diagnostics import KeepKVWarning
+    from ..methods import get_method
+
     require_plugin()
-    return {"keepkv": check({"method": method, "budget": budget})}
+    settings = check({"method": method, "budget": budget})
+    warning = floor_warning(get_method(method), budget)
+    if warning:
+        warnings.warn(warning, KeepKVWarning, stacklevel=2)
+    return {"keepkv": settings}
 
 
 def register() -> None:
@@ -80,13 +93,18 @@ def register() -> None:
 
     In every process: hook the platform's config check, so that an engine given
     ``additional_config["keepkv"]`` is checked where its config is built (the main process),
-    before any worker starts. On CPU also route attention through keepkv's backend (which
+    before any worker starts; show vLLM's warning that it casts a checkpoint's weights to the
+    served dtype once per dtype pair, not once per weight (122 lines for SmolLM2's fp32 copy
+    served in bf16). On CPU also route attention through keepkv's backend (which
     delegates to vLLM's own while keepkv is not configured) and register the KV cache spec whose
     manager frees blocks.
     """
     from vllm.platforms import current_platform
 
     _hook_config_check(type(current_platform))
+    casts = logging.getLogger(CAST_LOGGER)
+    if not any(isinstance(existing, _OncePerCast) for existing in casts.filters):
+        casts.addFilter(_OncePerCast())
     if not current_platform.is_cpu():
         return  # phase 1: CPU only; the hook refuses keepkv settings here (docs/serving.md)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -98,6 +116,29 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
     KVCacheSpecRegistry._ensure_registered()  # else the built-in specs are never registered
     KVCacheSpecRegistry.register(KeepKVSpec, KeepKVManager)
+
+
+CAST_LOGGER = "vllm.model_executor.models.utils"  # where vLLM warns of each weight it casts
+CAST_WARNING = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+
+
+class _OncePerCast(logging.Filter):
+    """Lets through vLLM's cast warning once per (checkpoint dtype, served dtype), reworded to
+    say so; every other record as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != CAST_WARNING or len(record.args or ()) != 3:
+            return True
+        pair = (str(record.args[1]), str(record.args[2]))
+        if pair in self.seen:
+            return False
+        self.seen.add(pair)
+        record.msg, record.args = "Casting the checkpoint's %s weights to %s as they load (shown once, not per weight)", pair
+        return True
 
 
 def _hook_config_check(platform_class) -> None:

