@@ -109,13 +109,15 @@ def cmd_demo(args) -> None:
 
     for budget in args.budgets:
         validate_budget(budget)
-    for name in args.methods:
+    for name in [*args.methods, *args.agnostic_methods]:
         get_method(name)
     if args.threads < 1:
         raise ValueError(f"--threads must be an int >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     model, tokenizer = _load(args)
-    result = run_demo(model, tokenizer, methods=args.methods, budgets=args.budgets, progress=not args.json)
+    settings = ("aware", "agnostic") if args.setting == "both" else (args.setting,)
+    result = run_demo(model, tokenizer, methods=args.methods, budgets=args.budgets, progress=not args.json,
+                      agnostic_methods=args.agnostic_methods, settings=settings)
     print(json.dumps(result, indent=2) if args.json else format_demo(result))
 
 
@@ -163,7 +165,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import DEMO_BUDGETS, DEMO_METHODS
+    from .demo import DEMO_AGNOSTIC_METHODS, DEMO_BUDGETS, DEMO_METHODS
 
     parser = OneLineParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs",
                            formatter_class=DefaultsFormatter)
@@ -203,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--budgets", type=budget_arg, nargs="+", default=list(DEMO_BUDGETS), metavar="B",
                       help="budgets to try")
     demo.add_argument("--methods", nargs="+", default=list(DEMO_METHODS), metavar="M",
-                      help="methods besides the full cache")
+                      help="methods besides the full cache, the question inside the compressed prompt")
+    demo.add_argument("--agnostic-methods", nargs="+", default=list(DEMO_AGNOSTIC_METHODS), metavar="M",
+                      help="methods besides the full cache, the question asked after the document is compressed")
+    demo.add_argument("--setting", choices=("aware", "agnostic", "both"), default="both",
+                      help="the question inside the compressed prompt (aware), after it (agnostic), or both")
     demo.add_argument("--threads", type=int, default=1,
                       help="torch threads (on a busy machine more threads wait for each other)")
     demo.set_defaults(func=cmd_demo)

@@ -230,7 +230,7 @@ def compress(
     budget: int | float = 1.0,
     chat: bool = True,
     prefill_chunk: int | None = None,
-    decoding: str = "compress",
+    decoding: str = "append",
     **method_params,
 ) -> CompressedCache:
     """Prefill ``context`` and compress it before any question is seen ("compress once, ask many").
@@ -240,10 +240,16 @@ def compress(
     ``keepkv.generate(model, tokenizer, questions, past_key_values=cache)``: each question runs on
     its own ``cache.copy()`` and the cache is left as it was. The user message is
     ``context + "\\n\\n" + question`` in the chat template (``chat=True``), the context and the
-    question tokenized apart (:func:`context_and_question_ids`); the question's tokens are
-    appended and attended normally, and a method that compresses while decoding keeps its
-    budget. The answer equals that of prefilling context + question in one sequence with the
-    compression triggered at the context's end (``tests/test_compress_once.py``).
+    question tokenized apart (:func:`context_and_question_ids`).
+
+    ``decoding`` says what the question and the answer do to the compressed context: "append"
+    (default) lets their tokens in uncompressed, so nothing the compression kept is evicted for
+    them (kvpress's and KVzip's setting; the cache grows by the question and the answer, and the
+    context's copy is discarded after each question); "compress" keeps the budget while they come
+    in, so a method that compresses while decoding evicts (or merges) context entries to make room.
+    On the embedded model's question-agnostic pass keys, "append" keeps facts that "compress" loses
+    (docs/results.md). The answer equals that of prefilling context + question in one sequence
+    with the compression triggered at the context's end (``tests/test_compress_once.py``).
     """
     check_model(model)
     check_tokenizer(tokenizer)

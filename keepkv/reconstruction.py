@@ -36,31 +36,45 @@ CARRY = 8  # the previous block's last tokens, quoted in the next block's instru
 PICK_RUN = 16  # tokens per run of a "blocks" pick
 
 
-def repeated(ids: list[int], share: float, pick: str) -> list[int]:
-    """The tokens of ``ids`` a pass repeats: all of them, or (``share`` < 1) about that share,
-    spread evenly over the prompt: single tokens at an even stride ("stride") or runs of
-    ``PICK_RUN`` tokens at an even stride ("blocks")."""
+def repeated(ids: list[int], share: float, pick: str, salience: list[float] | None = None) -> list[int]:
+    """The tokens of ``ids`` a pass repeats: all of them, or (``share`` < 1) about that share:
+    single tokens at an even stride ("stride"), runs of ``PICK_RUN`` tokens at an even stride
+    ("blocks"), or runs of ``PICK_RUN`` tokens around the most salient tokens ("keys": ``salience``
+    per token, each run starting 3/4 of a run before its token, so that the model has read the
+    words before it when it repeats it), in the prompt's order."""
     if share >= 1.0 or not ids:
         return list(ids)
     count = len(ids)
     if pick == "stride":
         kept = max(1, math.ceil(count * share))
         return [ids[math.floor(i * count / kept)] for i in range(kept)]
-    runs = max(1, math.ceil(count * share / PICK_RUN))
-    starts = [math.floor(i * count / runs) for i in range(runs)]
-    return [token for start in starts for token in ids[start : start + PICK_RUN]]
+    if pick == "blocks":
+        runs = max(1, math.ceil(count * share / PICK_RUN))
+        starts = [math.floor(i * count / runs) for i in range(runs)]
+        return [token for start in starts for token in ids[start : start + PICK_RUN]]
+    wanted, covered, taken = math.ceil(count * share), [False] * count, 0
+    for position in sorted(range(count), key=lambda p: -salience[p]):
+        if taken >= wanted:
+            break
+        start = max(0, min(position - PICK_RUN * 3 // 4, count - PICK_RUN))
+        for index in range(start, min(count, start + PICK_RUN)):
+            taken += not covered[index]
+            covered[index] = True
+    return [token for token, keep in zip(ids, covered) if keep]
 
 
-def pass_blocks(tokenizer, contexts: list[list[int]], reconstruction: Reconstruction, suffix: str) -> list[list[list[int]]]:
+def pass_blocks(tokenizer, contexts: list[list[int]], reconstruction: Reconstruction, suffix: str,
+                salience: list[list[float]] | None = None) -> list[list[list[int]]]:
     """[steps][rows] token ids of each row's block at each step (the module docstring's layout).
     A row whose context has fewer blocks gets the first instruction alone at the later steps: its
-    queries read the cache as any instruction's do, and no row of a step is all padding."""
+    queries read the cache as any instruction's do, and no row of a step is all padding.
+    ``salience``: per row, per context token, what a "keys" pick ranks by."""
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     first, later, tail = encode(REPEAT_FIRST), encode(REPEAT_NEXT), encode(suffix)
     chunk = reconstruction.chunk
     per_row = []
-    for ids in contexts:
-        parts = repeated(ids, reconstruction.share, reconstruction.pick)
+    for row, ids in enumerate(contexts):
+        parts = repeated(ids, reconstruction.share, reconstruction.pick, None if salience is None else salience[row])
         pieces = [parts[start : start + chunk] for start in range(0, len(parts), chunk)] or [[]]
         per_row.append(
             [(first if k == 0 else later + pieces[k - 1][-CARRY:]) + tail + piece for k, piece in enumerate(pieces)]
@@ -95,14 +109,17 @@ def run(model, tokenizer, cache, input_ids: torch.Tensor, attention_mask: torch.
     needs = cache.record if cache.record is not None else cache.method.needs(True)
     if needs.reconstruct:
         prefix, suffix = template_edges(tokenizer, chat)
-        contexts = []
-        for ids, real in zip(input_ids.tolist(), attention_mask.bool().tolist()):
+        contexts, saliences = [], []
+        distinct = key_distinctness(cache) if any(p.pick == "keys" and p.share < 1 for p in needs.reconstruct) else None
+        for row, (ids, real) in enumerate(zip(input_ids.tolist(), attention_mask.bool().tolist())):
             ids = [token for token, keep in zip(ids, real) if keep]
             skip = len(prefix) if prefix and ids[: len(prefix)] == prefix else 0
             contexts.append(ids[skip:])
+            if distinct is not None:
+                saliences.append(distinct[row][torch.tensor(real)].tolist()[skip:])
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         for reconstruction in needs.reconstruct:
-            steps = pass_blocks(tokenizer, contexts, reconstruction, suffix)
+            steps = pass_blocks(tokenizer, contexts, reconstruction, suffix, saliences or None)
             cache.begin_reconstruction(reconstruction)
             try:
                 for blocks in tqdm(steps, desc="reconstruction", unit="block", leave=False, disable=not progress):
@@ -110,6 +127,19 @@ def run(model, tokenizer, cache, input_ids: torch.Tensor, attention_mask: torch.
             finally:
                 cache.end_reconstruction()
     cache.finish_reconstruction()
+
+
+def key_distinctness(cache) -> torch.Tensor:
+    """[B, T] how unlike each prompt token's keys are to their row's mean key: KeyDiff's score
+    (minus the cosine to the mean unit key), averaged over every layer and KV head; read from the
+    prefilled cache, before any pass."""
+    total = 0.0
+    for layer in cache.layers:
+        live = layer.live()  # [B, H_kv, T]
+        unit = torch.nn.functional.normalize(layer.keys.float(), dim=-1)
+        anchor = torch.nn.functional.normalize((unit * live[..., None]).sum(2), dim=-1)  # [B, H_kv, D]
+        total = total - (unit @ anchor[..., None])[..., 0].mean(1)  # [B, T]
+    return total / len(cache.layers)
 
 
 def _feed(model, cache, blocks: list[list[int]], attention_mask: torch.Tensor, pad: int, real_positions: bool) -> None:

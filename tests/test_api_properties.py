@@ -85,11 +85,11 @@ VALID = {  # values that work, numpy's among them, drawn as often as arbitrary o
     "protect": st.floats(0.0, 1.0),
 }
 
-GENERATE = dict(model=MODEL, tokenizer=TOKENIZER, prompts="hello there", method="snapkv", budget=8,
+GENERATE = dict(model=MODEL, tokenizer=TOKENIZER, prompts="hello there", method="snapkv", budget=0.5,
                 max_new_tokens=2, chat=False, answer_prefix="", progress=False, prefill_chunk=None)
-COMPRESS = dict(model=MODEL, tokenizer=TOKENIZER, context="a context of some length", method="snapkv", budget=8,
+COMPRESS = dict(model=MODEL, tokenizer=TOKENIZER, context="a context of some length", method="snapkv", budget=0.5,
                 chat=False, prefill_chunk=None)
-CACHE = dict(config=MODEL.config, method="snapkv", budget=8, record=None, compile=False)
+CACHE = dict(config=MODEL.config, method="snapkv", budget=0.5, record=None, compile=False)
 STRATEGY = {"max_new_tokens": counts, "prefill_chunk": counts, "method": methods,
             "prompts": st.one_of(anything, st.lists(st.text(max_size=8), max_size=3))}
 

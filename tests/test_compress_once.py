@@ -38,21 +38,22 @@ def _state(cache) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def _compressed_at_context_end(model, tokenizer, context, question, method, budget, new_tokens):
+def _compressed_at_context_end(model, tokenizer, context, question, method, budget, new_tokens, decoding):
     """The reference: ONE model.generate over context + question, the prefill announced as the
     context (start_prefill) and chunked at its end, so the cache compresses there and the question
     is its second chunk."""
     head, tail = context_and_question_ids(tokenizer, context, question, chat=True)
     input_ids = torch.tensor([head + tail])
     mask = torch.ones_like(input_ids)
-    cache = keepkv.CompressedCache(model.config, method, budget)
+    cache = keepkv.CompressedCache(model.config, method, budget, decoding=decoding)
     cache.start_prefill(mask[:, : len(head)])
     keepkv.enable(model)
     output = model.generate(
         input_ids=input_ids, attention_mask=mask, past_key_values=cache, prefill_chunk_size=len(head),
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
     )
-    return tokenizer.batch_decode(output[:, input_ids.shape[1] :], skip_special_tokens=True)[0].strip()
+    new = output[:, input_ids.shape[1] :]
+    return tokenizer.batch_decode(new, skip_special_tokens=True)[0].strip(), int((new != tokenizer.pad_token_id).sum())
 
 
 @settings(max_examples=12)
@@ -60,21 +61,22 @@ def _compressed_at_context_end(model, tokenizer, context, question, method, budg
     method=st.sampled_from(METHODS),
     budget=st.sampled_from([36, 48, 0.3, 0.5]),  # entry counts hold every method's protected tokens
     context_length=st.integers(40, 90),
-    question=LETTERS.filter(lambda q: len(q) <= 20),
+    question=LETTERS.filter(lambda q: len(q) <= 20 and q.strip()),
     seed=st.integers(0, 1000),
+    decoding=st.sampled_from(["append", "compress"]),
 )
 def test_a_question_on_the_compressed_context_equals_one_sequence_compressed_at_the_context_end(
-    model, tokenizer, method, budget, context_length, question, seed
+    model, tokenizer, method, budget, context_length, question, seed, decoding
 ):
     generator = torch.Generator().manual_seed(seed)
     alphabet = "abcdefghijklmnopqrstuvwxyz ."
     context = "".join(alphabet[i] for i in torch.randint(len(alphabet), (context_length,), generator=generator))
     new_tokens = 6
-    cache = keepkv.compress(model, tokenizer, context, method=method, budget=budget)
+    cache = keepkv.compress(model, tokenizer, context, method=method, budget=budget, decoding=decoding)
     [result] = keepkv.generate(model, tokenizer, question, max_new_tokens=new_tokens, past_key_values=cache)
-    expected = _compressed_at_context_end(model, tokenizer, context, question, method, budget, new_tokens)
+    expected, count = _compressed_at_context_end(model, tokenizer, context, question, method, budget, new_tokens, decoding)
     assert result.answer == expected
-    assert result.new_tokens == new_tokens
+    assert result.new_tokens == count  # the tokens it generated (a random model may emit the pad id)
 
 
 @pytest.mark.parametrize("method", ["keepkv", "h2o", "kvreviver"])
@@ -121,3 +123,27 @@ def test_bad_uses_are_refused_in_one_line(model, tokenizer):
         keepkv.generate(model, tokenizer, "q", past_key_values=keepkv.CompressedCache(model.config, "h2o", 8))
     with pytest.raises(ValueError, match="context"):
         keepkv.compress(model, tokenizer, "  ", method="h2o", budget=8)
+
+
+@pytest.mark.parametrize("method", ["kvzip", "keepkv+selection=kvzip", "snapkv"])
+def test_decoding_append_lets_the_question_in_and_evicts_nothing_of_the_context(model, tokenizer, method):
+    """decoding="append": every entry the compression kept is still there once the question is
+    appended, which is appended whole; "compress" keeps the budget while it comes in."""
+    context = "the quick brown fox jumps over the lazy dog and runs away. " * 3
+    for decoding in ("append", "compress"):
+        cache = keepkv.compress(model, tokenizer, context, method=method, budget=40, decoding=decoding)
+        before = [set(layer.positions[0, 0][layer.live()[0, 0]].tolist()) for layer in cache.layers]
+        _, tail = context_and_question_ids(tokenizer, "", "what runs?", True)
+        ids = torch.tensor([cache.context_ids + tail])
+        asked = cache.copy()
+        with keepkv.enabled(model), torch.no_grad():
+            model(input_ids=ids[:, len(cache.context_ids):], attention_mask=torch.ones_like(ids), past_key_values=asked)
+        after = [set(layer.positions[0, 0][layer.live()[0, 0]].tolist()) for layer in asked.layers]
+        if decoding == "append":
+            assert all(b <= a and len(a) == len(b) + len(tail) for b, a in zip(before, after))
+        else:
+            assert all(len(a) <= int(layer.budget.max()) for a, layer in zip(after, asked.layers))
+            assert any(not b <= a for b, a in zip(before, after))  # context entries made room
+        [result] = keepkv.generate(model, tokenizer, "what runs?", max_new_tokens=4, past_key_values=cache)
+        # append: the question and every answer token but the last (generate feeds it no more) join the 40
+        assert result.kept_entries == (40 + len(tail) + result.new_tokens - 1 if decoding == "append" else 40)

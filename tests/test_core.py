@@ -129,8 +129,8 @@ def test_unknown_method_and_parameter(gqa_model):
 
 def test_method_variants():
     variant = keepkv.get_method("keepkv+interval=8+zip_key=group")
-    assert (variant.name, variant.interval, variant.zip_key) == ("keepkv", 8, "group")
-    assert keepkv.get_method("h2o+recent_ratio=0.25", interval=3).recent_ratio == 0.25
+    assert (variant.name, variant.interval, variant.merging.zip_key) == ("keepkv", 8, "group")
+    assert keepkv.get_method("h2o+recent_ratio=0.25", interval=3).selection.recent_ratio == 0.25
     with pytest.raises(ValueError, match="NAME\\+KEY=VALUE"):
         keepkv.get_method("h2o+interval")
     with pytest.raises(ValueError, match="recent_ratio"):

@@ -30,15 +30,23 @@ def test_table_marks_the_best_cell_once_and_names_the_needs():
     full = {"method": "full", "budget": 1.0, "correct": True, "answer": "60494", "share": 1.0,
             "cache_bytes": 1000, "full_cache_bytes": 1000, "kept_entries": 600}
     grid = cells("a", [True, True, False]) + cells("b", [False, False, False])
-    result = {"key": "60494", "prompt_tokens": 685, "budgets": BUDGETS, "cells": [full, *grid],
-              "needs": needed_budgets(grid, ["a", "b"], BUDGETS), "best": best_cell(grid, BUDGETS)}
+    part = {"prompt_tokens": 685, "cells": [full, *grid], "needs": needed_budgets(grid, ["a", "b"], BUDGETS),
+            "best": best_cell(grid, BUDGETS)}
+    result = {"key": "60494", "prompt_tokens": 685, "budgets": BUDGETS, "settings": {"aware": part}}
     text = format_demo(result)
     row_a, row_b = (line for line in text.splitlines() if line.startswith(("a ", "b ")))
     assert row_a.count("*") == 1 and "25% yes*" in row_a and row_a.endswith("0.25")
     assert "*" not in row_b and row_b.endswith("more than 0.5")
     assert "best at the smallest budget that keeps the answer: a at 0.25" in text
-    result["best"] = None
+    assert "Question inside the compressed prompt" in text and "Question after the compression" not in text
+    part["best"] = None
     assert "No method kept the answer" in format_demo(result)
+    # both settings: one table each, under its heading; a long variant name widens the name column
+    other = {**part, "needs": {"keepkv+selection=kvzip": 0.1}, "cells": [full, *cells("keepkv+selection=kvzip", [True] * 3)]}
+    text = format_demo({**result, "settings": {"aware": part, "agnostic": other}})
+    assert text.index("Question inside") < text.index("Question after the compression")
+    row = next(line for line in text.splitlines() if line.startswith("keepkv+selection=kvzip "))
+    assert row.endswith("0.1") and "yes" in row
 
 
 def test_comparison_with_the_selection_says_where_keepkv_loses_or_keeps():

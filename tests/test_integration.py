@@ -79,13 +79,18 @@ def test_cli_budget_refusal_is_one_line(embedded, capsys):
 
 
 def test_demo_json(embedded, capsys):
-    assert main(["demo", "--methods", "snapkv", "--budgets", "0.5", "--json"]) == 0
+    assert main(["demo", "--methods", "snapkv", "--agnostic-methods", "kvzip", "--budgets", "0.5", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    full, snapkv = result["cells"]
-    assert full["method"] == "full" and full["correct"] and result["key"] in full["answer"]
-    assert snapkv["method"] == "snapkv" and snapkv["budget"] == 0.5 and snapkv["share"] < 0.6
-    assert result["needs"]["snapkv"] == (0.5 if snapkv["correct"] else None)
-    assert result["best"] == (snapkv if snapkv["correct"] else None)
+    assert set(result["settings"]) == {"aware", "agnostic"}
+    for setting, name in (("aware", "snapkv"), ("agnostic", "kvzip")):
+        part = result["settings"][setting]
+        full, cell = part["cells"]
+        assert full["method"] == "full" and full["correct"] and result["key"] in full["answer"]
+        assert cell["method"] == name and cell["budget"] == 0.5 and cell["share"] < 0.6
+        assert part["needs"][name] == (0.5 if cell["correct"] else None)
+        assert part["best"] == (cell if cell["correct"] else None)
+    # compressed before the question, kvzip keeps the key at half the document
+    assert result["settings"]["agnostic"]["cells"][1]["correct"]
 
 
 def test_demo_rejects_bad_budget_before_loading(capsys):

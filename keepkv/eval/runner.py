@@ -226,6 +226,8 @@ DATA_SUITES = ("longbench", "jsonl")
 # by default, and as a user asking several questions about one document): ``+setting=agnostic``.
 SETTINGS = ("aware", "agnostic")
 RUNNER_KEYS = ("setting", "decoding")  # suite variants the runner reads, not the sample generator
+# What decoding does after the compression, per setting (``+decoding=`` names the other).
+DEFAULT_DECODING = {"aware": "compress", "agnostic": "append"}
 QUESTION_SUITES = ("needle", "passkey", "tracking", "aggregation", "longbench", "jsonl")
 KNOWN_SUITES = (*SUITES, *DATA_SUITES)
 DEFAULT_BUDGETS = (0.1, 0.2)
@@ -323,8 +325,8 @@ class SuiteSpec:
         decodings = [value for key, value in variant if key == "decoding"]
         if any(value not in DECODING for value in decodings) or len(decodings) > 1:
             raise ValueError(f"decoding must be one of {', '.join(DECODING)} (once), got {text!r}")
-        variant = [(key, value) for key, value in variant if (key, value) not in (("setting", "aware"),
-                                                                                  ("decoding", "compress"))]
+        implied = ("decoding", DEFAULT_DECODING[settings[0] if settings else "aware"])  # the label names no default
+        variant = [(key, value) for key, value in variant if (key, value) not in (("setting", "aware"), implied)]
         if settings and settings[0] == "agnostic" and name not in QUESTION_SUITES:
             raise ValueError(f"suite {name!r} has no question to keep out of the compressed context, got {text!r}")
         if [key for key, _ in variant if key not in RUNNER_KEYS] and name in DATA_SUITES + ("ppl",):
@@ -340,9 +342,11 @@ class SuiteSpec:
     @property
     def decoding(self) -> str:
         """What decoding does after the prompt or context is compressed (``CompressedCache``'s
-        ``decoding``): "compress" keeps the budget (the label names nothing), "append" lets the
-        question and the answer in uncompressed (``+decoding=append``)."""
-        return dict(self.variant).get("decoding", "compress")
+        ``decoding``): "compress" keeps the budget, "append" lets the question and the answer in
+        uncompressed. The question-aware setting compresses (as a method does while it decodes),
+        the question-agnostic one appends (a context compressed once, then asked: kvpress's and
+        KVzip's setting); ``+decoding=...`` names the other."""
+        return dict(self.variant).get("decoding", DEFAULT_DECODING[self.setting])
 
     @property
     def generator_variant(self) -> dict:
@@ -357,7 +361,8 @@ class SuiteSpec:
     def with_setting(self, setting: str) -> "SuiteSpec":
         """This suite in ``setting`` (the aware label names no setting)."""
         rest = tuple((key, value) for key, value in self.variant if key != "setting")
-        return SuiteSpec(self.name, rest + ((("setting", setting),) if setting == "agnostic" else ()))
+        spec = SuiteSpec(self.name, rest + ((("setting", setting),) if setting == "agnostic" else ()))
+        return SuiteSpec.parse(spec.label)  # a decoding that is the new setting's default is not named
 
 
 def _budget_label(budget) -> str:

@@ -11,7 +11,7 @@ from ..attention import RECONSTRUCTION_PICKS as PICKS, Needs, Reconstruction
 from ..store import NEG_INF
 from .base import ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, register, register_selection
 
-BUDGETS = ("uniform", "layer", "global")
+BUDGETS = ("global", "layers", "heads", "uniform")
 
 
 @register_selection
@@ -41,10 +41,14 @@ class ContextReconstruction(ScoredSelection):
         Which tokens a cheaper pass repeats: "stride" (single tokens at an even stride) or "blocks"
         (runs of 16 at an even stride).
     budgets : str
-        "uniform": every layer and KV head keeps the budget (the cache's usual allocation).
-        "layer": each layer keeps its share, split over its KV heads by one top-k of the layer's
-        scores (non-uniform head budgets, the paper's). "global": one top-k over every layer and
-        head (kvpress's default ``layerwise=False``).
+        How the budget is split over layers and KV heads (the mean is the budget in every case):
+        "global" (default): one top-k over every layer and KV head of a row, so each keeps as many
+        entries as it has among the row's highest scores (the paper's non-uniform budgets,
+        kvpress's default ``layerwise=False``). "layers": the same top-k counted per layer, each
+        layer's count spread evenly over its heads. "heads": one top-k over each layer's heads
+        (each layer keeps the budget on average). "uniform": every layer and head keeps the budget.
+        A layer's tensors are as long as its largest head's budget, so ragged heads ("global",
+        "heads") hold empty slots: the cache's memory exceeds the budget by them (reported).
     """
 
     name = "kvzip"
@@ -52,7 +56,7 @@ class ContextReconstruction(ScoredSelection):
     chunk: int = 2048
     share: float = 1.0
     pick: str = "stride"
-    budgets: str = "uniform"
+    budgets: str = "global"
 
     def __post_init__(self):
         super().__post_init__()
@@ -83,6 +87,10 @@ class ContextReconstruction(ScoredSelection):
             layer.overwrite(score=torch.maximum(layer.extras["score"], found))
 
     def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+        """Budgets [L, B, H_kv] whose mean is each row's budget, drawn from the pass's scores:
+        the entries of the row's highest scores (one top-k over every layer and head, or, for
+        "heads", over each layer's heads) are counted per layer and head ("global", "heads") or per
+        layer and spread evenly over its heads ("layers"); the sinks count first."""
         uniform = super().allocate(layers, kv_heads, row_budget, prompt_lengths, states)
         if self.budgets == "uniform" or states is None:
             return uniform
@@ -91,11 +99,12 @@ class ContextReconstruction(ScoredSelection):
         live = scores > NEG_INF
         sink = live & (live.long().cumsum(-1) <= self.sinks)
         scores = scores.masked_fill(sink, math.inf)
-        if self.budgets == "layer":  # each layer's total over its heads: its uniform total
-            flat = scores.reshape(layers, scores.shape[1], -1)  # [L, B, H_kv·S]
+        batch, size = scores.shape[1], scores.shape[-1]
+        if self.budgets == "heads":  # each layer's total over its heads: its uniform total
+            flat = scores.reshape(layers, batch, -1)  # [L, B, H_kv·S]
             totals = uniform.sum(-1)  # [L, B]
         else:
-            flat = scores.permute(1, 0, 2, 3).reshape(scores.shape[1], -1)[None]  # [1, B, L·H_kv·S]
+            flat = scores.permute(1, 0, 2, 3).reshape(batch, -1)[None]  # [1, B, L·H_kv·S]
             totals = uniform.sum((0, 2))[None]  # [1, B]
         totals = torch.minimum(totals, (flat > NEG_INF).sum(-1))
         most = int(totals.max())
@@ -103,11 +112,14 @@ class ContextReconstruction(ScoredSelection):
         chosen = torch.zeros_like(flat, dtype=torch.bool).scatter_(
             -1, top, torch.arange(most, device=flat.device) < totals[..., None]
         )
-        size = scores.shape[-1]
-        if self.budgets == "layer":
-            counts = chosen.view(layers, -1, kv_heads, size).sum(-1)
+        if self.budgets == "heads":
+            counts = chosen.view(layers, batch, kv_heads, size).sum(-1)
         else:
-            counts = chosen.view(-1, layers, kv_heads, size).sum(-1).permute(1, 0, 2)
+            counts = chosen.view(batch, layers, kv_heads, size).sum(-1).permute(1, 0, 2)  # [L, B, H_kv]
+        if self.budgets == "layers":  # a layer's count, spread over its heads; rounded so the total holds
+            cumulative = (counts.sum(-1).double() / kv_heads).cumsum(0).round()  # [L, B]
+            per_layer = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1])).long()
+            counts = per_layer[..., None].expand(-1, -1, kv_heads)
         return counts.clamp(min=1)
 
 
