@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import contextvars
 import os
-import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,22 +31,23 @@ NEG_INF = float("-inf")
 # Floats in one chunk of prefill logits: bounds the workspace, never a full T×T matrix.
 CHUNK_ELEMENTS = 1 << 24
 
-# The attention function is not handed the cache; CompressedCache.update() names it here, with the
-# key block it returned, as (cache, keys): see hand_over().
+# The attention function is not handed the cache: a cache's update(), which HF's attention module
+# calls right before its attention function, names itself here with the key block it returned, as
+# (cache, keys); keepkv_attention takes it (hand_over).
 ACTIVE_CACHE: contextvars.ContextVar = contextvars.ContextVar("keepkv_active_cache", default=None)
 
 
-def hand_over(cache, key_states: torch.Tensor) -> None:
+def hand_over(cache, key_states: torch.Tensor, config=None) -> None:
     """Name ``cache`` for the attention call that receives ``key_states``; called by a cache's
     ``update()``, which HF's attention modules call right before their attention function.
 
     Off keepkv's attention path the cache would be silently wrong (SDPA would attend over the new
-    block alone, since the cache appends in the attention call), so a caller whose config names
-    another attention implementation is refused. The keys tie the cache to that one call: a cache
-    named but never consumed cannot leak into a later forward (:func:`keepkv_attention`).
+    block alone, since the cache appends in the attention call), so a cache whose model's config
+    (``config``, the one the cache was built with: ``model.config``) names another attention
+    implementation is refused. The keys tie the cache to that one call: a cache named but never
+    consumed cannot leak into a later forward (:func:`keepkv_attention`).
     """
-    caller = sys._getframe(2).f_locals.get("self")  # the attention module that called cache.update()
-    implementation = getattr(getattr(caller, "config", None), "_attn_implementation", None)
+    implementation = getattr(config, "_attn_implementation", None)
     if isinstance(implementation, str) and implementation != "keepkv":
         raise ValueError(
             f"a {type(cache).__name__} needs the model on keepkv's attention path, but its attention is "
@@ -66,14 +67,22 @@ class Reconstruction:
     cached context and itself; its keys and values are then discarded. What it yields per entry is
     the largest attention probability any of its queries gave that entry (``StepStats.reconstructed``).
 
-    ``share`` < 1 is a cheaper pass: it repeats only that share of the context's tokens, picked by
-    ``pick`` ("stride": every context token at an even stride; "blocks": contiguous runs of 16 tokens
-    at an even stride), so its cost is about ``share`` of the full pass's.
+    Two ways to a cheaper pass: ``share`` < 1 repeats only that share of the context's tokens,
+    picked by ``pick`` (keepkv.reconstruction: "stride", "blocks", "keys"); ``depth`` < 1 runs the
+    blocks through only that share of the model's layers (the forward stops there) and gives the
+    deeper layers the last scored layer's scores, maxed over its heads. Either costs about that
+    share of the full pass.
     """
 
     chunk: int = 2048
     share: float = 1.0
     pick: str = "stride"
+    depth: float = 1.0
+
+
+class PassDone(Exception):
+    """Raised by a cache to stop a reconstruction block's forward past the layers its pass scores
+    (``Reconstruction.depth``); the pass's driver catches it."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +229,7 @@ def softmax_probs(logits: torch.Tensor) -> torch.Tensor:
 
 def attend(
     query, keys, values, bias, block_mask, scaling: float, needs: Needs = Needs(), is_prefill: bool = False,
-    binary_bias: bool = False,
+    binary_bias: bool = False, decode_kernel=None,
 ):
     """Attend the new queries over the entries, whose last q are the new block.
 
@@ -230,7 +239,9 @@ def attend(
     and the StepStats that ``needs`` asked for.
 
     Probabilities and column sums come from one explicit pass over row chunks, which computes the
-    output from the same probabilities; otherwise SDPA does the work.
+    output from the same probabilities; otherwise SDPA does the work. ``decode_kernel``: a one-pass
+    decode kernel (:func:`decode_kernel_for`) that a decode step needing probabilities or logits
+    runs instead (the torch path stays the reference).
     """
     kv_heads = keys.shape[1]
     query_g = group_queries(query, kv_heads)
@@ -238,10 +249,9 @@ def attend(
     size = keys.shape[2]
     stats = StepStats(query=query_g, scaling=scaling, is_prefill=is_prefill)
     if block == 1 and (needs.probs or needs.logits) and not (needs.colsum or needs.decays or needs.window):
-        kernel = opted_in_decode_kernel(query.device)
-        if kernel is not None:  # one pass over the entries: output, probabilities and logits
-            output, probs, logits = kernel(query_g[:, :, :, 0], keys, values, bias, scaling,
-                                           probs=needs.probs, logits=needs.logits)
+        if decode_kernel is not None:  # one pass over the entries: output, probabilities and logits
+            output, probs, logits = decode_kernel(query_g[:, :, :, 0], keys, values, bias, scaling,
+                                                  probs=needs.probs, logits=needs.logits)
             stats.probs = None if probs is None else probs[:, :, :, None]
             stats.logits = None if logits is None else logits[:, :, :, None]
             return output.reshape(batch, 1, kv_heads * group, head_dim), stats
@@ -415,57 +425,61 @@ def join_prefill_stats(earlier: StepStats, later: StepStats, window: int) -> Ste
     return joined
 
 
-def decode_kernel(device):
-    """The one-pass Triton decode kernel (:func:`keepkv.kernels.decode_attention`) where it can run
-    (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``; Triton installed: ``pip install -e
-    ".[gpu]"``), else None. The torch path above stays the reference and the default:
-    :func:`attend` calls the kernel only when ``KEEPKV_DECODE_KERNEL=triton`` opts in."""
-    from .kernels import decode
-
-    if not decode.triton_available():
-        return None
-    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return None
-    return decode.decode_attention
+DECODE_KERNELS = ("torch", "triton")
 
 
-DECODE_KERNEL_ENV = "KEEPKV_DECODE_KERNEL"  # "triton": decode steps that need probabilities use the kernel
-
-
-def opted_in_decode_kernel(device):
-    """The decode kernel when ``KEEPKV_DECODE_KERNEL=triton`` (unset or ``torch``: None). Opting in
-    where the kernel cannot run is refused in one line, never silently ignored."""
-    choice = os.environ.get(DECODE_KERNEL_ENV, "torch")
+def decode_kernel_for(choice: str, device):
+    """The decode kernel a cache's ``kernel`` names for ``device``: None for "torch" (the reference
+    path of :func:`attend`), the one-pass Triton kernel (:func:`keepkv.kernels.decode_attention`)
+    for "triton". Refused in one line where Triton cannot run it (not installed: ``pip install -e
+    ".[gpu]"``; not CUDA, unless Triton's interpreter is on: ``TRITON_INTERPRET=1``)."""
     if choice == "torch":
         return None
     if choice != "triton":
-        raise ValueError(f"{DECODE_KERNEL_ENV} must be 'torch' or 'triton', got {choice!r}")
-    kernel = decode_kernel(device)
-    if kernel is None:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, DECODE_KERNELS))}, got {choice!r}")
+    from .kernels import decode
+
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not decode.triton_available() or (torch.device(device).type != "cuda" and not interpreted):
         raise ValueError(
-            f"{DECODE_KERNEL_ENV}=triton needs Triton (pip install -e \".[gpu]\") and a CUDA device (or "
-            f"TRITON_INTERPRET=1); this decode step runs on {torch.device(device)}"
+            f"kernel='triton' needs Triton (pip install -e \".[gpu]\") and a CUDA device (or TRITON_INTERPRET=1); "
+            f"this cache runs on {torch.device(device)}"
         )
-    return kernel
+    return decode.decode_attention
+
+
+class LayerAttention(Protocol):
+    """What a cache that names itself with :func:`hand_over` gives the attention path: one call per
+    layer and forward (``CompressedCache``; the eval's ``JointCache``, which splits a batch over
+    several caches).
+
+    ``forward_layer(layer_idx, query [B, H, q, D], keys, values [B, H_kv, q, D], block_mask
+    [B, 1, q, q] bool, scaling) -> [B, q, H, D]``: append the new block, attend over the kept
+    entries, compress. ``check_continuation(layer_idx, position_ids [B or 1, q], block_mask)``
+    (optional): raise ValueError unless a block of several tokens continues what the cache holds.
+    """
+
+    def forward_layer(self, layer_idx: int, query, keys, values, block_mask, scaling: float) -> torch.Tensor: ...
 
 
 def keepkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function transformers calls for ``attn_implementation="keepkv"``.
 
-    With a CompressedCache in the forward pass, the cache attends over its kept entries. Without
-    one (``use_cache=False``, a DynamicCache, plain ``model.generate``) this is the standard SDPA
-    path with the standard mask, so a model left on ``"keepkv"`` still works as before.
+    With a cache that named itself for this call (:func:`hand_over`, a :class:`LayerAttention`),
+    the cache attends over its kept entries. Without one (``use_cache=False``, a DynamicCache,
+    plain ``model.generate``) this is the standard SDPA path with the standard mask, so a model
+    left on ``"keepkv"`` still works as before.
     """
     active = ACTIVE_CACHE.get()
     if active is not None:
         ACTIVE_CACHE.set(None)
     if active is None or active[1] is not key:  # no cache, or a stale one that another call named
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    cache = active[0]
+    cache: LayerAttention = active[0]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     block_mask = new_block_mask(attention_mask, query.shape[0], query.shape[2], query.device)
-    check = getattr(cache, "check_continuation", None)
+    check = getattr(cache, "check_continuation", None)  # optional: see LayerAttention
     if check is not None and query.shape[2] > 1 and kwargs.get("position_ids") is not None:
         check(module.layer_idx, kwargs["position_ids"], block_mask)
     return cache.forward_layer(module.layer_idx, query, key, value, block_mask, scaling), None
@@ -514,11 +528,21 @@ def enable(model) -> None:
     watch_ids(model)
 
 
+@dataclass
+class _Switch:
+    """A model's keepkv switch while ``enabled`` blocks run on it: how many are inside, and the
+    implementation the last one to leave restores. It lives on the model (its lifetime, its
+    identity), never in a table keyed by ``id``."""
+
+    blocks: int
+    restore: str | None
+
+
 # Overlapping enabled() blocks on one model (threads of a server): the first to enter saves the
 # model's implementation and switches it, the last to leave restores it. Per-call save/restore
 # would let the first call to finish switch the model back under the others.
 _SWITCH_LOCK = threading.Lock()
-_USERS: dict[int, list] = {}  # id(model) -> [model, blocks inside, implementation to restore]
+_SWITCH = "_keepkv_switch"  # the attribute of the model that holds its _Switch
 
 
 @contextmanager
@@ -529,19 +553,20 @@ def enabled(model):
     Thread-safe and reference-counted per model: overlapping blocks (any stagger) all run on the
     keepkv path, and the implementation found by the first is restored when the last one ends."""
     with _SWITCH_LOCK:
-        users = _USERS.get(id(model))
-        if users is None or users[0] is not model:
-            users = _USERS[id(model)] = [model, 0, model.config._attn_implementation]
+        switch = vars(model).get(_SWITCH)
+        if switch is None:
+            switch = _Switch(0, model.config._attn_implementation)
+            object.__setattr__(model, _SWITCH, switch)  # a plain attribute, not a submodule
             enable(model)
-        users[1] += 1
+        switch.blocks += 1
     try:
         yield model
     finally:
         with _SWITCH_LOCK:
-            users[1] -= 1
-            if users[1] == 0:
-                del _USERS[id(model)]
-                if users[2] != "keepkv":  # enable() before the block keeps the hook too
+            switch.blocks -= 1
+            if switch.blocks == 0:
+                object.__delattr__(model, _SWITCH)
+                if switch.restore != "keepkv":  # enable() before the block keeps the hook too
                     unwatch_ids(model)
-                if model.config._attn_implementation != users[2]:
-                    model.set_attn_implementation(users[2])
+                if model.config._attn_implementation != switch.restore:
+                    model.set_attn_implementation(switch.restore)

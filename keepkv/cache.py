@@ -8,12 +8,13 @@ steps. Budgets come from :mod:`keepkv.budgets`; the tensors live in the layer st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
 
-from .attention import Needs, Reconstruction, attend, hand_over, join_prefill_stats
+from .attention import DECODE_KERNELS, Needs, PassDone, Reconstruction, attend, decode_kernel_for, hand_over, join_prefill_stats
 from .budgets import budget_floor, layer_budgets, row_budgets, validate_budget
 from .checks import as_bool, shown
 from .continuation import P, ids_hash
@@ -82,6 +83,11 @@ class CompressedCache(Cache):
         protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). An int in [1, 2**48]
         (``keepkv.budgets.MAX_BUDGET``): an entry count; integer numpy scalars count as ints.
         Methods may split it unevenly over layers and heads; the mean stays at the budget.
+    kernel : str
+        "torch" (default): decode steps attend with torch operations (the reference path).
+        "triton": a decode step that needs attention probabilities or logits runs the one-pass
+        Triton kernel (:mod:`keepkv.kernels`; CUDA, or Triton's interpreter with
+        ``TRITON_INTERPRET=1``), refused in one line where it cannot run.
     decoding : str
         "compress" (default): the method keeps the budget while decoding, compressing every
         ``interval`` new tokens. "append": the prompt is compressed once, at the end of its
@@ -125,7 +131,7 @@ class CompressedCache(Cache):
 
     def __init__(
         self, config, method: str | Method = "full", budget: int | float = 1.0, record: Needs | None = None,
-        compile: bool = False, decoding: str = "compress", **method_params,
+        compile: bool = False, decoding: str = "compress", kernel: str = "torch", **method_params,
     ):
         if isinstance(config, torch.nn.Module) and hasattr(config, "config"):
             config = config.config  # the model, for its config
@@ -140,6 +146,12 @@ class CompressedCache(Cache):
         if not isinstance(decoding, str) or decoding not in DECODING:
             raise ValueError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {shown(decoding)}")
         self.decoding = decoding
+        if not isinstance(kernel, str) or kernel not in DECODE_KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(map(repr, DECODE_KERNELS))}, got {shown(kernel)}")
+        if kernel == "triton":  # refused now, before any work, where it cannot run (the default device)
+            decode_kernel_for(kernel, "cuda" if torch.cuda.is_available() else "cpu")
+        self.kernel = kernel
+        self._decode_kernels: dict = {}  # device -> the decode kernel ``kernel`` names, resolved once
         self._method_step = CompiledStep() if compile else method_step
         self.method = method_of(method, method_params)
         self.method_spec = method if isinstance(method, str) else method.name  # the variant as given
@@ -173,7 +185,7 @@ class CompressedCache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        hand_over(self, key_states)
+        hand_over(self, key_states, self.config)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -370,7 +382,8 @@ class CompressedCache(Cache):
         needs = self.record if is_prefill and self.record else self.method.needs(is_prefill)
         entries = self.method.attention_entries(layer)
         binary_bias = entries[2] is layer.bias and layer.binary_bias()
-        output, stats = attend(query, *entries, block_mask, scaling, needs, is_prefill, binary_bias)
+        kernel = None if is_prefill else self._decode_kernel(query.device)
+        output, stats = attend(query, *entries, block_mask, scaling, needs, is_prefill, binary_bias, kernel)
         if is_prefill:
             if layer.prefill_stats is not None:  # an earlier chunk of this prompt
                 stats = join_prefill_stats(layer.prefill_stats, stats, needs.window)
@@ -391,6 +404,12 @@ class CompressedCache(Cache):
         if compress:
             layer.pending = 0
         return output
+
+    def _decode_kernel(self, device):
+        """The decode kernel of ``kernel`` for ``device`` (None: the torch path), looked up once per device."""
+        if device not in self._decode_kernels:
+            self._decode_kernels[device] = decode_kernel_for(self.kernel, device)
+        return self._decode_kernels[device]
 
     # -- reconstruction passes (KVzip) --------------------------------------------------------
     @property
@@ -426,6 +445,19 @@ class CompressedCache(Cache):
         for layer, headroom in zip(self.layers, self._headrooms):
             layer.headroom = headroom
 
+    def scored_layers(self, reconstruction: Reconstruction) -> int:
+        """How many of the first layers a pass runs through (all but for ``depth`` < 1)."""
+        return max(1, math.ceil(reconstruction.depth * self.num_layers))
+
+    def fill_unscored(self, reconstruction: Reconstruction) -> None:
+        """The layers a shallow pass (``depth`` < 1) did not reach take its last scored layer's
+        scores, maxed over that layer's heads, for every head."""
+        scored = self.scored_layers(reconstruction)
+        last = self.layers[scored - 1].prefill_stats.reconstructed[reconstruction]  # [B, H_kv, g, S]
+        shared = last.amax(dim=(1, 2), keepdim=True).expand_as(last)
+        for layer in self.layers[scored:]:
+            layer.prefill_stats.reconstructed[reconstruction] = shared
+
     def finish_reconstruction(self) -> None:
         """After the passes: every layer observes its prefill (with the passes' results) and is
         compressed, all layers at once (the method may allocate from every layer's scores). A
@@ -436,6 +468,8 @@ class CompressedCache(Cache):
             self._end_prefill(self.layers)
 
     def _reconstruction_step(self, layer, query, keys, values, block_mask, scaling) -> torch.Tensor:
+        if layer.layer_idx >= self.scored_layers(self._reconstruction):
+            raise PassDone  # past the layers this pass scores: the block's forward stops here
         size, seen, real_seen = layer.size, layer.seen, layer.real_seen
         layer.append(keys, values, block_mask[:, 0, -1, :])
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
@@ -527,7 +561,8 @@ class CompressedCache(Cache):
         for i in range(first.num_layers):  # everything checked before the first layer moves
             LayerStore.check_stackable([cache.layers[i] for cache in caches])
         known = all(cache.token_hash is not None and cache.ids_seen == cache.get_seq_length() for cache in caches)
-        out = cls(first.config, first.method, first.budget, compile=first.compile, decoding=first.decoding)
+        out = cls(first.config, first.method, first.budget, compile=first.compile, decoding=first.decoding,
+                  kernel=first.kernel)
         for i in range(first.num_layers):
             out.layers[i] = LayerStore.stack([cache.layers[i] for cache in caches], out.layers[i].shared)
             for cache in caches:
@@ -553,7 +588,8 @@ class CompressedCache(Cache):
         """
         if self.record is None or self.prompt_lengths is None:
             raise ValueError("fork() needs a cache built with record=Needs(...) that has seen a prefill")
-        cache = CompressedCache(self.config, method, budget, compile=self.compile, decoding=decoding, **method_params)
+        cache = CompressedCache(self.config, method, budget, compile=self.compile, decoding=decoding, kernel=self.kernel,
+                                **method_params)
         missing = self.record.missing(cache.method.needs(True))
         if missing:
             raise ValueError(

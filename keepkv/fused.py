@@ -33,7 +33,7 @@ def method_step(method, layer, stats, compress: bool) -> None:
         method.compress(layer, stats)
 
 
-_STEPS: dict[type, object] = {}
+_STEPS: dict[type, object] = {}  # one code object per method class: bounded by the registered classes
 
 
 def _step_for(method_type: type):

@@ -26,7 +26,7 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from .attention import RECONSTRUCTION_PICKS, Reconstruction
+from .attention import RECONSTRUCTION_PICKS, PassDone, Reconstruction
 from .models import CACHE_KWARG
 from .templates import split_template
 
@@ -123,9 +123,14 @@ def run(model, tokenizer, cache, input_ids: torch.Tensor, attention_mask: torch.
             cache.begin_reconstruction(reconstruction)
             try:
                 for blocks in tqdm(steps, desc="reconstruction", unit="block", leave=False, disable=not progress):
-                    _feed(model, cache, blocks, attention_mask, pad, positions == "real")
+                    try:
+                        _feed(model, cache, blocks, attention_mask, pad, positions == "real")
+                    except PassDone:  # a shallow pass (depth < 1) stopped the block's forward
+                        pass
             finally:
                 cache.end_reconstruction()
+            if reconstruction.depth < 1:
+                cache.fill_unscored(reconstruction)
     cache.finish_reconstruction()
 
 

@@ -89,6 +89,8 @@ def _hash_positions(token_ids: Tensor, salts: Tensor) -> Tensor:
     return _fmix32(_fmix32(lo ^ salts) ^ hi)
 
 
+# Hash tables of positions, one per (seed, sketch rows, device), each as long as the longest sequence
+# hashed so far (rounded up to a power of 2): bounded by those few keys, grown, never duplicated.
 _POSITION_TABLES: dict[tuple, Tensor] = {}
 
 

@@ -4,6 +4,8 @@ where Triton is not installed (``pip install -e ".[gpu]"``)."""
 
 import pytest
 import torch
+
+import keepkv
 from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("triton")
@@ -17,10 +19,10 @@ from conftest import greedy_decode as conftest_greedy_decode  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 
 
-def greedy_decode(model, method, budget, steps):
+def greedy_decode(model, method, budget, steps, **cache_options):
     """conftest's greedy_decode on DEVICE."""
     with torch.no_grad():
-        return conftest_greedy_decode(model, method, budget, steps, device=DEVICE)
+        return conftest_greedy_decode(model, method, budget, steps, device=DEVICE, **cache_options)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}
@@ -114,26 +116,28 @@ def test_bad_input_is_refused_in_one_line(monkeypatch):
 
 def test_dispatch_point_names_the_kernel_only_where_it_runs(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert attention.decode_kernel("cpu") is decode_attention  # in the interpreter
+    assert attention.decode_kernel_for("triton", "cpu") is decode_attention  # in the interpreter
+    assert attention.decode_kernel_for("torch", "cpu") is None  # the torch path stays the default
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert attention.decode_kernel("cpu") is None  # the torch path stays the CPU default
+    with pytest.raises(ValueError, match="needs Triton .* and a CUDA device"):
+        attention.decode_kernel_for("triton", "cpu")
     if torch.cuda.is_available():
-        assert attention.decode_kernel("cuda") is decode_attention
+        assert attention.decode_kernel_for("triton", "cuda") is decode_attention
     monkeypatch.setattr(decode, "triton", None)
-    assert attention.decode_kernel("cuda") is None
+    with pytest.raises(ValueError, match="needs Triton"):
+        attention.decode_kernel_for("triton", "cuda")
 
 
 @pytest.mark.parametrize("method", ["h2o", "keepkv", "d2o"])
 def test_opted_in_kernel_decodes_as_the_torch_path(method, monkeypatch):
-    """KEEPKV_DECODE_KERNEL=triton: every decode step that needs probabilities or logits goes
+    """CompressedCache(kernel="triton"): every decode step that needs probabilities or logits goes
     through the kernel (counted), and a greedy decode gives the torch path's logits (fp32)."""
     model = tiny_model("llama-gqa").to(DEVICE)
     reference, ref_tokens, _ = greedy_decode(model, method, 0.5, steps=6)
     calls = []
     counting = lambda *args, **kwargs: calls.append(1) or decode_attention(*args, **kwargs)  # noqa: E731
     monkeypatch.setattr(decode, "decode_attention", counting)
-    monkeypatch.setenv(attention.DECODE_KERNEL_ENV, "triton")
-    logits, tokens, _ = greedy_decode(model, method, 0.5, steps=6)
+    logits, tokens, _ = greedy_decode(model, method, 0.5, steps=6, kernel="triton")
     assert len(calls) == 6 * model.config.num_hidden_layers
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, ref_tokens)
@@ -141,11 +145,9 @@ def test_opted_in_kernel_decodes_as_the_torch_path(method, monkeypatch):
 
 def test_opting_in_where_the_kernel_cannot_run_is_refused(monkeypatch):
     model = tiny_model("llama-gqa")
-    monkeypatch.setenv(attention.DECODE_KERNEL_ENV, "cuda-please")
-    with pytest.raises(ValueError, match="must be 'torch' or 'triton'"):
-        greedy_decode(model, "h2o", 0.5, steps=1)
-    monkeypatch.setenv(attention.DECODE_KERNEL_ENV, "triton")
+    with pytest.raises(ValueError, match="kernel must be one of 'torch', 'triton'"):
+        keepkv.CompressedCache(model.config, "h2o", 0.5, kernel="cuda-please")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # refused at construction, before any work
         with pytest.raises(ValueError, match="needs Triton .* and a CUDA device"):
-            greedy_decode(model, "h2o", 0.5, steps=1)
+            keepkv.CompressedCache(model.config, "h2o", 0.5, kernel="triton")

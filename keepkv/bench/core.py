@@ -207,9 +207,11 @@ def run_bench(
     prefill_chunk: int | None = None,
     prefill_rows: int | None = None,
     compile: bool = False,
+    kernel: str = "torch",
 ) -> dict:
     """Benchmark methods on one model; returns the dict documented in ``keepkv.bench``.
-    ``compile``: caches with ``compile=True`` (each layer's decode-time method step compiled).
+    ``compile``: caches with ``compile=True`` (each layer's decode-time method step compiled);
+    ``kernel``: the caches' decode kernel (``CompressedCache(kernel=...)``).
 
     Parameters
     ----------
@@ -313,7 +315,7 @@ def run_bench(
             return run_once(
                 loaded, method, budget, params[method], prompt_len=L, gen_len=G, batch=batch, seed=rep_seed,
                 overhead_steps=overhead, profile_steps=prof, progress=bar and progress, prefill_chunk=prefill_chunk,
-                prefill_rows=prefill_rows, compile=compile,
+                prefill_rows=prefill_rows, compile=compile, kernel=kernel,
             )
         except Exception as error:  # a method under development must not sink the whole benchmark
             if method == "full":
@@ -608,6 +610,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="count instead: kernel operations (non-view ATen ops) and host syncs of one decode step, per layer, "
              "for every registered method unless --methods names others (default model: the smollm2-135m shape, "
              "random weights, --layers 4; --prompt-len 512, --batch 2, --budget 0.1)")
+    add(modes, "--kernel", choices=("torch", "triton"), default="torch",
+        help="the caches' decode kernel: torch (the reference) or triton (the one-pass kernel; CUDA)")
     add(modes, "--reconstruction", action="store_true",
         help="time instead: a reconstruction pass (kvzip; --methods names others) against the prompt's own "
              "prefill, and the cache's peak during it, at 1,024 and 4,096 tokens (--prompt-len sets one length) "
@@ -684,6 +688,7 @@ def main(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             prefill_chunk=args.prefill_chunk,
             prefill_rows=args.prefill_rows,
+            kernel=args.kernel,
         )
     except ValueError as error:
         print(f"keepkv bench: {error}", file=sys.stderr)

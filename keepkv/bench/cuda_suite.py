@@ -14,7 +14,7 @@ the time budget (default 570 s, under the 10 minutes of one H100 session):
    4096-token prompts + 1024 generated, batch 8, budget 0.2, full/h2o/keepkv, with ``--overhead``.
 4. ``memory_cap``: the same under an 80 GB cap (``--memory-cap 80``), 256 generated tokens
    (shorter than the target's 1024, to fit the budget; the JSON says so).
-5. ``bench_kernel``: phase 3's shapes with 256 generated tokens and ``KEEPKV_DECODE_KERNEL=triton``
+5. ``bench_kernel``: phase 3's shapes with 256 generated tokens and ``--kernel triton``
    (the scoring methods' decode attention through the Triton kernel).
 
 A phase that runs out of time is stopped and recorded as timed out; the phases after it are
@@ -53,7 +53,7 @@ MEMORY_CAP = [
     "--prompt-len", "4096", "--gen-len", "256", "--repeats", "1", "--warmup", "1", "--memory-cap", "80",
 ]
 
-KERNEL_BENCH = [*BENCH[: BENCH.index("--gen-len") + 1], "256", *BENCH[BENCH.index("--gen-len") + 2 :]]
+KERNEL_BENCH = [*BENCH[: BENCH.index("--gen-len") + 1], "256", *BENCH[BENCH.index("--gen-len") + 2 :], "--kernel", "triton"]
 
 
 def default_phases(out: str) -> list[dict]:
@@ -68,8 +68,7 @@ def default_phases(out: str) -> list[dict]:
         {"name": "memory_cap", "argv": [*bench, *MEMORY_CAP, "--json", os.path.join(out, "memory_cap.json")],
          "json": os.path.join(out, "memory_cap.json"), "note": "256 generated tokens, not the target's 1024 (time budget)"},
         {"name": "bench_kernel", "argv": [*bench, *KERNEL_BENCH, "--json", os.path.join(out, "bench_kernel.json")],
-         "json": os.path.join(out, "bench_kernel.json"), "env": {"KEEPKV_DECODE_KERNEL": "triton"},
-         "note": "KEEPKV_DECODE_KERNEL=triton, 256 generated tokens"},
+         "json": os.path.join(out, "bench_kernel.json"), "note": "--kernel triton, 256 generated tokens"},
     ]
 
 

@@ -352,6 +352,7 @@ def run_once(
     prefill_chunk: int | None = None,
     prefill_rows: int | None = None,
     compile: bool = False,
+    kernel: str = "torch",
 ) -> dict:
     """One prefill of ``batch`` random prompts of ``prompt_len`` tokens (in blocks of
     ``prefill_chunk`` tokens if given; ``prefill_rows`` rows at a time if given, each group's
@@ -380,7 +381,8 @@ def run_once(
         groups, tokens, held, cache_peak = [], [], 0, 0
         for first in range(0, batch, rows):
             last = min(first + rows, batch)
-            group = CompressedCache(model.config, method, budget, compile=compile, **(method_params or {}))
+            group = CompressedCache(model.config, method, budget, compile=compile, kernel=kernel,
+                                    **(method_params or {}))
             group.method.prepare(model)
             if group.defers_to_reconstruction:  # KVzip: its pass is part of its prefill's time
                 logits = reconstruction.prefill(

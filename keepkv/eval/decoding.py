@@ -139,7 +139,7 @@ class JointCache(Cache):
         self.rows = [cache.layers[0].keys.shape[0] for cache in caches]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        hand_over(self, key_states)
+        hand_over(self, key_states, self.caches[0].config)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -38,8 +38,12 @@ class ContextReconstruction(ScoredSelection):
         Share of the prompt's tokens the pass repeats, in (0, 1]. 1: the paper's full pass; less is
         a cheaper pass over about that share of the tokens (``pick``).
     pick : str
-        Which tokens a cheaper pass repeats: "stride" (single tokens at an even stride) or "blocks"
-        (runs of 16 at an even stride).
+        Which tokens a cheaper pass repeats: "stride" (single tokens at an even stride), "blocks"
+        (runs of 16 at an even stride) or "keys" (runs of 16 around the keys least like their
+        layer's mean key).
+    depth : float
+        Share of the layers, in (0, 1], a pass runs through (1: all). A shallower pass stops its
+        forward there; the deeper layers take the last scored layer's scores, maxed over its heads.
     budgets : str
         How the budget is split over layers and KV heads (the mean is the budget in every case):
         "global" (default): one top-k over every layer and KV head of a row, so each keeps as many
@@ -56,18 +60,20 @@ class ContextReconstruction(ScoredSelection):
     chunk: int = 2048
     share: float = 1.0
     pick: str = "stride"
+    depth: float = 1.0
     budgets: str = "global"
 
     def __post_init__(self):
         super().__post_init__()
         check_range("chunk", self.chunk, 1, math.inf)
         check_range("share", self.share, 0.0, 1.0, low_open=True)
+        check_range("depth", self.depth, 0.0, 1.0, low_open=True)
         check_choice("pick", self.pick, PICKS)
         check_choice("budgets", self.budgets, BUDGETS)
 
     @property
     def reconstruction(self) -> Reconstruction:
-        return Reconstruction(self.chunk, self.share, self.pick)
+        return Reconstruction(self.chunk, self.share, self.pick, self.depth)
 
     @property
     def allocates_from_all_layers(self) -> bool:

@@ -28,7 +28,9 @@ from ..paged import PagedBatch, PagedCompression
 from .settings import engine_settings
 from .spec import KeepKVSpec
 
-_COMPRESSIONS: dict[tuple, PagedCompression] = {}  # one per engine configuration, per process
+# The PagedCompression of the engine configuration this process serves now (an engine's layers keep
+# their own reference, so a later engine of another configuration replaces it: one entry at most).
+_COMPRESSIONS: dict[tuple, PagedCompression] = {}
 # The worker's engine, set when its attention layers are built: customize_spec() runs later,
 # outside vLLM's config context.
 _WORKER: dict = {}
@@ -42,6 +44,7 @@ def compression(vllm_config: VllmConfig) -> PagedCompression | None:
         return None
     key = (chosen["method"], chosen["budget"], chosen["chunked"])
     if key not in _COMPRESSIONS:
+        _COMPRESSIONS.clear()
         _COMPRESSIONS[key] = PagedCompression(vllm_config.model_config.hf_text_config, **chosen)
     _WORKER.update(paged=_COMPRESSIONS[key], num_layers=vllm_config.model_config.hf_text_config.num_hidden_layers,
                    max_model_len=vllm_config.model_config.max_model_len)
