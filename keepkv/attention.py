@@ -56,7 +56,7 @@ def hand_over(cache, key_states: torch.Tensor, config=None) -> None:
     ACTIVE_CACHE.set((cache, key_states))
 
 
-RECONSTRUCTION_PICKS = ("stride", "blocks", "keys")  # which tokens a cheaper pass repeats (keepkv.reconstruction)
+RECONSTRUCTION_PICKS = ("stride", "blocks", "keys", "surprise")  # which tokens a cheaper pass repeats (keepkv.reconstruction)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ instruction asks for the context, as the paper's does.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -97,7 +98,7 @@ POSITIONS = ("real", "slots")
 
 @torch.no_grad()
 def run(model, tokenizer, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor, chat: bool = True,
-        progress: bool = False, positions: str = "real") -> None:
+        progress: bool = False, positions: str = "real", surprisal: torch.Tensor | None = None) -> None:
     """Run every reconstruction pass ``cache`` needs over the prompt it holds (input_ids,
     attention_mask [B, T]: that prompt, left-padded), then compress it
     (``CompressedCache.finish_reconstruction``; a recording cache keeps the passes' results for
@@ -110,7 +111,13 @@ def run(model, tokenizer, cache, input_ids: torch.Tensor, attention_mask: torch.
     if needs.reconstruct:
         prefix, suffix = template_edges(tokenizer, chat)
         contexts, saliences = [], []
-        distinct = key_distinctness(cache) if any(p.pick == "keys" and p.share < 1 for p in needs.reconstruct) else None
+        distinct = None
+        if any(p.pick == "keys" and p.share < 1 for p in needs.reconstruct):
+            distinct = key_distinctness(cache)
+        elif any(p.pick == "surprise" and p.share < 1 for p in needs.reconstruct):
+            if surprisal is None:
+                raise ValueError("a 'surprise' pick needs the prompt's surprisal (surprisal_capture around its prefill)")
+            distinct = surprisal
         for row, (ids, real) in enumerate(zip(input_ids.tolist(), attention_mask.bool().tolist())):
             ids = [token for token, keep in zip(ids, real) if keep]
             skip = len(prefix) if prefix and ids[: len(prefix)] == prefix else 0
@@ -134,6 +141,35 @@ def run(model, tokenizer, cache, input_ids: torch.Tensor, attention_mask: torch.
     cache.finish_reconstruction()
 
 
+SURPRISE_CHUNK = 64  # positions whose logits are taken at once (each [B, 64, vocab] fp32)
+
+
+@contextlib.contextmanager
+def surprisal_capture(model, input_ids: torch.Tensor, wanted: bool):
+    """Around a prompt's forward: when ``wanted``, the surprisal of each prompt token (its negative
+    log-likelihood given the tokens before it, [B, T]; 0 for the first) in the yielded dict under
+    "nll", from the decoder's final hidden states (a hook on its last norm) and the LM head, a few
+    positions at a time. What a "surprise" pick ranks by."""
+    captured: dict = {}
+    if not wanted:
+        yield captured
+        return
+    states = []
+    hook = model.get_decoder().norm.register_forward_hook(lambda module, args, output: states.append(output))
+    try:
+        yield captured
+    finally:
+        hook.remove()
+    hidden = torch.cat(states, dim=1)  # [B, T, hidden] (the blocks of a chunked prefill, in order)
+    head = model.get_output_embeddings()
+    nll = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    for start in range(0, input_ids.shape[1] - 1, SURPRISE_CHUNK):
+        stop = min(start + SURPRISE_CHUNK, input_ids.shape[1] - 1)
+        logp = torch.log_softmax(head(hidden[:, start:stop]).float(), dim=-1)
+        nll[:, start + 1 : stop + 1] = -logp.gather(-1, input_ids[:, start + 1 : stop + 1, None])[..., 0]
+    captured["nll"] = nll
+
+
 def key_distinctness(cache) -> torch.Tensor:
     """[B, T] how unlike each prompt token's keys are to their row's mean key: KeyDiff's score
     (minus the cosine to the mean unit key), averaged over every layer and KV head; read from the
@@ -145,6 +181,12 @@ def key_distinctness(cache) -> torch.Tensor:
         anchor = torch.nn.functional.normalize((unit * live[..., None]).sum(2), dim=-1)  # [B, H_kv, D]
         total = total - (unit @ anchor[..., None])[..., 0].mean(1)  # [B, T]
     return total / len(cache.layers)
+
+
+def needs_surprisal(cache) -> bool:
+    """Whether a pass the cache needs picks its tokens by surprisal."""
+    needs = cache.record if cache.record is not None else cache.method.needs(True)
+    return any(p.pick == "surprise" and p.share < 1 for p in needs.reconstruct)
 
 
 def _feed(model, cache, blocks: list[list[int]], attention_mask: torch.Tensor, pad: int, real_positions: bool) -> None:
@@ -176,12 +218,13 @@ def prefill(model, tokenizer, cache, input_ids: torch.Tensor, attention_mask: to
     if chunk < total:
         cache.start_prefill(attention_mask)
     numbered = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-    for start in range(0, total, chunk):
-        stop = min(start + chunk, total)
-        extra = {"position_ids": numbered[:, start:stop]} if positions == "real" else {}
-        logits = model(
-            input_ids=input_ids[:, start:stop], attention_mask=attention_mask[:, :stop], **extra,
-            **{CACHE_KWARG: cache}, use_cache=True, logits_to_keep=1,
-        ).logits
-    run(model, tokenizer, cache, input_ids, attention_mask, chat, progress, positions)
+    with surprisal_capture(model, input_ids, needs_surprisal(cache)) as captured:
+        for start in range(0, total, chunk):
+            stop = min(start + chunk, total)
+            extra = {"position_ids": numbered[:, start:stop]} if positions == "real" else {}
+            logits = model(
+                input_ids=input_ids[:, start:stop], attention_mask=attention_mask[:, :stop], **extra,
+                **{CACHE_KWARG: cache}, use_cache=True, logits_to_keep=1,
+            ).logits
+    run(model, tokenizer, cache, input_ids, attention_mask, chat, progress, positions, captured.get("nll"))
     return logits[:, -1].float()

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--methods", nargs="+", metavar="METHOD",
-        help="methods, or variants such as keepkv+interval=8+zip_key=group (default: every registered one)",
+        help="methods, or variants such as keepkv+interval=8+zip_key=group (default: every registered one, "
+             "keepkv+selection=kvzip and kvzip+budgets=global)",
     )
     parser.add_argument(
         "--budgets", nargs="+", type=budget_arg, metavar="B",

@@ -231,6 +231,10 @@ DEFAULT_DECODING = {"aware": "compress", "agnostic": "append"}
 QUESTION_SUITES = ("needle", "passkey", "tracking", "aggregation", "longbench", "jsonl")
 KNOWN_SUITES = (*SUITES, *DATA_SUITES)
 DEFAULT_BUDGETS = (0.1, 0.2)
+# Run by default beside every registered method: KeepKV's merge on the selection that keeps facts
+# compressed before the question (the pairing the question-agnostic setting asks about), and
+# KVzip's paper-literal budgets (non-uniform heads).
+DEFAULT_VARIANTS = ("keepkv+selection=kvzip", "kvzip+budgets=global")
 # Samples per suite label, then task, then name (others: DEFAULT_SAMPLES_OTHER). A paired 0/1
 # difference with up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(n):
 # 0.14 at n = 64, 0.19 at 32, 0.22 at 24. Until the question-agnostic cells joined, needle had
@@ -1077,7 +1081,7 @@ def run_eval(
     list of dict
         One row per (suite, length, method, budget), as in ``summary.csv``.
     """
-    methods = list(METHODS) if methods is None else list(methods)
+    methods = [*METHODS, *DEFAULT_VARIANTS] if methods is None else list(methods)
     for method in methods:
         get_method(method)  # unknown names fail before any work
     if reference is not None and reference not in methods:

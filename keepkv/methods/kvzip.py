@@ -11,7 +11,7 @@ from ..attention import RECONSTRUCTION_PICKS as PICKS, Needs, Reconstruction
 from ..store import NEG_INF
 from .base import ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, register, register_selection
 
-BUDGETS = ("global", "layers", "heads", "uniform")
+BUDGETS = ("layers", "global", "heads", "uniform")
 
 
 @register_selection
@@ -45,14 +45,16 @@ class ContextReconstruction(ScoredSelection):
         Share of the layers, in (0, 1], a pass runs through (1: all). A shallower pass stops its
         forward there; the deeper layers take the last scored layer's scores, maxed over its heads.
     budgets : str
-        How the budget is split over layers and KV heads (the mean is the budget in every case):
-        "global" (default): one top-k over every layer and KV head of a row, so each keeps as many
-        entries as it has among the row's highest scores (the paper's non-uniform budgets,
-        kvpress's default ``layerwise=False``). "layers": the same top-k counted per layer, each
-        layer's count spread evenly over its heads. "heads": one top-k over each layer's heads
-        (each layer keeps the budget on average). "uniform": every layer and head keeps the budget.
-        A layer's tensors are as long as its largest head's budget, so ragged heads ("global",
-        "heads") hold empty slots: the cache's memory exceeds the budget by them (reported).
+        How the budget is split over layers and KV heads (the mean is the budget in every case).
+        "layers" (default): every head of a layer keeps as many entries, the layers' sizes set by
+        one top-k over their slots (a layer's k-th slot is worth the k-th highest score of whichever
+        of its heads has the highest), so the cache's memory is the budget: the best per byte on
+        the dev seed. "global" (the paper's non-uniform budgets, kvpress's default
+        ``layerwise=False``): one top-k over every layer and KV head, each keeping as many entries
+        as it has among the row's highest scores. "heads": one top-k over each layer's heads.
+        "uniform": every layer and head keeps the budget. A layer's tensors are as long as its
+        largest head's budget, so ragged heads ("global", "heads") hold empty slots: their memory
+        exceeds the budget by them (reported).
     """
 
     name = "kvzip"
@@ -61,7 +63,7 @@ class ContextReconstruction(ScoredSelection):
     share: float = 1.0
     pick: str = "stride"
     depth: float = 1.0
-    budgets: str = "global"
+    budgets: str = "layers"
 
     def __post_init__(self):
         super().__post_init__()
@@ -106,6 +108,20 @@ class ContextReconstruction(ScoredSelection):
         sink = live & (live.long().cumsum(-1) <= self.sinks)
         scores = scores.masked_fill(sink, math.inf)
         batch, size = scores.shape[1], scores.shape[-1]
+        if self.budgets == "layers":
+            # A layer holds as many slots per head as its fullest head needs, so the same slots serve
+            # every head: its k-th slot is worth the k-th highest score of whichever head has the
+            # highest, and one top-k over the layers' slots sets every layer's size.
+            slot_values = scores.sort(dim=-1, descending=True).values.amax(2)  # [L, B, S]
+            flat = slot_values.permute(1, 0, 2).reshape(batch, -1)[None]  # [1, B, L·S]
+            totals = torch.minimum(uniform.sum((0, 2))[None] // kv_heads, (flat > NEG_INF).sum(-1))
+            most = int(totals.max())
+            top = flat.topk(most, dim=-1).indices
+            chosen = torch.zeros_like(flat, dtype=torch.bool).scatter_(
+                -1, top, torch.arange(most, device=flat.device) < totals[..., None]
+            )
+            per_layer = chosen.view(batch, layers, size).sum(-1).t()  # [L, B]
+            return per_layer[..., None].expand(-1, -1, kv_heads).clamp(min=1)
         if self.budgets == "heads":  # each layer's total over its heads: its uniform total
             flat = scores.reshape(layers, batch, -1)  # [L, B, H_kv·S]
             totals = uniform.sum(-1)  # [L, B]
@@ -122,10 +138,6 @@ class ContextReconstruction(ScoredSelection):
             counts = chosen.view(layers, batch, kv_heads, size).sum(-1)
         else:
             counts = chosen.view(batch, layers, kv_heads, size).sum(-1).permute(1, 0, 2)  # [L, B, H_kv]
-        if self.budgets == "layers":  # a layer's count, spread over its heads; rounded so the total holds
-            cumulative = (counts.sum(-1).double() / kv_heads).cumsum(0).round()  # [L, B]
-            per_layer = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1])).long()
-            counts = per_layer[..., None].expand(-1, -1, kv_heads)
         return counts.clamp(min=1)
 
 
