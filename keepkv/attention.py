@@ -56,9 +56,6 @@ def hand_over(cache, key_states: torch.Tensor, config=None) -> None:
     ACTIVE_CACHE.set((cache, key_states))
 
 
-RECONSTRUCTION_PICKS = ("stride", "blocks", "keys", "surprise")  # which tokens a cheaper pass repeats (keepkv.reconstruction)
-
-
 @dataclass(frozen=True)
 class Reconstruction:
     """A context-reconstruction pass (KVzip, Kim et al. 2025, arXiv 2505.23416): after the prefill,
@@ -67,22 +64,12 @@ class Reconstruction:
     cached context and itself; its keys and values are then discarded. What it yields per entry is
     the largest attention probability any of its queries gave that entry (``StepStats.reconstructed``).
 
-    Two ways to a cheaper pass: ``share`` < 1 repeats only that share of the context's tokens,
-    picked by ``pick`` (keepkv.reconstruction: "stride", "blocks", "keys"); ``depth`` < 1 runs the
-    blocks through only that share of the model's layers (the forward stops there) and gives the
-    deeper layers the last scored layer's scores, maxed over its heads. Either costs about that
-    share of the full pass.
+    ``share`` < 1 is a cheaper pass: it repeats runs of 16 of the context's tokens at an even
+    stride, about that share of them, so it costs about that share of the full pass.
     """
 
     chunk: int = 2048
     share: float = 1.0
-    pick: str = "stride"
-    depth: float = 1.0
-
-
-class PassDone(Exception):
-    """Raised by a cache to stop a reconstruction block's forward past the layers its pass scores
-    (``Reconstruction.depth``); the pass's driver catches it."""
 
 
 @dataclass(frozen=True)

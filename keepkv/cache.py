@@ -8,13 +8,12 @@ steps. Budgets come from :mod:`keepkv.budgets`; the tensors live in the layer st
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
 
-from .attention import DECODE_KERNELS, Needs, PassDone, Reconstruction, attend, decode_kernel_for, hand_over, join_prefill_stats
+from .attention import DECODE_KERNELS, Needs, Reconstruction, attend, decode_kernel_for, hand_over, join_prefill_stats
 from .budgets import budget_floor, layer_budgets, row_budgets, validate_budget
 from .checks import as_bool, shown
 from .continuation import P, ids_hash
@@ -445,19 +444,6 @@ class CompressedCache(Cache):
         for layer, headroom in zip(self.layers, self._headrooms):
             layer.headroom = headroom
 
-    def scored_layers(self, reconstruction: Reconstruction) -> int:
-        """How many of the first layers a pass runs through (all but for ``depth`` < 1)."""
-        return max(1, math.ceil(reconstruction.depth * self.num_layers))
-
-    def fill_unscored(self, reconstruction: Reconstruction) -> None:
-        """The layers a shallow pass (``depth`` < 1) did not reach take its last scored layer's
-        scores, maxed over that layer's heads, for every head."""
-        scored = self.scored_layers(reconstruction)
-        last = self.layers[scored - 1].prefill_stats.reconstructed[reconstruction]  # [B, H_kv, g, S]
-        shared = last.amax(dim=(1, 2), keepdim=True).expand_as(last)
-        for layer in self.layers[scored:]:
-            layer.prefill_stats.reconstructed[reconstruction] = shared
-
     def finish_reconstruction(self) -> None:
         """After the passes: every layer observes its prefill (with the passes' results) and is
         compressed, all layers at once (the method may allocate from every layer's scores). A
@@ -468,8 +454,6 @@ class CompressedCache(Cache):
             self._end_prefill(self.layers)
 
     def _reconstruction_step(self, layer, query, keys, values, block_mask, scaling) -> torch.Tensor:
-        if layer.layer_idx >= self.scored_layers(self._reconstruction):
-            raise PassDone  # past the layers this pass scores: the block's forward stops here
         size, seen, real_seen = layer.size, layer.seen, layer.real_seen
         layer.append(keys, values, block_mask[:, 0, -1, :])
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())

@@ -1,7 +1,7 @@
 """``keepkv bench --reconstruction``: what a reconstruction pass (KVzip) costs beside the prefill.
 
 For each prompt length (1,024 and 4,096 tokens by default) and each method that runs a pass
-(``kvzip``, its cheaper ``kvzip+share=0.3+pick=blocks``), one row of documentation prose from
+(``kvzip``, its cheaper ``kvzip+share=0.3``), one row of documentation prose from
 ``pydoc_data`` is prefilled into a cache of that method, and the pass then runs
 (:mod:`keepkv.reconstruction`); both are timed, ``repeats`` times, interleaved, after one warm-up.
 Reported: the medians of the prefill's and the pass's seconds and their ratio, and the cache's
@@ -29,7 +29,7 @@ from ..cache import CompressedCache
 from ..models import CACHE_KWARG
 
 LENGTHS = (1024, 4096)
-METHODS = ("kvzip", "kvzip+share=0.3+pick=blocks")
+METHODS = ("kvzip", "kvzip+share=0.3")
 
 
 def prose_ids(tokenizer, tokens: int) -> torch.Tensor:

@@ -39,17 +39,16 @@ def prefill(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         if tokenizer is None:
             raise ValueError("a reconstruction pass (kvzip) needs the tokenizer")
         cache.expect_reconstruction()
-    with reconstruction.surprisal_capture(model, input_ids, bool(passes) and reconstruction.needs_surprisal(cache)) as captured:
-        output = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=_position_ids(attention_mask),
-            **{CACHE_KWARG: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    output = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=_position_ids(attention_mask),
+        **{CACHE_KWARG: cache},
+        use_cache=True,
+        logits_to_keep=1,
+    )
     if passes:
-        reconstruction.run(model, tokenizer, cache, input_ids, attention_mask, chat, surprisal=captured.get("nll"))
+        reconstruction.run(model, tokenizer, cache, input_ids, attention_mask, chat)
     return output.logits[:, -1].float()
 
 

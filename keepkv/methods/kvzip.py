@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import RECONSTRUCTION_PICKS as PICKS, Needs, Reconstruction
+from ..attention import Needs, Reconstruction
 from ..store import NEG_INF
 from .base import ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, register, register_selection
 
@@ -36,14 +36,8 @@ class ContextReconstruction(ScoredSelection):
         block during the pass.
     share : float
         Share of the prompt's tokens the pass repeats, in (0, 1]. 1: the paper's full pass; less is
-        a cheaper pass over about that share of the tokens (``pick``).
-    pick : str
-        Which tokens a cheaper pass repeats: "stride" (single tokens at an even stride), "blocks"
-        (runs of 16 at an even stride) or "keys" (runs of 16 around the keys least like their
-        layer's mean key).
-    depth : float
-        Share of the layers, in (0, 1], a pass runs through (1: all). A shallower pass stops its
-        forward there; the deeper layers take the last scored layer's scores, maxed over its heads.
+        a cheaper pass over runs of 16 tokens at an even stride, about that share of them (on the
+        dev seed it loses most of what the full pass keeps: docs/methods.md, "KVzip").
     budgets : str
         How the budget is split over layers and KV heads (the mean is the budget in every case).
         "layers" (default): every head of a layer keeps as many entries, the layers' sizes set by
@@ -61,21 +55,17 @@ class ContextReconstruction(ScoredSelection):
     sinks: int = 4
     chunk: int = 2048
     share: float = 1.0
-    pick: str = "stride"
-    depth: float = 1.0
     budgets: str = "layers"
 
     def __post_init__(self):
         super().__post_init__()
         check_range("chunk", self.chunk, 1, math.inf)
         check_range("share", self.share, 0.0, 1.0, low_open=True)
-        check_range("depth", self.depth, 0.0, 1.0, low_open=True)
-        check_choice("pick", self.pick, PICKS)
         check_choice("budgets", self.budgets, BUDGETS)
 
     @property
     def reconstruction(self) -> Reconstruction:
-        return Reconstruction(self.chunk, self.share, self.pick, self.depth)
+        return Reconstruction(self.chunk, self.share)
 
     @property
     def allocates_from_all_layers(self) -> bool:
