@@ -10,8 +10,9 @@ import torch
 import keepkv
 from keepkv.attention import StepStats
 from keepkv.store import LayerStore
-from keepkv.merging import convex_merge, convex_merge_rows, zip_merge
+from keepkv.merging import convex_merge_rows
 
+from helpers import convex_merge, zip_merge
 from reference import attention_mass
 from keepkv.methods.keepkv import EmaAttention, KeepKV, KeepKVMerge
 from keepkv.offload import FullKVCopy, offload_report
