@@ -1,11 +1,12 @@
-"""Views of keepkv that only the tests need (not used by the library): the merges' pure forms and
-the merge gates alone."""
+"""Views of keepkv that only the tests need (not used by the library): the merges' pure forms,
+the merge gates alone, a layer's EMA scores, a cache's reports, a sketch's hashes."""
 
 import math
 
 import torch
 
 from keepkv.merging import MergedRows, convex_merge_rows, momentum_merge_rows, spread_values_rows, zip_merge_rows
+from keepkv.methods.kvreviver import KVReviver
 
 
 # -- merges, applied -------------------------------------------------------------------------
@@ -46,3 +47,73 @@ def gate_merges(values, bias, log_scores, src, dst, merge, max_value_change=math
     keys = torch.zeros_like(values)  # the "mean" key rule: the keys do not enter the gates
     return zip_merge_rows(keys, values, bias, log_scores, src, dst, merge, key_rule="mean",
                           max_value_change=max_value_change, max_share=max_share).merge
+
+
+# -- a method's state and reports ------------------------------------------------------------
+def ema_scores(merging, layer) -> torch.Tensor:
+    """[B, H_kv, g, S] KeepKV's bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N of a layer
+    (-inf on empty slots); ``merging``: the method's KeepKVMerge."""
+    return merging._ema(layer)[0]
+
+
+def offload_report(cache) -> dict:
+    """Sum of :meth:`keepkv.offload.FullKVCopy.report` over a CompressedCache's layers, plus refresh
+    counts: tokens (of the first layer), bytes, reserved_bytes, bytes_to_host, seconds_to_host,
+    bytes_to_device, seconds_to_device, appends, loads, refreshes (summed over layers), layers (how
+    many layers hold a copy). All zero when no layer keeps a copy."""
+    summed = (
+        "bytes", "reserved_bytes", "bytes_to_host", "seconds_to_host",
+        "bytes_to_device", "seconds_to_device", "appends", "loads",
+    )
+    totals = dict.fromkeys(summed, 0)
+    totals.update(tokens=0, refreshes=0, layers=0)
+    for layer in cache.layers:
+        copy = layer.state.get("offload")
+        if copy is None:
+            continue
+        report = copy.report()
+        for key in summed:
+            totals[key] += report[key]
+        totals["tokens"] = max(totals["tokens"], report["tokens"])
+        totals["refreshes"] += layer.state.get("refreshes", 0)
+        totals["layers"] += 1
+    return totals
+
+
+def memory_report(cache) -> dict:
+    """A KVReviver cache's stored bytes (entries, sketch, vague scalars) next to the measured
+    rebuild peak (its :class:`keepkv.methods.kvreviver.RebuildTracker`)."""
+    summary = cache.summary()
+    # the entries' buffers; cache.nbytes() adds the sketch and the per-layer state tensors
+    entries = sum(summary.entry_bytes) + sum(summary.padding_bytes) + sum(summary.spare_bytes)
+    sketch = sum(layer.state["sketch"].nbytes() for layer in cache.layers if layer.state.get("sketch") is not None)
+    first = cache.layers[0]
+    tracker = KVReviver.tracker_of(first)
+    per_token = 2 * first.keys.shape[1] * first.keys.shape[-1] * first.keys.element_size()
+    return {
+        "entry_bytes": entries,
+        "sketch_bytes": sketch,
+        "vague_scalar_bytes": sum(
+            layer.state[name].numel() * layer.state[name].element_size()
+            for layer in cache.layers
+            for name in ("vague_pos", "vague_score")
+            if name in layer.state
+        ),
+        "stored_bytes": cache.nbytes(),
+        "peak_rebuilt_bytes": tracker.peak,
+        "largest_layer_rebuilt_bytes": max(layer.state.get("peak_rebuilt_bytes", 0) for layer in cache.layers),
+        "rebuilt_bytes_alive": tracker.live,
+        "full_cache_bytes": int(first.real_seen.sum()) * per_token * cache.num_layers,
+        "swaps": int(sum(layer.state["swaps"].sum() for layer in cache.layers if "swaps" in layer.state)),
+    }
+
+
+# -- a sketch's hashes -----------------------------------------------------------------------
+def buckets_of(sketch, token_ids: torch.Tensor) -> torch.Tensor:
+    """token_ids [...] int64 -> the sketch's bucket index h_j(t) [..., r], int64 in [0, b)."""
+    return sketch._hashes(token_ids)[0]
+
+
+def signs_of(sketch, token_ids: torch.Tensor) -> torch.Tensor:
+    """token_ids [...] int64 -> the sketch's sign g_j(t) [..., r] in {-1, +1}, in the sketch's dtype."""
+    return sketch._hashes(token_ids)[1]

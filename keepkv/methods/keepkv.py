@@ -324,7 +324,7 @@ class KeepKVMerge(ZipMerge):
             log_z = torch.logsumexp(seen, dim=-1)  # [B, H_kv, g, r]
             log_z = log_z.where(torch.isfinite(log_z), 0.0)
             scores = logits - log_z[..., None]
-            layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see ema_scores
+            layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see _log_scale
         if rows == 1:
             new_s = scores[:, :, :, 0] + log_fresh
             new_n = torch.full_like(layer.bias, log_fresh)
@@ -347,10 +347,6 @@ class KeepKVMerge(ZipMerge):
         """[B, H_kv, g] ln Z of the newest query with ``score_norm="row"`` (else 0): the EMA of
         normalised scores times it is on the logit scale of that query, as ZIP's key rule needs."""
         return layer.state["log_z"][..., None] if self.score_norm == "row" else 0.0
-
-    def ema_scores(self, layer, live: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, H_kv, g, S] bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (-inf on empty slots)."""
-        return self._ema(layer, live)[0]
 
     # -- compression -------------------------------------------------------------------------
     def merge_entries(
