@@ -158,6 +158,8 @@ class LayerStore(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
+        """-1: no maximum length. An abstract method of transformers' CacheLayerMixin, which
+        ``Cache.get_max_length`` asks of every layer."""
         return -1
 
     def reset(self) -> None:

@@ -1,5 +1,6 @@
 """Views of keepkv that only the tests need (not used by the library): the merges' pure forms,
-the merge gates alone, a layer's EMA scores, a cache's reports, a sketch's hashes."""
+the merge gates alone, a layer's EMA scores, a cache's reports, a sketch's hashes, a served
+request's state."""
 
 import math
 
@@ -117,3 +118,14 @@ def buckets_of(sketch, token_ids: torch.Tensor) -> torch.Tensor:
 def signs_of(sketch, token_ids: torch.Tensor) -> torch.Tensor:
     """token_ids [...] int64 -> the sketch's sign g_j(t) [..., r] in {-1, +1}, in the sketch's dtype."""
     return sketch._hashes(token_ids)[1]
+
+
+# -- a served request ------------------------------------------------------------------------
+def request_state(paged, first_block: int, layer: int) -> dict:
+    """The method's state that a PagedCompression filed for the request whose first block is
+    ``first_block``, at ``layer`` (per-row tensors as [1, ...])."""
+    row = torch.tensor([paged._state_rows[first_block]])
+    joined = dict(paged._layer_state.get(layer, {}))
+    slabs = paged._slabs.get(layer, {})
+    joined.update({name: slab.index_select(0, row) for name, slab in slabs.items() if slab is not None})
+    return joined
