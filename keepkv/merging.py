@@ -41,9 +41,12 @@ __all__ = [
     "GROUP_RIDGE",
     "KEY_RULES",
     "PAPER_MAX_KEY_GAIN",
+    "Groups",
     "MergedRows",
     "convex_merge_rows",
     "cosine_nearest",
+    "group_logsumexp",
+    "mean_merge_rows",
     "momentum_merge_rows",
     "spread_values_rows",
     "zip_merge_rows",
@@ -59,11 +62,13 @@ GROUP_RIDGE = 1e-6
 KEY_RULES = ("paper", "projection", "group", "mean")
 
 
-class _Groups(NamedTuple):
+class Groups(NamedTuple):
     """An eviction plan in compact group space: group j of a (row, head) is its j-th distinct target.
 
     Group space has E positions per (row, head), enough for E distinct targets; the unused ones,
-    and the one collecting all unmerged plan entries, are invalid.
+    and the one collecting all unmerged plan entries, are invalid. A merge's rows are laid out by
+    it (:attr:`MergedRows.groups`), so a method that writes a row of its own beside them (KeepKV's
+    merged EMA) gathers by ``slot`` and ``src`` and reduces over ``entry_group``.
     """
 
     entry_group: torch.Tensor  # [..., E] int64, group of each plan entry
@@ -72,10 +77,10 @@ class _Groups(NamedTuple):
     src: torch.Tensor  # [..., E] int64, slot of each plan entry (0 where unmerged: safe to gather)
 
 
-def _group_plan(src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, num_slots: int) -> _Groups:
+def _group_plan(src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, num_slots: int) -> Groups:
     """Number the distinct merge targets of each (row, head) by sorting the plan's targets."""
     if merge.shape[-1] == 1:  # one entry per (row, head), a decode step's usual plan: nothing to sort
-        return _Groups(torch.zeros_like(dst), dst.where(merge, 0), merge, src.where(merge, 0))
+        return Groups(torch.zeros_like(dst), dst.where(merge, 0), merge, src.where(merge, 0))
     target_key = dst.where(merge, num_slots)  # [..., E]; unmerged entries sort last, into one invalid group
     sorted_key, order = target_key.sort(dim=-1)
     is_first = torch.ones_like(merge)
@@ -85,7 +90,7 @@ def _group_plan(src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, num_s
     # every entry of a group writes the same key, so the scatter is deterministic
     group_key = torch.full_like(target_key, num_slots).scatter_(-1, sorted_group, sorted_key)
     valid = group_key < num_slots
-    return _Groups(entry_group, group_key.where(valid, 0), valid, src.where(merge, 0))
+    return Groups(entry_group, group_key.where(valid, 0), valid, src.where(merge, 0))
 
 
 def _gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -100,7 +105,7 @@ def _per_entry(x: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
     return x if entry_group.shape[-1] == 1 else _gather_entries(x, entry_group)
 
 
-def _own_and_incoming(x: torch.Tensor, groups: _Groups) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_and_incoming(x: torch.Tensor, groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, H_kv, S(, D)] at each group's target and at each plan entry, in fp32."""
     return _gather_entries(x, groups.slot).float(), _gather_entries(x, groups.src).float()
 
@@ -114,7 +119,26 @@ def _group_sum(own: torch.Tensor, incoming: torch.Tensor, entry_group: torch.Ten
     return own.scatter_add(-2, entry_group.unsqueeze(-1).expand_as(incoming), incoming)
 
 
-def _write_groups(x: torch.Tensor, groups: _Groups, merged: torch.Tensor) -> torch.Tensor:
+def _merged_rows(
+    groups: Groups, total: torch.Tensor, own_weight: torch.Tensor | None = None,
+    incoming_weight: torch.Tensor | None = None, **tensors: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The rows of a weighted merge: for each x [B, H_kv, S, D] of ``tensors``, (w_t x_t + Σ_e w_e x_e)
+    / total over each group, x read at its target t and its plan entries e -> [B, H_kv, E, D] fp32.
+    own_weight [B, H_kv, E, 1] per group and incoming_weight [B, H_kv, E, 1] per plan entry (None:
+    1); total [B, H_kv, E, 1] per group."""
+    rows = {}
+    for name, x in tensors.items():
+        own, incoming = _own_and_incoming(x, groups)
+        if own_weight is not None:
+            own = own_weight * own
+        if incoming_weight is not None:
+            incoming = incoming_weight * incoming
+        rows[name] = _group_sum(own, incoming, groups.entry_group) / total
+    return rows
+
+
+def _write_groups(x: torch.Tensor, groups: Groups, merged: torch.Tensor) -> torch.Tensor:
     """x [B, H_kv, S(, D)] with each valid group's merged row [B, H_kv, E(, D)] at its slot,
     written in place; returns x.
 
@@ -140,7 +164,7 @@ class MergedRows(NamedTuple):
     """What a merge writes: for each named tensor (keys, values, bias, an extra), each valid group's
     merged row [B, H_kv, E(, D)] at its target slot. ``LayerStore.merge_into`` writes them in place."""
 
-    groups: _Groups
+    groups: Groups
     rows: dict[str, torch.Tensor]
     merge: torch.Tensor | None = None  # [B, H_kv, E] the plan entries that merged (after any gate)
 
@@ -175,8 +199,11 @@ def _group_weights(
     return group_max, own_weight, incoming_weight
 
 
-def _group_logsumexp(log_own: torch.Tensor, log_incoming: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
-    """[..., E] logsumexp of the log-values over each group (target and incoming entries)."""
+def group_logsumexp(log_own: torch.Tensor, log_incoming: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
+    """[..., E] logsumexp over each group of its target's and its incoming entries' log-values,
+    without overflow: log_own [..., E] per group (its target's), log_incoming [..., E] per plan
+    entry, entry_group [..., E] the group of each plan entry (:attr:`Groups.entry_group`). A merge
+    adds the votes of its group this way (ln Σ p from each entry's ln p)."""
     group_max, own_weight, incoming_weight = _group_weights(log_own, log_incoming, entry_group)
     return group_max + _group_sum(own_weight, incoming_weight, entry_group).log()
 
@@ -243,7 +270,7 @@ def _gate_keep(
     return keep
 
 
-def _gated(groups: _Groups, merge: torch.Tensor, keep: torch.Tensor | None) -> tuple[_Groups, torch.Tensor]:
+def _gated(groups: Groups, merge: torch.Tensor, keep: torch.Tensor | None) -> tuple[Groups, torch.Tensor]:
     """The plan's groups and ``merge`` [..., E] with every group that fails ``keep`` [..., E]
     dropped whole (an invalid group targets slot 0, as :func:`_write_groups` needs)."""
     if keep is None:
@@ -378,7 +405,7 @@ def zip_merge_rows(
         keep = _gate_keep(own_w, incoming_w, entry_group, own_values, incoming_values, max_value_change, max_share)
         groups, merge = _gated(groups, merge, keep)
     mean_keys = weighted_mean(*_own_and_incoming(keys, groups))  # [B, H_kv, E, D]  k̄
-    merged_log_votes = _group_logsumexp(own_log_votes, incoming_log_votes, entry_group)  # ln Σ p
+    merged_log_votes = group_logsumexp(own_log_votes, incoming_log_votes, entry_group)  # ln Σ p
     target_logit = group_max + weight_sum.log() - merged_log_votes  # [B, H_kv, E]  t = ln(Σw / Σp)
     mean_logit = weighted_mean(own_log_scores, incoming_log_scores)  # [B, H_kv, E]  m̄
 
@@ -403,7 +430,7 @@ def zip_merge_rows(
         incoming_head_log_scores = group_log_scores.gather(
             -1, groups.src.unsqueeze(-2).expand(-1, -1, num_heads, -1)
         ).float()
-        head_targets = _group_logsumexp(
+        head_targets = group_logsumexp(
             own_log_votes.unsqueeze(-2) + own_head_log_scores,
             incoming_log_votes.unsqueeze(-2) + incoming_head_log_scores,
             head_groups,
@@ -449,13 +476,25 @@ def convex_merge_rows(
     groups = _group_plan(src, dst, merge, keys.shape[-2])
     incoming_w = weights.float().unsqueeze(-1)  # [B, H_kv, E, 1]
     weight_sum = _group_sum(torch.ones_like(incoming_w), incoming_w, groups.entry_group)  # 1 + Σ w_e
+    return MergedRows(groups, _merged_rows(groups, weight_sum, incoming_weight=incoming_w, keys=keys, values=values))
 
-    def merged(x: torch.Tensor) -> torch.Tensor:
-        own = _gather_entries(x, groups.slot).float()  # [B, H_kv, E, D]
-        incoming = incoming_w * _gather_entries(x, groups.src).float()
-        return _group_sum(own, incoming, groups.entry_group) / weight_sum
 
-    return MergedRows(groups, {"keys": merged(keys), "values": merged(values)})
+def mean_merge_rows(
+    keys: torch.Tensor, values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor,
+    weights: torch.Tensor,
+) -> MergedRows:
+    """Each target becomes the mean of itself and its weighted incoming entries:
+    x_r = (x_c + Σ_e w_e x_e) / (1 + n), n the entries merged into it (D2O's released code: a
+    ``scatter_reduce(..., "mean", include_self=True)`` of u·x, u the cosine similarity). Not a
+    convex combination: the coefficients sum to (1 + Σ w) / (1 + n).
+
+    keys, values [B, H_kv, S, D]; src, dst, merge [B, H_kv, E] eviction plan; weights [B, H_kv, E]
+    (an unmerged entry's is ignored). Returns the merged rows of "keys" and "values".
+    """
+    groups = _group_plan(src, dst, merge, keys.shape[-2])
+    incoming_w = weights.float().where(merge, 0.0).unsqueeze(-1)  # [B, H_kv, E, 1]
+    count = _group_sum(torch.ones_like(incoming_w), merge.float().unsqueeze(-1), groups.entry_group)  # 1 + n
+    return MergedRows(groups, _merged_rows(groups, count, incoming_weight=incoming_w, keys=keys, values=values))
 
 
 def momentum_merge_rows(
@@ -486,13 +525,8 @@ def momentum_merge_rows(
     groups = _group_plan(src, dst, merge, keys.shape[-2])
     own_counts = counts.gather(-1, groups.slot).float().unsqueeze(-1)  # [B, H_kv, E, 1]  w
     new_counts = _group_sum(own_counts, torch.ones_like(own_counts), groups.entry_group)  # w + n
-
-    def merged(x: torch.Tensor) -> torch.Tensor:
-        own = own_counts * _gather_entries(x, groups.slot).float()  # [B, H_kv, E, D]
-        incoming = _gather_entries(x, groups.src).float()
-        return _group_sum(own, incoming, groups.entry_group) / new_counts
-
-    return MergedRows(groups, {"keys": merged(keys), "values": merged(values), "count": new_counts.squeeze(-1)})
+    rows = _merged_rows(groups, new_counts, own_weight=own_counts, keys=keys, values=values)
+    return MergedRows(groups, {**rows, "count": new_counts.squeeze(-1)})
 
 
 def spread_values_rows(

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
-from ..merging import MergedRows, _Groups, _group_logsumexp, cosine_nearest
+from ..merging import Groups, MergedRows, cosine_nearest, group_logsumexp
 from ..offload import FullKVCopy
 from ..store import NEG_INF, slots_of
 from .base import (
@@ -46,7 +46,7 @@ def ema_log_scores(
 
 
 def merged_ema_rows(
-    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: _Groups, votes: torch.Tensor,
+    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: Groups, votes: torch.Tensor,
     log_scale: torch.Tensor | float,
 ) -> torch.Tensor:
     """[B, H_kv, E, g]: the stored EMA row of each merge target (``groups``, the merge's group
@@ -60,7 +60,7 @@ def merged_ema_rows(
     own_w = log_w.gather(-1, groups.slot[:, :, None].expand(-1, -1, group, -1))  # [B, H_kv, g, E]
     incoming_w = log_w.gather(-1, groups.src[:, :, None].expand(-1, -1, group, -1))
     head_groups = groups.entry_group[:, :, None].expand(-1, -1, group, -1)
-    mean_score = _group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
+    mean_score = group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
     log_n = ema_log_n.gather(-1, groups.slot)[:, :, None]
     return (mean_score - log_scale + log_n).transpose(-1, -2)
 
