@@ -84,8 +84,8 @@ class EmaAttention(ScoredSelection):
     recent_ratio : float
         Recent window as a share of the budget left after the sinks, in [0, 1]. Default 0.2:
         recent:heavy = 1:4, the upper end of the 1:5-1:4 range in Appendix B.3 (whose wording
-        "ratio between the recent window and the heavy hitter ... 5:1 and 4:1" we read, as the
-        project's design notes do, as recent:heavy = 1:5 to 1:4).
+        "ratio between the recent window and the heavy hitter ... 5:1 and 4:1" we read as
+        recent:heavy = 1:5 to 1:4).
     last_layer_share : float
         PyramidInfer cosine decay: the heavy-hitter share of a layer falls from 1.0 at layer 0 to
         this at the last layer (Appendix B.3: 0.8), rescaled so the mean budget is the budget.
@@ -334,8 +334,8 @@ class KeepKVMerge(ZipMerge):
             new_s = torch.logsumexp(weights[:, :, None] + scores, dim=3)  # [B, H_kv, g, S]
             new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
         # In place: the extras stay views of the layer's buffers, so the next append copies nothing.
-        # logaddexp on a strided view (the buffers' spare slots) runs ~5x slower than on a
-        # contiguous copy on CPU, so it reads one and copies the result back.
+        # logaddexp on a strided view (the buffers' spare slots) is slow on CPU, so it reads a
+        # contiguous copy and copies the result back (docs/performance.md has the figure).
         empty = ~live
         for state, fresh, mask in ((ema_s, new_s, empty[:, :, None]), (layer.extras["ema_log_n"], new_n, empty)):
             state.copy_(torch.logaddexp(state.contiguous().add_(decay), fresh).masked_fill_(mask, NEG_INF))
@@ -489,7 +489,7 @@ class KeepKV(ComposedMethod):
 
     A selection plus KeepKV's merge (:class:`KeepKVMerge`: ZIP-merging with Electoral Votes, EMA
     scores, merge gates). What is kept is the selection's choice: the default is SnapKV's
-    (``selection=snapkv``, the best measured on the dev seed); KeepKV's own is ``selection=ema``
+    (``selection=snapkv``; docs/keepkv.md, "KeepKV ablation", says why); KeepKV's own is ``selection=ema``
     (:class:`EmaAttention`); the paper's runs select with PyramidInfer. Any registered selection
     pairs with it (``keepkv+selection=kvzip`` for a context compressed before its question).
     ``merge=none`` is the selection alone.
