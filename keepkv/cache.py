@@ -96,9 +96,9 @@ class CompressedCache(Cache):
     compile : bool
         Run each layer's decode-time method step (``observe`` and ``compress``) as one
         ``torch.compile`` graph (see :mod:`keepkv.fused`): a few fused kernels per layer-step
-        instead of hundreds of operations, and no host sync, after a one-off compilation (about
-        a minute on CPU, seconds from inductor's cache); eager, with one warning, where
-        compiling fails.
+        instead of hundreds of operations, and no host sync, after a one-off compilation per
+        layer shape (inductor's cache shortens it in later processes); eager, with one warning,
+        where compiling fails.
     **method_params
         Parameters of the method when it is given by name.
 

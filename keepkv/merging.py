@@ -24,10 +24,9 @@ must be disjoint from the set of ``dst`` slots (no chains within one call). The 
 of a target c is G_c = {c} ∪ {e : dst[e] = c, merge[e]}.
 
 Every ``*_rows`` function returns the merged rows of its targets (:class:`MergedRows`), which a
-method hands to ``LayerStore.merge_into`` (written in place); the plain function returns new
-tensors of the full [.., S, ..] size in which only the targets of at least one merge differ from
-the input. All other slots (the evicted ones included) stay bit-identical. The caller keeps the
-plan's slots afterwards.
+method hands to ``LayerStore.merge_into`` (written in place): only the targets of at least one
+merge change, and all other slots (the evicted ones included) stay bit-identical. The caller
+keeps the plan's slots afterwards.
 """
 
 from __future__ import annotations
@@ -42,21 +41,20 @@ __all__ = [
     "GROUP_RIDGE",
     "KEY_RULES",
     "PAPER_MAX_KEY_GAIN",
+    "Groups",
     "MergedRows",
-    "convex_merge",
     "convex_merge_rows",
     "cosine_nearest",
-    "momentum_merge",
+    "group_logsumexp",
+    "mean_merge_rows",
     "momentum_merge_rows",
-    "spread_values",
     "spread_values_rows",
-    "zip_merge",
     "zip_merge_rows",
 ]
 
 PAPER_MAX_KEY_GAIN = 10.0
 """Default bound G for the "paper" key rule: eq. 25's key is the weighted mean key scaled by
-g = t / m̄, and it is kept only where 1/G <= g <= G (see :func:`zip_merge`)."""
+g = t / m̄, and it is kept only where 1/G <= g <= G (see :func:`zip_merge_rows`)."""
 
 GROUP_RIDGE = 1e-6
 """Ridge of the "group" key rule, relative to the mean squared norm of the group's queries."""
@@ -64,11 +62,13 @@ GROUP_RIDGE = 1e-6
 KEY_RULES = ("paper", "projection", "group", "mean")
 
 
-class _Groups(NamedTuple):
+class Groups(NamedTuple):
     """An eviction plan in compact group space: group j of a (row, head) is its j-th distinct target.
 
     Group space has E positions per (row, head), enough for E distinct targets; the unused ones,
-    and the one collecting all unmerged plan entries, are invalid.
+    and the one collecting all unmerged plan entries, are invalid. A merge's rows are laid out by
+    it (:attr:`MergedRows.groups`), so a method that writes a row of its own beside them (KeepKV's
+    merged EMA) gathers by ``slot`` and ``src`` and reduces over ``entry_group``.
     """
 
     entry_group: torch.Tensor  # [..., E] int64, group of each plan entry
@@ -77,10 +77,10 @@ class _Groups(NamedTuple):
     src: torch.Tensor  # [..., E] int64, slot of each plan entry (0 where unmerged: safe to gather)
 
 
-def _group_plan(src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, num_slots: int) -> _Groups:
+def _group_plan(src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, num_slots: int) -> Groups:
     """Number the distinct merge targets of each (row, head) by sorting the plan's targets."""
     if merge.shape[-1] == 1:  # one entry per (row, head), a decode step's usual plan: nothing to sort
-        return _Groups(torch.zeros_like(dst), dst.where(merge, 0), merge, src.where(merge, 0))
+        return Groups(torch.zeros_like(dst), dst.where(merge, 0), merge, src.where(merge, 0))
     target_key = dst.where(merge, num_slots)  # [..., E]; unmerged entries sort last, into one invalid group
     sorted_key, order = target_key.sort(dim=-1)
     is_first = torch.ones_like(merge)
@@ -90,7 +90,7 @@ def _group_plan(src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, num_s
     # every entry of a group writes the same key, so the scatter is deterministic
     group_key = torch.full_like(target_key, num_slots).scatter_(-1, sorted_group, sorted_key)
     valid = group_key < num_slots
-    return _Groups(entry_group, group_key.where(valid, 0), valid, src.where(merge, 0))
+    return Groups(entry_group, group_key.where(valid, 0), valid, src.where(merge, 0))
 
 
 def _gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,7 @@ def _per_entry(x: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
     return x if entry_group.shape[-1] == 1 else _gather_entries(x, entry_group)
 
 
-def _own_and_incoming(x: torch.Tensor, groups: _Groups) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_and_incoming(x: torch.Tensor, groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, H_kv, S(, D)] at each group's target and at each plan entry, in fp32."""
     return _gather_entries(x, groups.slot).float(), _gather_entries(x, groups.src).float()
 
@@ -119,9 +119,28 @@ def _group_sum(own: torch.Tensor, incoming: torch.Tensor, entry_group: torch.Ten
     return own.scatter_add(-2, entry_group.unsqueeze(-1).expand_as(incoming), incoming)
 
 
-def _write_groups(x: torch.Tensor, groups: _Groups, merged: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-    """x [B, H_kv, S(, D)] (a copy unless ``in_place``) with each valid group's merged row
-    [B, H_kv, E(, D)] at its slot.
+def _merged_rows(
+    groups: Groups, total: torch.Tensor, own_weight: torch.Tensor | None = None,
+    incoming_weight: torch.Tensor | None = None, **tensors: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The rows of a weighted merge: for each x [B, H_kv, S, D] of ``tensors``, (w_t x_t + Σ_e w_e x_e)
+    / total over each group, x read at its target t and its plan entries e -> [B, H_kv, E, D] fp32.
+    own_weight [B, H_kv, E, 1] per group and incoming_weight [B, H_kv, E, 1] per plan entry (None:
+    1); total [B, H_kv, E, 1] per group."""
+    rows = {}
+    for name, x in tensors.items():
+        own, incoming = _own_and_incoming(x, groups)
+        if own_weight is not None:
+            own = own_weight * own
+        if incoming_weight is not None:
+            incoming = incoming_weight * incoming
+        rows[name] = _group_sum(own, incoming, groups.entry_group) / total
+    return rows
+
+
+def _write_groups(x: torch.Tensor, groups: Groups, merged: torch.Tensor) -> torch.Tensor:
+    """x [B, H_kv, S(, D)] with each valid group's merged row [B, H_kv, E(, D)] at its slot,
+    written in place; returns x.
 
     Invalid group ids rewrite a value that is written anyway (group 0's, or slot 0's own value
     in a (row, head) without merges), so all writes to one slot agree and every slot that is no
@@ -138,25 +157,20 @@ def _write_groups(x: torch.Tensor, groups: _Groups, merged: torch.Tensor, in_pla
         rows = merged.where(valid, first)
         slot = groups.slot.where(groups.valid, groups.slot[..., :1])  # [B, H_kv, E]
     index = slot.view(*slot.shape, *trailing).expand(rows.shape)
-    return (x if in_place else x.clone()).scatter_(2, index, rows)
+    return x.scatter_(2, index, rows)
 
 
 class MergedRows(NamedTuple):
     """What a merge writes: for each named tensor (keys, values, bias, an extra), each valid group's
-    merged row [B, H_kv, E(, D)] at its target slot. ``LayerStore.merge_into`` writes them in place;
-    :meth:`applied` returns merged copies (the pure form the tests and the functions below return)."""
+    merged row [B, H_kv, E(, D)] at its target slot. ``LayerStore.merge_into`` writes them in place."""
 
-    groups: _Groups
+    groups: Groups
     rows: dict[str, torch.Tensor]
     merge: torch.Tensor | None = None  # [B, H_kv, E] the plan entries that merged (after any gate)
 
     def write_into(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Write the merged rows of ``name`` into x [B, H_kv, S(, D)] in place; returns x."""
-        return _write_groups(x, self.groups, self.rows[name], in_place=True)
-
-    def applied(self, **tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Copies of ``tensors`` (name -> [B, H_kv, S(, D)]) with the merged rows written, in order."""
-        return tuple(_write_groups(x, self.groups, self.rows[name]) for name, x in tensors.items())
+        return _write_groups(x, self.groups, self.rows[name])
 
 
 def _group_weights(
@@ -185,8 +199,11 @@ def _group_weights(
     return group_max, own_weight, incoming_weight
 
 
-def _group_logsumexp(log_own: torch.Tensor, log_incoming: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
-    """[..., E] logsumexp of the log-values over each group (target and incoming entries)."""
+def group_logsumexp(log_own: torch.Tensor, log_incoming: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
+    """[..., E] logsumexp over each group of its target's and its incoming entries' log-values,
+    without overflow: log_own [..., E] per group (its target's), log_incoming [..., E] per plan
+    entry, entry_group [..., E] the group of each plan entry (:attr:`Groups.entry_group`). A merge
+    adds the votes of its group this way (ln Σ p from each entry's ln p)."""
     group_max, own_weight, incoming_weight = _group_weights(log_own, log_incoming, entry_group)
     return group_max + _group_sum(own_weight, incoming_weight, entry_group).log()
 
@@ -232,8 +249,8 @@ def _gate_keep(
     incoming_values: torch.Tensor, max_value_change: float, max_share: float,
 ) -> torch.Tensor | None:
     """[..., E] bool per valid group: ZIP-merging its entries moves the target's value by at most
-    ``max_value_change`` relative and brings at most ``max_share`` of the merged weight (see
-    :func:`gate_merges`); None where no gate is on. own_w, incoming_w [..., E]: the weights of
+    ``max_value_change`` relative and brings at most ``max_share`` of the merged weight (the gates
+    of :func:`zip_merge_rows`); None where no gate is on. own_w, incoming_w [..., E]: the weights of
     :func:`_group_weights`; own_values, incoming_values [..., E, D] fp32: v_t per group, v_e per
     plan entry. Unmerged plan entries sit in an invalid group, whose answer means nothing."""
     one = entry_group.shape[-1] == 1  # one group of one entry: sums over a group are the entry's own
@@ -253,49 +270,13 @@ def _gate_keep(
     return keep
 
 
-def _gated(groups: _Groups, merge: torch.Tensor, keep: torch.Tensor | None) -> tuple[_Groups, torch.Tensor]:
+def _gated(groups: Groups, merge: torch.Tensor, keep: torch.Tensor | None) -> tuple[Groups, torch.Tensor]:
     """The plan's groups and ``merge`` [..., E] with every group that fails ``keep`` [..., E]
     dropped whole (an invalid group targets slot 0, as :func:`_write_groups` needs)."""
     if keep is None:
         return groups, merge
     valid = groups.valid & keep
     return groups._replace(valid=valid, slot=groups.slot.where(valid, 0)), merge & _per_entry(keep, groups.entry_group)
-
-
-def gate_merges(
-    values: torch.Tensor,
-    bias: torch.Tensor,
-    log_scores: torch.Tensor,
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    merge: torch.Tensor,
-    max_value_change: float = math.inf,
-    max_share: float = 1.0,
-) -> torch.Tensor:
-    """The merges of a plan that cannot move a target's value far: ``merge`` [B, H_kv, E] with
-    every merge into a target dropped where ZIP-merging the whole group would
-
-    - move the target's value by more than ``max_value_change`` relative:
-      ‖v_r - v_t‖ = ‖Σ_e w_e (v_e - v_t)‖ / Σ w > ε ‖v_t‖ (w = p ŝ as in :func:`zip_merge`), or
-    - give the incoming entries more than ``max_share`` of the merged weight: Σ_e w_e / Σ w > δ.
-
-    A group is kept or dropped whole, so every target that still merges moves by at most ε and
-    takes at most δ of foreign weight. values [B, H_kv, S, D]; bias, log_scores [B, H_kv, S].
-    Dropped entries are evicted by the caller, as any entry below the similarity threshold.
-    :func:`zip_merge_rows` applies the same gates to the rows it merges (``max_value_change``,
-    ``max_share``) from the weights and values it gathers anyway.
-    """
-    groups = _group_plan(src, dst, merge, values.shape[-2])
-    own_log_votes, incoming_log_votes = _own_and_incoming(bias, groups)
-    own_log_scores, incoming_log_scores = _own_and_incoming(log_scores, groups)
-    _, own_w, incoming_w = _group_weights(
-        own_log_votes + own_log_scores.where(torch.isfinite(own_log_scores), 0.0),
-        incoming_log_votes + incoming_log_scores.where(torch.isfinite(incoming_log_scores), 0.0),
-        groups.entry_group,
-    )
-    own_values, incoming_values = _own_and_incoming(values, groups)  # [B, H_kv, E, D]
-    keep = _gate_keep(own_w, incoming_w, groups.entry_group, own_values, incoming_values, max_value_change, max_share)
-    return _gated(groups, merge, keep)[1]
 
 
 def zip_merge_rows(
@@ -373,14 +354,20 @@ def zip_merge_rows(
     scaling : attention scale (1/√D); needed whenever ``queries`` is.
     group_log_scores : [B, H_kv, g, S], per-query-head ln s^h, only for "group".
     paper_max_gain : bound G on the eq. 25 key gain, only for "paper".
-    max_value_change, max_share : the merge gates of :func:`gate_merges` (ε, δ), applied to the
-        groups merged here: a group that fails them is dropped whole (its entries unmerged).
+    max_value_change, max_share : the merge gates ε and δ. A group is dropped whole (its entries
+        unmerged, left for the caller to evict) where ZIP-merging it would
+
+        - move the target's value by more than ε relative:
+          ‖v_r - v_t‖ = ‖Σ_e w_e (v_e - v_t)‖ / Σ w > ε ‖v_t‖, or
+        - give the incoming entries more than δ of the merged weight: Σ_e w_e / Σ w > δ,
+
+        so every target that still merges moves by at most ε and takes at most δ of foreign
+        weight. The gates read the weights and values the merge gathers anyway.
 
     Returns
     -------
     The merged rows of "keys", "values" (v_r, k_r) and "bias" (logsumexp of the group's bias:
-    votes add) at each target, with ``merge`` the plan entries that merged (after the gates);
-    :func:`zip_merge` returns the merged tensors.
+    votes add) at each target, with ``merge`` the plan entries that merged (after the gates).
     """
     if key_rule not in KEY_RULES:
         raise ValueError(f"key_rule must be one of {KEY_RULES}, got {key_rule!r}")
@@ -418,7 +405,7 @@ def zip_merge_rows(
         keep = _gate_keep(own_w, incoming_w, entry_group, own_values, incoming_values, max_value_change, max_share)
         groups, merge = _gated(groups, merge, keep)
     mean_keys = weighted_mean(*_own_and_incoming(keys, groups))  # [B, H_kv, E, D]  k̄
-    merged_log_votes = _group_logsumexp(own_log_votes, incoming_log_votes, entry_group)  # ln Σ p
+    merged_log_votes = group_logsumexp(own_log_votes, incoming_log_votes, entry_group)  # ln Σ p
     target_logit = group_max + weight_sum.log() - merged_log_votes  # [B, H_kv, E]  t = ln(Σw / Σp)
     mean_logit = weighted_mean(own_log_scores, incoming_log_scores)  # [B, H_kv, E]  m̄
 
@@ -443,7 +430,7 @@ def zip_merge_rows(
         incoming_head_log_scores = group_log_scores.gather(
             -1, groups.src.unsqueeze(-2).expand(-1, -1, num_heads, -1)
         ).float()
-        head_targets = _group_logsumexp(
+        head_targets = group_logsumexp(
             own_log_votes.unsqueeze(-2) + own_head_log_scores,
             incoming_log_votes.unsqueeze(-2) + incoming_head_log_scores,
             head_groups,
@@ -454,13 +441,6 @@ def zip_merge_rows(
         merged_keys = _min_norm_shift(mean_keys, queries, head_targets - head_mean_logits, scaling)
 
     return MergedRows(groups, {"keys": merged_keys, "values": merged_values, "bias": merged_log_votes}, merge)
-
-
-def zip_merge(keys, values, bias, log_scores, src, dst, merge, **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`zip_merge_rows` applied: merged copies of keys, values [B, H_kv, S, D] and bias
-    [B, H_kv, S]; slots that receive no merge are bit-identical to the input."""
-    rows = zip_merge_rows(keys, values, bias, log_scores, src, dst, merge, **options)
-    return rows.applied(keys=keys, values=values, bias=bias)
 
 
 def convex_merge_rows(
@@ -491,24 +471,30 @@ def convex_merge_rows(
 
     Returns
     -------
-    The merged rows of "keys" and "values" at each target (:func:`convex_merge`: the merged tensors).
+    The merged rows of "keys" and "values" at each target.
     """
     groups = _group_plan(src, dst, merge, keys.shape[-2])
     incoming_w = weights.float().unsqueeze(-1)  # [B, H_kv, E, 1]
     weight_sum = _group_sum(torch.ones_like(incoming_w), incoming_w, groups.entry_group)  # 1 + Σ w_e
-
-    def merged(x: torch.Tensor) -> torch.Tensor:
-        own = _gather_entries(x, groups.slot).float()  # [B, H_kv, E, D]
-        incoming = incoming_w * _gather_entries(x, groups.src).float()
-        return _group_sum(own, incoming, groups.entry_group) / weight_sum
-
-    return MergedRows(groups, {"keys": merged(keys), "values": merged(values)})
+    return MergedRows(groups, _merged_rows(groups, weight_sum, incoming_weight=incoming_w, keys=keys, values=values))
 
 
-def convex_merge(keys, values, src, dst, merge, weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`convex_merge_rows` applied: merged copies of keys, values [B, H_kv, S, D] in the input
-    dtype; slots with no incoming merge unchanged."""
-    return convex_merge_rows(keys, values, src, dst, merge, weights).applied(keys=keys, values=values)
+def mean_merge_rows(
+    keys: torch.Tensor, values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor,
+    weights: torch.Tensor,
+) -> MergedRows:
+    """Each target becomes the mean of itself and its weighted incoming entries:
+    x_r = (x_c + Σ_e w_e x_e) / (1 + n), n the entries merged into it (D2O's released code: a
+    ``scatter_reduce(..., "mean", include_self=True)`` of u·x, u the cosine similarity). Not a
+    convex combination: the coefficients sum to (1 + Σ w) / (1 + n).
+
+    keys, values [B, H_kv, S, D]; src, dst, merge [B, H_kv, E] eviction plan; weights [B, H_kv, E]
+    (an unmerged entry's is ignored). Returns the merged rows of "keys" and "values".
+    """
+    groups = _group_plan(src, dst, merge, keys.shape[-2])
+    incoming_w = weights.float().where(merge, 0.0).unsqueeze(-1)  # [B, H_kv, E, 1]
+    count = _group_sum(torch.ones_like(incoming_w), merge.float().unsqueeze(-1), groups.entry_group)  # 1 + n
+    return MergedRows(groups, _merged_rows(groups, count, incoming_weight=incoming_w, keys=keys, values=values))
 
 
 def momentum_merge_rows(
@@ -534,25 +520,13 @@ def momentum_merge_rows(
 
     Returns
     -------
-    The merged rows of "keys", "values" and "count" (w + n) at each target
-    (:func:`momentum_merge`: the merged tensors; slots with no incoming merge unchanged).
+    The merged rows of "keys", "values" and "count" (w + n) at each target.
     """
     groups = _group_plan(src, dst, merge, keys.shape[-2])
     own_counts = counts.gather(-1, groups.slot).float().unsqueeze(-1)  # [B, H_kv, E, 1]  w
     new_counts = _group_sum(own_counts, torch.ones_like(own_counts), groups.entry_group)  # w + n
-
-    def merged(x: torch.Tensor) -> torch.Tensor:
-        own = own_counts * _gather_entries(x, groups.slot).float()  # [B, H_kv, E, D]
-        incoming = _gather_entries(x, groups.src).float()
-        return _group_sum(own, incoming, groups.entry_group) / new_counts
-
-    return MergedRows(groups, {"keys": merged(keys), "values": merged(values), "count": new_counts.squeeze(-1)})
-
-
-def momentum_merge(keys, values, counts, src, dst, merge) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`momentum_merge_rows` applied: merged copies of keys, values and counts."""
-    rows = momentum_merge_rows(keys, values, counts, src, dst, merge)
-    return rows.applied(keys=keys, values=values, count=counts)
+    rows = _merged_rows(groups, new_counts, own_weight=own_counts, keys=keys, values=values)
+    return MergedRows(groups, {**rows, "count": new_counts.squeeze(-1)})
 
 
 def spread_values_rows(
@@ -577,7 +551,7 @@ def spread_values_rows(
 
     Returns
     -------
-    The merged rows of "values" at each receiving slot (:func:`spread_values`: the merged values).
+    The merged rows of "values" at each receiving slot.
     """
     if kept_next_idx.shape[-1] != m:
         raise ValueError(f"kept_next_idx has {kept_next_idx.shape[-1]} successors per entry, expected m={m}")
@@ -588,11 +562,6 @@ def spread_values_rows(
     own = _gather_entries(values, groups.slot).float()  # [B, H_kv, E*m, D]
     shares = _gather_entries(values, groups.src).float() / m
     return MergedRows(groups, {"values": _group_sum(own, shares, groups.entry_group)})
-
-
-def spread_values(values, src, merge, m, kept_next_idx) -> torch.Tensor:
-    """:func:`spread_values_rows` applied: merged values [B, H_kv, S, D]; slots receiving nothing unchanged."""
-    return spread_values_rows(values, src, merge, m, kept_next_idx).applied(values=values)[0]
 
 
 def compacts(candidates: int, slots: int) -> bool:

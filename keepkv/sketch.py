@@ -287,14 +287,6 @@ class CountSketch:
         signs = (1 - 2 * ((h[..., 1, :] >> 31) & 1)).to(self.keys.dtype)
         return buckets, signs
 
-    def buckets_of(self, token_ids: Tensor) -> Tensor:
-        """token_ids [...] int64 → bucket index h_j(t) [..., r], int64 in [0, b)."""
-        return self._hashes(token_ids)[0]
-
-    def signs_of(self, token_ids: Tensor) -> Tensor:
-        """token_ids [...] int64 → sign g_j(t) [..., r] in {-1, +1}, sketch dtype."""
-        return self._hashes(token_ids)[1]
-
     # ---------------------------------------------------------------- index helpers
     def _flat_index(self, token_ids: Tensor, n: int, limit: int | None = None) -> tuple[Tensor, Tensor]:
         """Linear slot index [B, H, N, r] into keys.view(-1, D), and signs [B, H, N, r]

@@ -1,7 +1,6 @@
 """LayerStore: the kept KV entries of one layer, and the only code that writes them.
 
-One storage layout serves every method (DESIGN.md, "Storage"). Per layer, for B rows and H_kv
-KV heads:
+One storage layout serves every method. Per layer, for B rows and H_kv KV heads:
 
     keys, values : [B, H_kv, S, D]  the kept entries; S is the layer's size, the most any
                                     row or head keeps
@@ -158,6 +157,8 @@ class LayerStore(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
+        """-1: no maximum length. An abstract method of transformers' CacheLayerMixin, which
+        ``Cache.get_max_length`` asks of every layer."""
         return -1
 
     def reset(self) -> None:
@@ -417,8 +418,8 @@ class LayerStore(CacheLayerMixin):
 
     def _gather(self, name: str, current: torch.Tensor, index: torch.Tensor, kept: int, rows: dict) -> torch.Tensor:
         """current[index] along the entry axis (index [B, H_kv, N]) as the first ``kept`` slots of a
-        new buffer of N. One index_select over flattened rows: several times faster than
-        torch.gather on CPU, which walks an expanded index element by element."""
+        new buffer of N. One index_select over flattened rows, not torch.gather, which on CPU walks
+        an expanded index element by element (docs/performance.md has the figures)."""
         source = self._buffer_of(name, current)
         source = current.contiguous() if source is None else source  # [B, H_kv, C, ...]
         batch, kv_heads, slots = source.shape[:3]

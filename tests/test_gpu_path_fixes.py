@@ -128,6 +128,7 @@ def test_decode_sdpa_mask_is_per_kv_head_and_exact(sdpa_calls, binary, group):  
 # -- fix 7: the Count Sketch accumulates deterministically, and fp32 tables take half inputs ------
 
 from keepkv.sketch import CountSketch  # noqa: E402
+from helpers import buckets_of, signs_of  # noqa: E402
 
 
 class Accumulations(TorchDispatchMode):
@@ -163,8 +164,8 @@ def test_sketch_insert_sums_colliding_tokens_exactly_as_a_dense_sum(buckets, tok
     ids = torch.randint(0, 10_000, (2, 1, tokens), generator=generator)
     keys, values = torch.randn(2, 2, 1, tokens, 4, generator=generator)
     sketch.insert(ids, keys, values)
-    slot = torch.nn.functional.one_hot(sketch.buckets_of(ids), buckets).double()  # [B, 1, N, r, b]
-    signs = sketch.signs_of(ids).double()[..., None]  # [B, 1, N, r, 1]
+    slot = torch.nn.functional.one_hot(buckets_of(sketch, ids), buckets).double()  # [B, 1, N, r, b]
+    signs = signs_of(sketch, ids).double()[..., None]  # [B, 1, N, r, 1]
     expected_keys = torch.einsum("bhnrs,bhnd->bhrsd", slot, keys.double())
     expected_values = torch.einsum("bhnrs,bhnd->bhrsd", slot * signs, values.double())
     torch.testing.assert_close(sketch.keys.double(), expected_keys, rtol=1e-6, atol=1e-5)

@@ -10,11 +10,12 @@ import torch
 import keepkv
 from keepkv.attention import StepStats
 from keepkv.store import LayerStore
-from keepkv.merging import convex_merge, convex_merge_rows, zip_merge
+from keepkv.merging import convex_merge_rows
 
+from helpers import convex_merge, ema_scores, offload_report, zip_merge
 from reference import attention_mass
 from keepkv.methods.keepkv import EmaAttention, KeepKV, KeepKVMerge
-from keepkv.offload import FullKVCopy, offload_report
+from keepkv.offload import FullKVCopy
 from keepkv.perturbation import _attend, builtin_document, format_perturbation, perturbation, recompute_logits
 
 from conftest import decode_loop, random_batch, tiny_model
@@ -231,7 +232,7 @@ def test_ema_initialisation_matches_eq8_by_hand(score_norm):
     weights = torch.tensor([0.25, 0.5, 1.0])[:, None] * visible  # (1-α)α^age, normalisation cancels
     expected = (scores.exp() * weights).sum(0) / weights.sum(0)
     expected = expected.log() + (log_z[-1] if score_norm == "row" else 0.0)
-    got = method.merging.ema_scores(layer)[0, 0, 0]
+    got = ema_scores(method.merging, layer)[0, 0, 0]
     assert torch.allclose(got, expected, atol=1e-5), (got, expected)
     # ranking: "none" follows the loud row's own ranking of the slots it sees, "row" need not
     loud_order = logits[0, : size - rows + 1].argsort(descending=True)

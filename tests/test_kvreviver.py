@@ -15,6 +15,7 @@ from keepkv.methods.kvreviver import fisher_scores, swap_counts
 from keepkv.sketch import proportional_budgets
 
 from conftest import decode_loop, random_batch, run_generate, tiny_model
+from helpers import buckets_of, memory_report
 
 # The tests below were written for the paper's estimator; "mean" (the default) has its own cases.
 UNIFORM = dict(allocation="uniform", estimate="sum")
@@ -194,7 +195,7 @@ def test_peak_rebuild_memory_is_one_layer():
     model = tiny_model("llama-gqa", layers=4)
     input_ids, attention_mask = random_batch(length=40, pad=(0, 7))
     _, cache = run_generate(model, input_ids, attention_mask, "kvreviver", 10, new_tokens=20, **UNIFORM)
-    report = cache.method.memory_report(cache)
+    report = memory_report(cache)
     per_layer = [layer.state["peak_rebuilt_bytes"] for layer in cache.layers]
     # Never more than one layer's rebuilt cache (plus its query buffers) alive at once...
     assert report["peak_rebuilt_bytes"] == max(per_layer)
@@ -239,12 +240,12 @@ def test_batched_equals_single_with_fisher_budgets_and_swaps(estimate):
     # Layer scores under which this prompt makes swaps happen (asserted below): the swap path runs.
     params = dict(layer_scores=(1.0, 2.0, 3.0), interval=2, replace_rate=1.0, estimate=estimate)
     batched, cache = run_generate(model, input_ids, attention_mask, "kvreviver", 11, new_tokens=40, **params)
-    assert cache.method.memory_report(cache)["swaps"] > 0
+    assert memory_report(cache)["swaps"] > 0
     if estimate == "mean":  # slot occupancy follows every insert, swap and delete
         for layer in cache.layers:
             state = layer.state
             valid = state["vague_pos"] >= 0
-            buckets = state["sketch"].buckets_of(state["vague_pos"].long())  # [B, H, n, r]
+            buckets = buckets_of(state["sketch"], state["vague_pos"].long())  # [B, H, n, r]
             expected = torch.zeros_like(state["slot_counts"])
             expected.scatter_add_(-1, buckets.permute(0, 1, 3, 2), valid[:, :, None].float().expand(-1, -1, 3, -1))
             assert torch.equal(state["slot_counts"], expected)
@@ -336,7 +337,7 @@ def test_cache_grows_by_the_vague_scalars_only():
     cache = keepkv.CompressedCache(model.config, "kvreviver", 16, **UNIFORM)
     sizes = []
     for cache in decode_loop(model, input_ids, attention_mask, cache, steps=12):
-        summary, report = cache.summary(), cache.method.memory_report(cache)
+        summary, report = cache.summary(), memory_report(cache)
         assert report["stored_bytes"] == cache.nbytes() == summary.cache_bytes[0]
         assert report["entry_bytes"] + report["sketch_bytes"] + report["vague_scalar_bytes"] <= report["stored_bytes"]
         sizes.append((cache.nbytes(), summary.entry_bytes[0], report["sketch_bytes"]))
@@ -361,6 +362,6 @@ def test_memory_report_of_caches_that_share_one_method_instance_stays_apart():
         pass
     for _ in decode_loop(model, big_ids, big_mask, big, steps=6):
         pass
-    expected = alone.method.memory_report(alone)
-    assert shared.memory_report(small) == expected
-    assert shared.memory_report(big)["peak_rebuilt_bytes"] > expected["peak_rebuilt_bytes"]
+    expected = memory_report(alone)
+    assert memory_report(small) == expected
+    assert memory_report(big)["peak_rebuilt_bytes"] > expected["peak_rebuilt_bytes"]

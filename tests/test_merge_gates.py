@@ -1,5 +1,5 @@
 """Merges that cannot corrupt an important entry: the value gate, the weight cap and protected
-targets of ZIP-merging (keepkv.merging.gate_merges, ZipMerge.protect)."""
+targets of ZIP-merging (zip_merge_rows' max_value_change and max_share, ZipMerge.protect)."""
 
 import math
 
@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keepkv
-from keepkv.merging import gate_merges, zip_merge, zip_merge_rows
+from keepkv.merging import zip_merge_rows
 
 from conftest import random_batch, tiny_model
+from helpers import applied, gate_merges, zip_merge
 
 SIZE, HEADS, DIM = 12, 2, 8
 
@@ -65,9 +66,10 @@ def test_gate_bounds_what_every_target_takes(seed, evicted, max_value_change, ma
 @settings(max_examples=80, deadline=None)
 @given(**PLANS_AND_GATES, key_rule=st.sampled_from(["projection", "mean", "paper"]))
 def test_gated_merge_rows_equal_the_gate_then_the_merge(seed, evicted, max_value_change, max_share, key_rule):
-    """zip_merge_rows with the gates (what KeepKV and ZipMerge run) writes bit for bit what
-    gate_merges' plan merged without them writes, and reports that plan as what merged; a
-    dropped group's target keeps its own rows (its write is slot 0's own value)."""
+    """zip_merge_rows with the gates (what KeepKV and ZipMerge run) writes bit for bit what the
+    gated plan (gate_merges: the same gates under the "mean" key rule, with other keys) merged
+    without them writes, and reports that plan as what merged, whatever the key rule; a dropped
+    group's target keeps its own rows (its write is slot 0's own value)."""
     keys, values, bias, log_scores, src, dst, merge = random_plan(seed, evicted)
     query = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(seed))
     options = dict(key_rule=key_rule, queries=query, scaling=DIM**-0.5)
@@ -76,7 +78,7 @@ def test_gated_merge_rows_equal_the_gate_then_the_merge(seed, evicted, max_value
                           max_value_change=max_value_change, max_share=max_share)
     assert torch.equal(rows.merge, gated)
     expected = zip_merge(keys, values, bias, log_scores, src, dst, gated, **options)
-    for got, want in zip(rows.applied(keys=keys, values=values, bias=bias), expected):
+    for got, want in zip(applied(rows, keys=keys, values=values, bias=bias), expected):
         assert torch.equal(got, want)
 
 

@@ -7,14 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keepkv.merging import (
-    convex_merge,
-    cosine_nearest,
-    momentum_merge,
-    spread_values,
-    zip_merge,
-)
+from keepkv.merging import cosine_nearest
 
+from helpers import convex_merge, momentum_merge, spread_values, zip_merge
 from reference import attention_mass
 
 B, H_KV, S, D = 2, 3, 20, 16
@@ -524,7 +519,8 @@ def test_one_entry_plans_merge_as_the_sorted_plan_does(seed, key_rule, gate):
     """A decode step's plan, one entry per (row, head), takes the unsorted shortcut of the group
     arithmetic; padded with an unmerged entry it takes the general (sorted, scattered) path. Both
     give the same merged rows and gates, bit for bit, merged or not, on every key rule."""
-    from keepkv.merging import convex_merge_rows, gate_merges, zip_merge_rows
+    from keepkv.merging import convex_merge_rows
+    from helpers import applied, gate_merges
 
     generator = torch.Generator().manual_seed(seed)
     keys, values = torch.randn(2, B, H_KV, S, D, generator=generator)
@@ -553,7 +549,7 @@ def test_one_entry_plans_merge_as_the_sorted_plan_does(seed, key_rule, gate):
     assert torch.equal(gated, gate_merges(values, bias, log_scores, *two, *gate)[..., :1])
     assert torch.equal(gated, merge & gated)
     weights = log_scores.exp()[..., :1]
-    convex = convex_merge_rows(keys, values, *one, weights).applied(keys=keys, values=values)
-    twice = convex_merge_rows(keys, values, *two, padded(weights, 0.5)).applied(keys=keys, values=values)
+    convex = applied(convex_merge_rows(keys, values, *one, weights), keys=keys, values=values)
+    twice = applied(convex_merge_rows(keys, values, *two, padded(weights, 0.5)), keys=keys, values=values)
     for a, b in zip(convex, twice):
         assert torch.equal(a, b)

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 import keepkv
 from keepkv.attention import Needs, StepStats, attend
 from keepkv.budgets import budget_floor, row_budgets
-from keepkv.merging import momentum_merge
-
+from helpers import applied, momentum_merge
 from reference import attention_mass
 from keepkv.methods.d2o import d2o_merge_rows
 from keepkv.methods.kvmerger import KVMerger, kvmerger_merge_rows
@@ -218,9 +217,9 @@ def test_convex_merges_sag_attention():
 
     similarity = (F.normalize(keys[..., 1:4, :], dim=-1) * F.normalize(keys[..., :1, :], dim=-1)).sum(-1)
     merges = {
-        "d2o": (*d2o_merge_rows(keys, values, src, dst, merge, similarity, "paper").applied(keys=keys, values=values), bias),
+        "d2o": (*applied(d2o_merge_rows(keys, values, src, dst, merge, similarity, "paper"), keys=keys, values=values), bias),
         "kvmerger": (
-            *kvmerger_merge_rows(keys, values, src, dst, merge, keys.norm(dim=-1).mean(-1)).applied(keys=keys, values=values),
+            *applied(kvmerger_merge_rows(keys, values, src, dst, merge, keys.norm(dim=-1).mean(-1)), keys=keys, values=values),
             bias,
         ),
     }

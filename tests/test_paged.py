@@ -8,9 +8,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 
+import keepkv.paged as paged_module
 from keepkv import CompressedCache
 from keepkv.budgets import budget_floor, row_budgets
 from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression, _Group
+
+from helpers import request_state
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 CONFIG = LlamaConfig(
@@ -23,8 +26,26 @@ pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")  # tiny 
 
 @pytest.fixture(autouse=True)
 def check_writes(monkeypatch):
-    """Every decode step checks that its changed slots fit the write's static bound."""
-    monkeypatch.setattr(PagedCompression, "check_writes", True)
+    """Every decode step checks, with a host sync, that its changed slots fit the write's static
+    bound: the slots_of call that follows _Group.changed_bound (the write's pick of the changed
+    slots) is given a mask with at most that many True slots per row and head."""
+    bounds = []
+    changed_bound, pick = _Group.changed_bound, paged_module.slots_of
+
+    def recorded(self, *args):
+        bounds.append(changed_bound(self, *args))
+        return bounds[-1]
+
+    def checked(mask, count):
+        if bounds:
+            bound = bounds.pop()
+            assert count == bound
+            changed = int(mask.sum(-1).max()) if mask.numel() else 0
+            assert changed <= bound, f"paged: {changed} slots changed, bound {bound}"
+        return pick(mask, count)
+
+    monkeypatch.setattr(_Group, "changed_bound", recorded)
+    monkeypatch.setattr(paged_module, "slots_of", checked)
 
 
 class Engine:
@@ -319,7 +340,7 @@ def test_keepkv_merges_and_keeps_its_state_per_request(method):
         for engine, request, prompt, cache in decode_beside_alone(paged, method, 6, layer, 10 + layer, 6):
             reference = cache.layers[layer]
             assert int(reference.live_counts().max()) == paged.stored(prompt, engine.computed[request], layer)
-            state = paged.request_state(engine.tables[request][0], layer)
+            state = request_state(paged, engine.tables[request][0], layer)
             torch.testing.assert_close(state["lost_votes"], reference.state["lost_votes"])
             merged |= bool((reference.bias > 0).any())  # votes above 1: a merge happened
     assert merged
@@ -453,7 +474,7 @@ def test_requests_admitted_over_many_steps_keep_their_own_keepkv_state():
         for request, (query, key, value) in new.items():
             torch.testing.assert_close(outputs[request], alone(references[request], query, key, value), atol=1e-5, rtol=1e-5)
             reference = references[request].layers[0]
-            state = paged.request_state(engine.tables[request][0], 0)
+            state = request_state(paged, engine.tables[request][0], 0)
             torch.testing.assert_close(state["lost_votes"], reference.state["lost_votes"])
             merged |= bool((reference.bias > 0).any())
     assert len(references) == 12 and merged

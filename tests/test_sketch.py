@@ -12,6 +12,8 @@ from keepkv.sketch import (
     proportional_budgets,
 )
 
+from helpers import buckets_of, signs_of
+
 
 def _positions(B, H, N, *, gen, span=100_000):
     """Distinct random token positions per (batch row, head): [B, H, N] int64."""
@@ -81,7 +83,7 @@ def test_median_rows_matches_torch_median():
 def _collision_free_setup(seed=7, N=32, b=4096, D=8, dtype=torch.float32):
     sk = CountSketch.empty(1, 1, 3, b, D, dtype=dtype, seed=seed)
     ids = torch.arange(N).view(1, 1, N) * 37 + 5
-    bk = sk.buckets_of(ids)[0, 0]  # [N, r]
+    bk = buckets_of(sk, ids)[0, 0]  # [N, r]
     for j in range(sk.rows):
         assert bk[:, j].unique().numel() == N, "test setup: pick another seed"
     gen = torch.Generator().manual_seed(0)
@@ -99,8 +101,8 @@ def test_query_exact_without_collisions(sign_keys):
     assert torch.equal(qk, k)
     assert torch.equal(qv, v)
     # Keys are stored unsigned (paper), values signed.
-    g = sk.signs_of(ids)[0, 0]  # [N, r]
-    bk = sk.buckets_of(ids)[0, 0]
+    g = signs_of(sk, ids)[0, 0]  # [N, r]
+    bk = buckets_of(sk, ids)[0, 0]
     slot_v = sk.values[0, 0, 0, bk[:, 0]]
     slot_k = sk.keys[0, 0, 0, bk[:, 0]]
     assert torch.equal(slot_v, v[0, 0] * g[:, :1])
@@ -213,18 +215,18 @@ def test_hash_deterministic_and_seeded():
     a = CountSketch.empty(1, 1, 3, 64, 4, seed=42)
     a2 = CountSketch.empty(2, 5, 3, 64, 8, seed=42)
     c = CountSketch.empty(1, 1, 3, 64, 4, seed=43)
-    assert torch.equal(a.buckets_of(ids), a2.buckets_of(ids))
-    assert torch.equal(a.signs_of(ids), a2.signs_of(ids))
-    assert torch.equal(a.buckets_of(ids), a.buckets_of(ids.clone()))
-    assert (a.buckets_of(ids) != c.buckets_of(ids)).float().mean() > 0.9
-    assert (a.signs_of(ids) != c.signs_of(ids)).float().mean() > 0.4
+    assert torch.equal(buckets_of(a, ids), buckets_of(a2, ids))
+    assert torch.equal(signs_of(a, ids), signs_of(a2, ids))
+    assert torch.equal(buckets_of(a, ids), buckets_of(a, ids.clone()))
+    assert (buckets_of(a, ids) != buckets_of(c, ids)).float().mean() > 0.9
+    assert (signs_of(a, ids) != signs_of(c, ids)).float().mean() > 0.4
     # Pinned values: the hash is part of the on-disk/cross-run contract.
-    assert a.buckets_of(torch.tensor([0, 1, 123456789]))[:, 0].tolist() == _PINNED_BUCKETS
+    assert buckets_of(a, torch.tensor([0, 1, 123456789]))[:, 0].tolist() == _PINNED_BUCKETS
     # Large and negative positions hash fine and stay in range.
     big = torch.tensor([2**40 + 3, -7, 2**62])
-    bb = a.buckets_of(big)
+    bb = buckets_of(a, big)
     assert ((bb >= 0) & (bb < 64)).all()
-    assert set(a.signs_of(big).unique().tolist()) <= {-1.0, 1.0}
+    assert set(signs_of(a, big).unique().tolist()) <= {-1.0, 1.0}
 
 
 _PINNED_BUCKETS = [4, 27, 47]  # seed 42, b = 64, row 0, positions 0, 1, 123456789
@@ -233,8 +235,8 @@ _PINNED_BUCKETS = [4, 27, 47]  # seed 42, b = 64, row 0, positions 0, 1, 1234567
 def test_hash_quality():
     sk = CountSketch.empty(1, 1, 4, 16, 2, seed=0)
     ids = torch.arange(16_000)
-    bk = sk.buckets_of(ids)  # [n, r]
-    g = sk.signs_of(ids)
+    bk = buckets_of(sk, ids)  # [n, r]
+    g = signs_of(sk, ids)
     assert bk.shape == (16_000, 4) and g.shape == (16_000, 4)
     assert bk.min() >= 0 and bk.max() < 16
     # Bucket occupancy ≈ uniform (expected 1000 per bucket, sd ≈ 31).
@@ -363,8 +365,8 @@ def test_cuda_matches_cpu(dtype):
     v = torch.randn(B, H, N, D, generator=gen).to(dtype)
     cpu = CountSketch.empty(B, H, 3, 16, D, dtype=torch.float32, seed=3)
     gpu = CountSketch.empty(B, H, 3, 16, D, dtype=torch.float32, device="cuda", seed=3)
-    assert torch.equal(cpu.buckets_of(ids), gpu.buckets_of(ids.cuda()).cpu())
-    assert torch.equal(cpu.signs_of(ids), gpu.signs_of(ids.cuda()).cpu())
+    assert torch.equal(buckets_of(cpu, ids), buckets_of(gpu, ids.cuda()).cpu())
+    assert torch.equal(signs_of(cpu, ids), signs_of(gpu, ids.cuda()).cpu())
     cpu.insert(ids, k, v)
     gpu.insert(ids.cuda(), k.cuda(), v.cuda())
     torch.testing.assert_close(gpu.values.cpu(), cpu.values, rtol=1e-5, atol=1e-5)

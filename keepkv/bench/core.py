@@ -19,6 +19,7 @@ from ..arguments import DefaultsFormatter, budget_arg
 from ..diagnostics import KeepKVWarning
 from ..methods.base import get_method, parse_value
 from ..models import DTYPES
+from ..plotting import can_plot
 from .configs import CONFIGS, build_config, param_bytes, random_model
 from .setup import package_version, resolve_params, transformers_version
 from .runner import (
@@ -709,9 +710,10 @@ def main(args: argparse.Namespace) -> int:
             handle.write(text + "\n")
         with open(os.path.join(args.out, "bench.txt"), "w") as handle:
             handle.write(table + "\n")
-        save_plot(result, os.path.join(args.out, "bench.png"))
-    if args.plot:
-        save_plot(result, args.plot)
+    plots = [path for path in (args.out and os.path.join(args.out, "bench.png"), args.plot) if path]
+    if plots and can_plot("keepkv bench", "the table and the JSON hold every number"):
+        for path in plots:
+            save_plot(result, path)
     return 0
 
 

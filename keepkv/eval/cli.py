@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ..arguments import budget_arg
+from ..plotting import have_matplotlib
 from . import runner as _runner
 from .paired import CLOSE_RATIO, close_pairs, pair_records, resolution, resolved
 from .summary import load_cells, read_summary, with_reference
@@ -198,6 +199,7 @@ def run(args) -> list[dict]:
         print(format_table(rows))
         out = Path(out)
         plots = f"{out / 'scores.png'}" + (f", {out / 'sweep.png'}" if getattr(args, "sweep", False) else "")
+        plots = plots if have_matplotlib() else "none"
         print(f"\nsummary: {out / 'summary.csv'}  plot: {plots}  records: {out / 'cells'}", file=sys.stderr)
     return rows
 

@@ -201,6 +201,7 @@ from ..budgets import validate_budget
 from ..cache import DECODING, CompressedCache
 from ..generation import build_prompts, context_and_question_ids, encode
 from ..methods import METHODS, get_method
+from ..plotting import can_plot
 from . import metrics
 from .datasets import load_jsonl, load_longbench
 from .decoding import _strip, _with_eos, decode_cells, greedy_decode, prefill
@@ -1134,7 +1135,7 @@ def run_eval(
     for name, members in (averages or {}).items():
         rows += average_rows(rows, name, members)
     write_summary(rows, out_dir / "summary.csv")
-    if plot:
+    if plot and can_plot("keepkv eval", f"the numbers are in {out_dir / 'summary.csv'}"):
         from .plot import plot_scores, plot_sweep
 
         plot_scores([row for row in rows if not row.get("average_of")], out_dir / "scores.png")

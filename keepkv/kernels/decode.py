@@ -19,10 +19,9 @@ Ragged lengths: with ``lengths`` [B, H_kv], row b and KV head h read only their 
 loaded.
 
 The torch path (``tests/reference.py:decode_attention_reference``, which is keepkv's
-:func:`keepkv.attention.attend`) is the reference and the default; ``KEEPKV_DECODE_KERNEL=triton``
-opts a cache's decode steps in (see :func:`keepkv.attention.opted_in_decode_kernel`). The kernel runs on CUDA,
-or anywhere in Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use on CPU.
-Measured speed: none yet (no GPU was available; see docs/performance.md).
+:func:`keepkv.attention.attend`) is the reference and the default; ``CompressedCache(kernel="triton")``
+opts a cache's decode steps in (:func:`keepkv.attention.decode_kernel_for`). The kernel runs on
+CUDA, or anywhere in Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use on CPU.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..merging import MergedRows, _gather_entries, _group_plan, _group_sum, convex_merge_rows, cosine_nearest
+from ..merging import MergedRows, convex_merge_rows, cosine_nearest, mean_merge_rows
 from .base import ComposedMethod, Merge, Selection, check_choice, check_range, register, register_merge, register_selection
 from .h2o import AccumulatedAttention
 
@@ -21,8 +21,9 @@ def d2o_merge_rows(keys, values, src, dst, merge, similarity, rule: str = "paper
     ``rule="paper"`` (eqs. 10-11): x_c <- (e·x_c + Σ exp(u_i) x_i) / (e + Σ exp(u_i)), u_i the
     cosine similarity of evicted key i to the target's key (a convex combination; the target's
     own similarity is 1, hence its weight e).
-    ``rule="code"`` (the authors' ``scatter_reduce(..., 'mean', include_self=True)`` of u·x):
-    x_c <- (x_c + Σ u_i x_i) / (1 + n). Not convex: the coefficients sum to (1 + Σu)/(1 + n) <= 1.
+    ``rule="code"`` (the authors' ``scatter_reduce(..., 'mean', include_self=True)`` of u·x,
+    :func:`keepkv.merging.mean_merge_rows`): x_c <- (x_c + Σ u_i x_i) / (1 + n). Not convex: the
+    coefficients sum to (1 + Σu)/(1 + n) <= 1.
 
     keys, values [B, H_kv, S, D]; src, dst, merge, similarity [B, H_kv, E]. Returns the merged
     rows of "keys" and "values" (``LayerStore.merge_into`` writes them).
@@ -30,16 +31,7 @@ def d2o_merge_rows(keys, values, src, dst, merge, similarity, rule: str = "paper
     if rule == "paper":
         weights = (similarity.float() - 1.0).exp().masked_fill(~merge, 0.0)
         return convex_merge_rows(keys, values, src, dst, merge, weights)
-    groups = _group_plan(src, dst, merge, keys.shape[-2])
-    weights = similarity.float().where(merge, 0.0).unsqueeze(-1)  # [B, H_kv, E, 1]
-    count = _group_sum(torch.ones_like(weights), merge.float().unsqueeze(-1), groups.entry_group)  # 1 + n
-
-    def merged(x):
-        own = _gather_entries(x, groups.slot).float()
-        incoming = weights * _gather_entries(x, groups.src).float()
-        return _group_sum(own, incoming, groups.entry_group) / count
-
-    return MergedRows(groups, {"keys": merged(keys), "values": merged(values)})
+    return mean_merge_rows(keys, values, src, dst, merge, similarity)
 
 
 def masked_variance(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
-from ..merging import MergedRows, _Groups, _group_logsumexp, cosine_nearest
+from ..merging import Groups, MergedRows, cosine_nearest, group_logsumexp
 from ..offload import FullKVCopy
 from ..store import NEG_INF, slots_of
 from .base import (
@@ -46,7 +46,7 @@ def ema_log_scores(
 
 
 def merged_ema_rows(
-    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: _Groups, votes: torch.Tensor,
+    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: Groups, votes: torch.Tensor,
     log_scale: torch.Tensor | float,
 ) -> torch.Tensor:
     """[B, H_kv, E, g]: the stored EMA row of each merge target (``groups``, the merge's group
@@ -60,7 +60,7 @@ def merged_ema_rows(
     own_w = log_w.gather(-1, groups.slot[:, :, None].expand(-1, -1, group, -1))  # [B, H_kv, g, E]
     incoming_w = log_w.gather(-1, groups.src[:, :, None].expand(-1, -1, group, -1))
     head_groups = groups.entry_group[:, :, None].expand(-1, -1, group, -1)
-    mean_score = _group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
+    mean_score = group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
     log_n = ema_log_n.gather(-1, groups.slot)[:, :, None]
     return (mean_score - log_scale + log_n).transpose(-1, -2)
 
@@ -84,8 +84,8 @@ class EmaAttention(ScoredSelection):
     recent_ratio : float
         Recent window as a share of the budget left after the sinks, in [0, 1]. Default 0.2:
         recent:heavy = 1:4, the upper end of the 1:5-1:4 range in Appendix B.3 (whose wording
-        "ratio between the recent window and the heavy hitter ... 5:1 and 4:1" we read, as the
-        project's design notes do, as recent:heavy = 1:5 to 1:4).
+        "ratio between the recent window and the heavy hitter ... 5:1 and 4:1" we read as
+        recent:heavy = 1:5 to 1:4).
     last_layer_share : float
         PyramidInfer cosine decay: the heavy-hitter share of a layer falls from 1.0 at layer 0 to
         this at the last layer (Appendix B.3: 0.8), rescaled so the mean budget is the budget.
@@ -324,7 +324,7 @@ class KeepKVMerge(ZipMerge):
             log_z = torch.logsumexp(seen, dim=-1)  # [B, H_kv, g, r]
             log_z = log_z.where(torch.isfinite(log_z), 0.0)
             scores = logits - log_z[..., None]
-            layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see ema_scores
+            layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see _log_scale
         if rows == 1:
             new_s = scores[:, :, :, 0] + log_fresh
             new_n = torch.full_like(layer.bias, log_fresh)
@@ -334,8 +334,8 @@ class KeepKVMerge(ZipMerge):
             new_s = torch.logsumexp(weights[:, :, None] + scores, dim=3)  # [B, H_kv, g, S]
             new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
         # In place: the extras stay views of the layer's buffers, so the next append copies nothing.
-        # logaddexp on a strided view (the buffers' spare slots) runs ~5x slower than on a
-        # contiguous copy on CPU, so it reads one and copies the result back.
+        # logaddexp on a strided view (the buffers' spare slots) is slow on CPU, so it reads a
+        # contiguous copy and copies the result back (docs/performance.md has the figure).
         empty = ~live
         for state, fresh, mask in ((ema_s, new_s, empty[:, :, None]), (layer.extras["ema_log_n"], new_n, empty)):
             state.copy_(torch.logaddexp(state.contiguous().add_(decay), fresh).masked_fill_(mask, NEG_INF))
@@ -347,10 +347,6 @@ class KeepKVMerge(ZipMerge):
         """[B, H_kv, g] ln Z of the newest query with ``score_norm="row"`` (else 0): the EMA of
         normalised scores times it is on the logit scale of that query, as ZIP's key rule needs."""
         return layer.state["log_z"][..., None] if self.score_norm == "row" else 0.0
-
-    def ema_scores(self, layer, live: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, H_kv, g, S] bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (-inf on empty slots)."""
-        return self._ema(layer, live)[0]
 
     # -- compression -------------------------------------------------------------------------
     def merge_entries(
@@ -493,7 +489,7 @@ class KeepKV(ComposedMethod):
 
     A selection plus KeepKV's merge (:class:`KeepKVMerge`: ZIP-merging with Electoral Votes, EMA
     scores, merge gates). What is kept is the selection's choice: the default is SnapKV's
-    (``selection=snapkv``, the best measured on the dev seed); KeepKV's own is ``selection=ema``
+    (``selection=snapkv``; docs/keepkv.md, "KeepKV ablation", says why); KeepKV's own is ``selection=ema``
     (:class:`EmaAttention`); the paper's runs select with PyramidInfer. Any registered selection
     pairs with it (``keepkv+selection=kvzip`` for a context compressed before its question).
     ``merge=none`` is the selection alone.

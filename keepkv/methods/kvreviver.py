@@ -78,8 +78,7 @@ per token), then the median; bucket hashes of positions come from a cached table
 gather instead of ~20 integer ops per token and row). The rebuilt tensors are referenced
 only by that call and freed before the next layer runs, so at most one layer's full-length
 cache exists at a time. :class:`RebuildTracker` measures that with tensor byte accounting
-(weak references on the rebuilt tensors); :meth:`KVReviver.memory_report` gives stored
-bytes next to the peak.
+(weak references on the rebuilt tensors; :meth:`KVReviver.tracker_of` a cache's tracker).
 
 Scores: accumulated attention, as H2O: prefill column sums, then every decode query's
 probabilities, pooled over a GQA group by the mean (``pool_group``). Vague tokens are
@@ -103,8 +102,7 @@ at a 10% budget about 14% / 28% on top of the stored entries. They are what keep
 token swappable back (its score) and rebuildable (its position), so they grow with every
 token a row takes past its budget - 8 x H_kv x L bytes per generated token, 720 B on
 SmolLM2-135M - while the stored entries and the sketch stay constant. ``LayerStore.nbytes``
-(hence ``cache.nbytes()`` and ``summary().state_bytes``) counts them and the sketch;
-``memory_report`` shows them apart.
+(hence ``cache.nbytes()`` and ``summary().state_bytes``) counts them and the sketch.
 
 Layer budgets (``allocation``): ``"fisher"`` (default, the paper's appendix) gives layer l
 a share of L x N proportional to its Fisher score, at least the smallest workable budget;
@@ -662,32 +660,3 @@ class KVReviver(Method):
         state["vague_score"] = vague_score.scatter(-1, vague_idx, torch.where(swap, cand_score, in_score))
         # [B] swaps per batch row (a tensor: no host sync per step; per row: it follows reordered rows)
         state["swaps"] = state.get("swaps", 0) + swap.sum(dim=(1, 2))
-
-    # -- reporting -----------------------------------------------------------------------------
-    def memory_report(self, cache) -> dict:
-        """Stored bytes (entries, sketch, vague scalars) next to the measured rebuild peak."""
-        summary = cache.summary()
-        # the entries' buffers; cache.nbytes() adds the sketch and the per-layer state tensors
-        entries = sum(summary.entry_bytes) + sum(summary.padding_bytes) + sum(summary.spare_bytes)
-        sketch = sum(
-            layer.state["sketch"].nbytes() for layer in cache.layers if layer.state.get("sketch") is not None
-        )
-        first = cache.layers[0]
-        tracker = self.tracker_of(first)
-        per_token = 2 * first.keys.shape[1] * first.keys.shape[-1] * first.keys.element_size()
-        return {
-            "entry_bytes": entries,
-            "sketch_bytes": sketch,
-            "vague_scalar_bytes": sum(
-                layer.state[name].numel() * layer.state[name].element_size()
-                for layer in cache.layers
-                for name in ("vague_pos", "vague_score")
-                if name in layer.state
-            ),
-            "stored_bytes": cache.nbytes(),
-            "peak_rebuilt_bytes": tracker.peak,
-            "largest_layer_rebuilt_bytes": max(layer.state.get("peak_rebuilt_bytes", 0) for layer in cache.layers),
-            "rebuilt_bytes_alive": tracker.live,
-            "full_cache_bytes": int(first.real_seen.sum()) * per_token * cache.num_layers,
-            "swaps": int(sum(layer.state["swaps"].sum() for layer in cache.layers if "swaps" in layer.state)),
-        }

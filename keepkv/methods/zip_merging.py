@@ -65,7 +65,7 @@ def zip_rows(
 ) -> MergedRows:
     """The merged rows of ZIP-merging ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]) in
     the layer's store (``LayerStore.merge_into`` writes them), the groups that fail the gates
-    (``max_value_change``, ``max_share``: :func:`keepkv.merging.gate_merges`) dropped whole.
+    (``max_value_change``, ``max_share``: :func:`keepkv.merging.zip_merge_rows`) dropped whole.
 
     head_log_scores [B, H_kv, g, S]: ln s^h per query head (-inf on empty slots), pooled over the
     group by :func:`pool_log_scores` for the merge weights; query [B, H_kv, g, D]: the queries the
@@ -105,7 +105,7 @@ class ZipMerge(Merge):
         Merge only into a kept entry whose key cosine similarity is at least this, in [-1, 1]
         (KeepKV's T, paper 0.8); -1 merges every evicted entry.
     zip_key : str
-        Key rule of :func:`keepkv.merging.zip_merge`: "projection", "group", "paper" or "mean".
+        Key rule of :func:`keepkv.merging.zip_merge_rows`: "projection", "group", "paper" or "mean".
     protect : float
         Share in [0, 1] of the kept entries, the selection's highest-ranked first, that take no
         merges (its own protected sinks and window not counted). 0: every kept entry may.

@@ -22,7 +22,7 @@ adds, unless the flag is given either way:
   more requests at once under memory pressure (docs/serving.md, "Chunked prefill");
 - ``--enforce-eager`` on vLLM's CPU build, unless compilation is asked for (``-O<n>``,
   ``--optimization-level``, ``--compilation-config``, ``--no-enforce-eager``): compiling the model
-  took 412 s of a 758 s start on a 2-core CPU, for a first answer 6× later than eager's;
+  makes the start several times longer on a CPU (docs/serving.md, "Start-up", has the figures);
 - ``--served-model-name``: the model's name (the embedded model's ``SmolLM2-135M-Instruct``, a
   directory's own name, a GGUF file's without its quantisation suffix), not a cache path;
 - ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) on vLLM's CPU build when unset, else vLLM's memory check
