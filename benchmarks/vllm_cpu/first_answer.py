@@ -1,6 +1,6 @@
 """Seconds from ``keepkv serve`` to its first answer, keepkv against stock vLLM (serving venv):
 
-    .venv-vllm/bin/python docs/results/vllm_cpu/first_answer.py [--rounds 2] [--json PATH]
+    .venv-vllm/bin/python benchmarks/vllm_cpu/first_answer.py [--rounds 2] [--json PATH]
 
 Each round starts ``keepkv serve --method full`` (stock vLLM under keepkv serve's flags) and the
 README's ``keepkv serve --method keepkv --budget 0.1``, one after the other, each alone on the

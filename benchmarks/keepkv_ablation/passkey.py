@@ -1,5 +1,5 @@
 """Dev harness: pass-key docs (keepkv.demo.document, seeds 101..), one shared prefill per doc,
-every method forked and decoded. Usage: python docs/results/keepkv_ablation/passkey.py N_DOCS BUDGET METHOD..."""
+every method forked and decoded. Usage: python benchmarks/keepkv_ablation/passkey.py N_DOCS BUDGET METHOD..."""
 import sys
 import torch
 import keepkv

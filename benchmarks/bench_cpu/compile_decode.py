@@ -4,7 +4,7 @@ SmolLM2-135M shapes with random weights, 4 layers, one 4096-token prompt batch o
 once, then forked), budget 0.1, one thread; each fork decodes 48 steps, the first 16 untimed
 (compilation happens there). Times the method's own ``observe`` + ``compress`` per step.
 
-    python docs/results/bench_cpu/compile_decode.py > docs/results/bench_cpu/compile_decode.txt
+    python benchmarks/bench_cpu/compile_decode.py > docs/record/data/bench_cpu/compile_decode.txt
 """
 
 import statistics

@@ -1,7 +1,7 @@
 """Per-layer micro-benchmarks of the attention-path changes of issue 14 (1 thread, CPU).
 
     git show 3f8ba7a:keepkv/attention.py > /tmp/attention_3f8ba7a.py
-    PYTHONPATH=$PWD python docs/results/attention_paths/micro.py /tmp/attention_3f8ba7a.py 2048
+    PYTHONPATH=$PWD python benchmarks/attention_paths/micro.py /tmp/attention_3f8ba7a.py 2048
 
 Prints, for SmolLM2-135M's attention shapes (H = 9, H_kv = 3, D = 64, batch 1): prefill
 attention of the old module (given by path) and of this tree at T tokens, with no statistics

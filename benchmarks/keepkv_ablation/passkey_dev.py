@@ -1,5 +1,5 @@
 """Dev-seed pass-key documents (Python docs prose, which has numbers of its own, with a 5-digit key):
-does ZIP-merging corrupt the key? Run from the repository root: python docs/results/keepkv_ablation/passkey_dev.py
+does ZIP-merging corrupt the key? Run from the repository root: python benchmarks/keepkv_ablation/passkey_dev.py
 """
 import warnings
 

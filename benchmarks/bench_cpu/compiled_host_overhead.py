@@ -3,10 +3,10 @@ with ``CompressedCache(compile=True)``, and, for the compiled one, the profiler'
 Cache Lookup" (dynamo's guard evaluation before every call) and "Call CompiledFxGraph" (the
 compiled graph's wrapper and its kernels).
 
-    python docs/results/bench_cpu/compiled_host_overhead.py [--prompt 1024] [--batch 4] [METHOD ...]
+    python benchmarks/bench_cpu/compiled_host_overhead.py [--prompt 1024] [--batch 4] [METHOD ...]
 
 SmolLM2-135M shapes with random weights, 4 layers, one thread, budget 0.1; 30 decode steps
-(compiling and settling), 10 timed, then 10 under the profiler. Output: compiled_host_overhead.txt.
+(compiling and settling), 10 timed, then 10 under the profiler. The committed output: docs/record/data/bench_cpu/compiled_host_overhead.txt.
 """
 
 from __future__ import annotations

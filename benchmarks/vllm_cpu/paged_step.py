@@ -2,9 +2,9 @@
 attention shapes (9 heads, 3 KV heads, D = 64, 30 layers), budget 0.1, blocks of 128, two
 threads (the paged step itself runs on ``keepkv.paged.STEP_THREADS``).
 
-    python docs/results/vllm_cpu/paged_step.py [method ...]    # default: snapkv window
-    python docs/results/vllm_cpu/paged_step.py --requests 32 --prompt 1024 snapkv keepkv   # the bench's shapes
-    python docs/results/vllm_cpu/paged_step.py --requests 32 --prompt 1024 --ragged snapkv keepkv
+    python benchmarks/vllm_cpu/paged_step.py [method ...]    # default: snapkv window
+    python benchmarks/vllm_cpu/paged_step.py --requests 32 --prompt 1024 snapkv keepkv   # the bench's shapes
+    python benchmarks/vllm_cpu/paged_step.py --requests 32 --prompt 1024 --ragged snapkv keepkv
                                                   # prompts of 512..1,536 tokens: unequal budgets
 
 Each engine step builds one batch and runs PagedCompression.forward for every layer (its own

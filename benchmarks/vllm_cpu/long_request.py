@@ -1,7 +1,7 @@
 """Seconds for one long request (7,000 prompt tokens from the stdlib's sources + 32 generated),
 stock vLLM against keepkv methods, each engine with memory to spare (serving venv):
 
-    .venv-vllm/bin/python docs/results/vllm_cpu/long_request.py [method ...]   # default: keepkv snapkv
+    .venv-vllm/bin/python benchmarks/vllm_cpu/long_request.py [method ...]   # default: keepkv snapkv
 
 Prints one JSON line per engine (stock first): seconds from submission to the last token, and
 the ratio to stock's. Budget 0.1; fp32; blocks of 128; prefix caching and chunked prefill off.

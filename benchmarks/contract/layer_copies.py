@@ -2,7 +2,7 @@
 a layer while decoding (each a copy of one per-entry tensor of the whole layer: keys, values,
 bias, positions or a method's extra), and how many of them are keys or values.
 
-    python docs/results/contract/layer_copies.py
+    python benchmarks/contract/layer_copies.py
 
 Tiny random Llama (GQA, 4 layers), 2 rows of 256-token prompts, budget 64, 32 greedy steps.
 Counts the ``LayerStore`` buffer allocations after the prefill ended, per layer and step.

@@ -1,6 +1,6 @@
 """Seconds to keepkv's refusal of what keepkv.vllm does not serve (serving venv):
 
-    .venv-vllm/bin/python docs/results/vllm_cpu/refusal_time.py
+    .venv-vllm/bin/python benchmarks/vllm_cpu/refusal_time.py
 
 Two ways in: ``keepkv serve <flags>`` (seconds from the command's start to its exit, Python's
 start-up included: it refuses before torch or vLLM is imported), and ``LLM(...)`` with the same
