@@ -17,85 +17,25 @@ import math
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
+
+def _shape(vocab, hidden, intermediate, layers, heads, kv_heads, positions, eps, theta, tied=False, **extra) -> dict:
+    """The HF config kwargs of one decoder shape."""
+    return dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions,
+        rms_norm_eps=eps, rope_theta=theta, tie_word_embeddings=tied, **extra,
+    )
+
+
 # name -> (config class, kwargs). The public shapes of each model family.
 CONFIGS: dict[str, tuple[type, dict]] = {
-    "llama2-7b": (
-        LlamaConfig,
-        dict(
-            vocab_size=32000,
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-5,
-            rope_theta=10000.0,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "llama3-8b": (
-        LlamaConfig,
-        dict(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=8192,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "mistral-7b": (  # v0.2 shape: no sliding window
-        MistralConfig,
-        dict(
-            vocab_size=32000,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=32768,
-            rms_norm_eps=1e-5,
-            rope_theta=1000000.0,
-            sliding_window=None,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "qwen2-7b": (
-        Qwen2Config,
-        dict(
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            max_position_embeddings=32768,
-            rms_norm_eps=1e-6,
-            rope_theta=1000000.0,
-            use_sliding_window=False,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "smollm2-135m": (
-        LlamaConfig,
-        dict(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            max_position_embeddings=8192,
-            rms_norm_eps=1e-5,
-            rope_theta=100000.0,
-            tie_word_embeddings=True,
-        ),
-    ),
+    #                              vocab   hidden inter  layers heads kv  positions eps    rope theta
+    "llama2-7b": (LlamaConfig, _shape(32000, 4096, 11008, 32, 32, 32, 4096, 1e-5, 10000.0)),
+    "llama3-8b": (LlamaConfig, _shape(128256, 4096, 14336, 32, 32, 8, 8192, 1e-5, 500000.0)),
+    # v0.2 shape: no sliding window
+    "mistral-7b": (MistralConfig, _shape(32000, 4096, 14336, 32, 32, 8, 32768, 1e-5, 1000000.0, sliding_window=None)),
+    "qwen2-7b": (Qwen2Config, _shape(152064, 3584, 18944, 28, 28, 4, 32768, 1e-6, 1000000.0, use_sliding_window=False)),
+    "smollm2-135m": (LlamaConfig, _shape(49152, 576, 1536, 30, 9, 3, 8192, 1e-5, 100000.0, tied=True)),
 }
 
 

@@ -272,6 +272,34 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
         help="pair every method with METHOD at the same budget, from the run's cells/ (default: the "
         "reference the run was made with, if any)",
     )
+    parser.add_argument(
+        "--methods", nargs="+", metavar="METHOD",
+        help="only these methods' rows, in this order (the full cache's row is always first)",
+    )
+    parser.add_argument(
+        "--budgets", nargs="+", type=float, metavar="B",
+        help="only the columns of these budgets (the full cache's score is shown under each)",
+    )
+
+
+def select_rows(rows: list[dict], methods=None, budgets=None) -> list[dict]:
+    """The rows of ``methods`` (in that order, the full cache first) at ``budgets``; a method or
+    budget the run does not hold is refused in one line."""
+    if methods:
+        held = {str(r["method"]) for r in rows}
+        missing = [m for m in methods if m not in held]
+        if missing:
+            raise ValueError(f"--methods: {', '.join(missing)} not in this run (it holds {', '.join(sorted(held))})")
+        order = {m: i for i, m in enumerate(["full", *[m for m in methods if m != "full"]])}
+        rows = sorted((r for r in rows if str(r["method"]) in order), key=lambda r: order[str(r["method"])])
+    if budgets:
+        held = {float(r["budget"]) for r in rows if r["method"] != "full"}
+        missing = [b for b in budgets if float(b) not in held]
+        if missing:
+            raise ValueError(f"--budgets: {', '.join(map(str, missing))} not in this run (it holds "
+                             f"{', '.join(map(str, sorted(held)))})")
+        rows = [r for r in rows if r["method"] == "full" or float(r["budget"]) in {float(b) for b in budgets}]
+    return rows
 
 
 def report(args) -> str:
@@ -280,10 +308,13 @@ def report(args) -> str:
     if getattr(args, "reference", None):
         run_dir = Path(args.path)
         rows = with_reference(rows, run_dir if run_dir.is_dir() else run_dir.parent, args.reference)
+    selected = getattr(args, "methods", None) or getattr(args, "budgets", None)
+    rows = select_rows(rows, getattr(args, "methods", None), getattr(args, "budgets", None))
     text = format_table(rows)
     run_dir = Path(args.path) if Path(args.path).is_dir() else Path(args.path).parent
     reference = getattr(args, "reference", None) or _reference_name(rows)
-    resolution_text = format_resolution(load_cells(run_dir), reference) if (run_dir / "cells").is_dir() else ""
+    # the resolution paragraphs cover the whole run: a selection shows its tables only
+    resolution_text = "" if selected or not (run_dir / "cells").is_dir() else format_resolution(load_cells(run_dir), reference)
     if resolution_text:
         text += "\n" + resolution_text  # a blank line: the paragraph must not join the last table
     if getattr(args, "json", False):

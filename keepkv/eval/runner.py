@@ -113,74 +113,15 @@ Speed
 3. ``workers`` forked processes (CPU) split each group's samples; one thread each. Decoding
    on this model is bound by per-op overhead, not FLOPs, so two processes beat two threads.
 
-Default suites (embedded SmolLM2-135M-Instruct: 30 layers, 9 query / 3 KV heads)
---------------------------------------------------------------------------------
-A task enters the default only if the full cache scores >= 0.9 on it. Full cache on the
-dev seed (seed 1000, 8 samples, 1024 tokens, RULER string match)::
-
-    needle (single, noise haystack)               1.00
-    needle+haystack=prose                         0.88
-    needle+variant=multikey+num_needles=2         0.88
-    needle+variant=multikey (4 keys)              0.75
-    needle+variant=multivalue (4 values)          0.69
-    needle+variant=multikey+haystack=prose        0.62
-    needle+variant=multiquery (4 keys)            0.59
-    needle+variant=multivalue+num_needles=2       0.50
-
-and, earlier (6 samples), tracking <= 0.33 and aggregation <= 0.50 at every length and
-variant tried from 256 to 1536 tokens. The 7-digit prose needle defeats every method at 0.1
-and 0.2; with 5 digits the full cache still retrieves it, and a number hidden in real prose
-is what merging methods can blend away. Full cache, dev seed, 16 samples, 1024 tokens::
-
-    passkey (4 and 5 digits, pydoc prose)           1.00
-    needle+haystack=prose+digits=5                  0.94
-    needle+haystack=prose+digits=4                  0.94
-
-So the default is ``needle`` (single, noise haystack) with 32 samples and its
-question-agnostic twin with 24, the 5-digit prose needle with 32, ``passkey`` with 24 and its
-question-agnostic twin with 16, and the two ``kl`` suites (no threshold: they measure the
-distance from the full cache) with 12 texts each (until issue 28: needle 64, passkey 32, kl
-16, no question-agnostic cell). ``tracking``, ``aggregation``, ``ppl`` and ``fidelity`` stay
-available with ``--suite``; ``--suite ruler`` runs the RULER preset (``RULER_SUITES``).
-
-Where the time goes
--------------------
-``where_time_goes`` profile (not in the repository: CompressedCache.fork, prefill and
-decode_cells wrapped with process-time counters), needle at 1024 tokens, 4 samples in one
-batch, dev seed, every registered method at 0.1 and 0.2 (23 cells), one worker, one thread:
-194.5 CPU-s in all (wall 1,444 s at load average 10-11 on 2 cores):
-
-* ZeroMerge's fork 70.2 CPU-s (36%) and KeepKV's 19.7 (10%): their prefill-time
-  merges; D2O 3.7, KVMerger 3.1, KVReviver 2.2, every other method <= 0.5;
-* the joint decode of all 23 cells, ~17 steps: 54.4 CPU-s (28%);
-* the recording prefill (column sums for H2O/KVReviver): 38.6 CPU-s (20%).
-
-The same profile of ``kl+source=stdlib`` at 1024 tokens, 2 samples in one batch: 504.8
-CPU-s (wall 1,652 s at load average 7.6-10.8): the joint decode of 128 teacher-forced steps
-452.9 CPU-s (90%, ~3.5 CPU-s a step for 23 cells x 2 rows), prefill 20.7, ZeroMerge's fork
-17.0, KeepKV's 8.4, the rest <= 2 each.
-
-So about 49 CPU-s per needle sample and 250 per kl sample with the full grid, measured on a
-loaded machine. Measured end to end on the idle 2-core machine (commit 8cd93a2, 2 workers x
-1 thread, the default run): 1,847 s wall, 3,347 CPU-s; needle 13.5 min, kl+source=pydoc 8.5,
-kl+source=stdlib 9.5.
-
-Since then (profiles with ``CompressedCache.fork`` and :func:`decode_cells` timed apart, dev
-seed, ``kl+source=stdlib`` at 1024 tokens, one thread):
-
-* ZeroMerge's prefill scores come from the recording prefill's own attention pass
-  (``Needs.decays``): its fork fell from 57.1 to 3.3 CPU-s per 16 / 8 rows and two budgets
-  (~3.6 to 0.4 per sample). Forks now cost ~3.3 CPU-s per sample for the whole grid (KeepKV
-  and D2O ~0.7 each, KVMerger 0.5, KVReviver 0.4, ZeroMerge 0.4, the rest <= 0.1).
-* KVReviver's rebuild gathers from a per-slot estimate table: its decode step alone, 16
-  rows, fell from 2.73 to 1.58 CPU-s (still 4-7x any other method's 0.23-0.54: the paper
-  rebuilds every vague token at every step). The joint step of the 23 cells x 16 rows fell
-  from 9.8 to 8.4 CPU-s, ~0.52 CPU-s per text and step; the prefill is ~5.2 CPU-s per text.
-* End to end, ``kl+source=stdlib`` with 12 texts, 2 workers x 6 rows: 594 s wall, 1,128
-  CPU-s, ~94 CPU-s (~47 s of wall time) per text. That sets the default of 16 texts per kl
-  suite: with needle's 64 samples the default run stays within 45 minutes. Larger batches
-  cost a little less per sample (a decode step is partly per-op overhead), and more memory
-  (``/usr/bin/time`` reported a 9.1 GB peak resident size for that run).
+Default suites
+--------------
+A task enters the default only if the full cache scores >= 0.9 on it on the dev seed: ``needle``
+(single, noise haystack) and its question-agnostic twin, the 5-digit prose needle, ``passkey``
+and its question-agnostic twin, and the two ``kl`` suites (no threshold: they measure the
+distance from the full cache). ``tracking``, ``aggregation``, ``ppl`` and ``fidelity`` stay
+available with ``--suite``; ``--suite ruler`` runs the RULER preset (``RULER_SUITES``). The
+full cache's dev-seed scores that chose them, and where the run's time goes:
+docs/record/2026-11-24-default-eval-time.md.
 """
 
 from __future__ import annotations
@@ -236,17 +177,10 @@ DEFAULT_BUDGETS = (0.1, 0.2)
 # compressed before the question (the pairing the question-agnostic setting asks about), and
 # KVzip's paper-literal budgets (non-uniform heads).
 DEFAULT_VARIANTS = ("keepkv+selection=kvzip", "kvzip+budgets=global")
-# Samples per suite label, then task, then name (others: DEFAULT_SAMPLES_OTHER). A paired 0/1
-# difference with up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(n):
-# 0.14 at n = 64, 0.19 at 32, 0.22 at 24. Until the question-agnostic cells joined, needle had
-# 64 samples, passkey 32 and kl 16 texts (~45 s of wall time per text for the 23-cell grid on 2
-# cores); they were cut to make room within 45 minutes (see "Where the time goes").
-#
-# The question-agnostic cells cost 1.6x their aware twins (wall; 1.5x CPU: one extra block per
-# cell and smaller batches, one question length each; needle, 16 samples, full grid, measured
-# beside other work), so the default run, projected from the committed run's per-suite times,
-# is 44 min: needle 6.2, agnostic needle 7.4, prose needle 6.5, passkey 5.7, agnostic passkey
-# 6.1, kl 6.7 + 5.9 (docs/eval.md, "Time").
+# Samples per suite label, then task, then name (others: DEFAULT_SAMPLES_OTHER), sized so the
+# default run takes about an hour on 2 CPU cores (docs/eval.md, "Time"). A paired 0/1 difference
+# with up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(n): 0.19 at
+# n = 32, 0.22 at 24.
 DEFAULT_SAMPLES = {
     "needle": 32, "needle+setting=agnostic": 24, PROSE_NEEDLE: 32, "passkey": 24, "passkey+setting=agnostic": 16,
     "kl": 12,
@@ -749,18 +683,24 @@ class _Group:
             ids.append(sample_ids[:count])
         return torch.tensor(ids, device=self.runner.device)
 
+    def _prefill_texts(self, batch, head: int, length: int, todo, needs):
+        """The batch's texts as ``length`` token ids [B, length], their first ``head`` prefilled into a
+        full recording cache: (input_ids, mask, record, the last prefill logits, the cells' clock)."""
+        input_ids = self._text_ids(batch, length)
+        mask = torch.ones_like(input_ids)
+        clock = _Clock(todo)
+        record = CompressedCache(self.runner.model.config, "full", record=needs)
+        first_logits = prefill(self.runner.model, record, input_ids[:, :head], mask[:, :head], self.runner.tokenizer, chat=False)
+        clock.share(todo)
+        return input_ids, mask, record, first_logits, clock
+
     def run_kl_batch(self, batch, todo, needs) -> None:
         """Prefill ``length`` tokens of real text, then teacher-force the next ``KL_CONTINUATION``
         into every cell at once, the full cache first in every chunk: per step and row,
         KL(full || method) of the next-token distribution and each cell's NLL of the true token."""
         runner = self.runner
         model, head = runner.model, self.length
-        input_ids = self._text_ids(batch, head + KL_CONTINUATION)
-        mask = torch.ones_like(input_ids)
-        clock = _Clock(todo)
-        record = CompressedCache(model.config, "full", record=needs)
-        first_logits = prefill(model, record, input_ids[:, :head], mask[:, :head], runner.tokenizer, chat=False)
-        clock.share(todo)
+        input_ids, mask, record, first_logits, clock = self._prefill_texts(batch, head, head + KL_CONTINUATION, todo, needs)
         targets = input_ids[:, head:]
         rows = len(batch)
         full, rest = todo[0], todo[1:]
@@ -796,12 +736,7 @@ class _Group:
         runner = self.runner
         model, length = runner.model, self.length
         head = min(PPL_HEAD, length - 1)
-        input_ids = self._text_ids(batch, length)
-        mask = torch.ones_like(input_ids)
-        clock = _Clock(todo)
-        record = CompressedCache(model.config, "full", record=needs)
-        first_logits = prefill(model, record, input_ids[:, :head], mask[:, :head], runner.tokenizer, chat=False)
-        clock.share(todo)
+        input_ids, mask, record, first_logits, clock = self._prefill_texts(batch, head, length, todo, needs)
         targets = input_ids[:, head:]
         rows = len(batch)
         for chunk in _chunks(todo, runner.joint_cells):

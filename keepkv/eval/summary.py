@@ -147,14 +147,12 @@ def _parse_value(text: str):
         return None
     if text in ("true", "false", "True", "False"):
         return text.lower() == "true"
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return text
+    for number in (int, float):  # "3" is an int, "0.1" a float, anything else stays text
+        try:
+            return number(text)
+        except ValueError:
+            continue
+    return text
 
 
 def read_summary(path) -> list[dict]:
