@@ -308,3 +308,17 @@ def test_report_writes_between_the_markers_of_a_docs_page(tmp_path, capsys):
     assert main(["report", str(ROOT / "docs" / "results"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {row["method"] for row in rows} >= {"full", "keepkv", "snapkv"}
+
+
+def test_report_selects_methods_and_budgets(capsys):
+    """`keepkv report RUN --methods ... --budgets ...`: the full cache first, then the named
+    methods in their order, only the named budgets' columns; what the run lacks is one line."""
+    run = str(ROOT / "docs" / "results")
+    assert main(["report", run, "--methods", "snapkv", "keepkv", "--budgets", "0.2"]) == 0
+    table = capsys.readouterr().out.split("\n\n")[0].splitlines()
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| full", "| snapkv", "| keepkv"]
+    assert "@0.2" in table[0] and "@0.1" not in table[0]
+    for argv in (["--methods", "no-such-method"], ["--budgets", "0.3"]):
+        assert main(["report", run, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("keepkv: error: ") and "not in this run" in err
