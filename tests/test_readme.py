@@ -144,7 +144,7 @@ def test_cheap_shell_command_runs(argv, capsys, monkeypatch):
 
 
 def test_the_readme_has_outputs_to_compare():
-    assert PY_OUTPUTS and SHELL_OUTPUTS
+    assert len(PY_OUTPUTS) >= 3  # the three Python examples (a shell block's output is compared too, if shown)
 
 
 @NO_WARNINGS
@@ -206,8 +206,8 @@ def test_the_results_table_is_the_reports():
     assert named, "the README names no `keepkv report docs/results ...` command for its table"
     args = parse_arguments(shlex.split(named.group(1)))
     args.path = str(ROOT / args.path)
-    rows = [line for line in report(args).split("\n\n")[0].splitlines() if line.startswith("| ")]
-    assert len(rows) > 2 and "\n".join(rows) in readme, "README's results table is not the report's"
+    rows = [line for line in report(args).split("\n\n")[0].splitlines() if line.startswith("|")]
+    assert len(rows) > 3 and "\n".join(rows) in readme, "README's results table is not the report's"
 
 
 def test_every_docs_page_is_linked_and_every_link_resolves():
