@@ -177,8 +177,8 @@ DEFAULT_BUDGETS = (0.1, 0.2)
 # compressed before the question (the pairing the question-agnostic setting asks about), and
 # KVzip's paper-literal budgets (non-uniform heads).
 DEFAULT_VARIANTS = ("keepkv+selection=kvzip", "kvzip+budgets=global")
-# Samples per suite label, then task, then name (others: DEFAULT_SAMPLES_OTHER), sized so the
-# default run takes about an hour on 2 CPU cores (docs/eval.md, "Time"). A paired 0/1 difference
+# Samples per suite label, then task, then name (others: DEFAULT_SAMPLES_OTHER), sized for the
+# run's time on 2 CPU cores (docs/eval.md, "Time"). A paired 0/1 difference
 # with up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(n): 0.19 at
 # n = 32, 0.22 at 24.
 DEFAULT_SAMPLES = {
