@@ -436,12 +436,12 @@ def test_keepkv_serve_answers_a_chat_request_as_stock(model_dir, hf_model, tmp_p
 
 
 def test_readme_serving_block_runs_as_a_script(tmp_path):
-    """README "Serving (vLLM)"'s Python block, saved as a script and run as one, with vLLM's
+    """docs/serving.md "How to run"'s Python block, saved as a script and run as one, with vLLM's
     multiprocessing on (its engine runs in a spawned process: the block needs its __main__ guard)."""
     import subprocess
     import sys
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "docs", "serving.md")).read()
     block = next(part.split("```")[0] for part in readme.split("```python\n") if "from vllm" in part.split("```")[0])
     assert 'if __name__ == "__main__":' in block
     (tmp_path / "serve_readme.py").write_text(block)
