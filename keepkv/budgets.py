@@ -128,6 +128,38 @@ def layer_budgets(
     return torch.where(fits, per_row[None, :, None], budgets)
 
 
+# Merges that can keep a prompt whole (decoding="keep_prompt"): they merge an evicted entry into a
+# kept one that is not the prompt's (ZIP's target search skips frozen entries); the others would
+# have to be taught to.
+KEEP_PROMPT_MERGES = ("none", "zip", "keepkv")
+
+
+def check_keep_prompt(method, budget) -> None:
+    """Raise ValueError, in one line, unless ``method`` can keep a prompt whole and keep ``budget``
+    generated entries (decoding="keep_prompt"): a selection with merge ``none``, ``zip`` or
+    ``keepkv`` (no periodic refresh, which rebuilds every entry), scored without a reconstruction
+    pass, and an int budget that holds its protected entries."""
+    name = getattr(method, "name", method)
+    merging = getattr(method, "merging", None)
+    if merging is None or merging.name not in KEEP_PROMPT_MERGES:
+        raise ValueError(f"decoding='keep_prompt' runs a selection that evicts or ZIP-merges (merge "
+                         f"{', '.join(KEEP_PROMPT_MERGES)}), got {name!r}")
+    if getattr(merging, "refresh_interval", None) is not None:
+        raise ValueError("decoding='keep_prompt' cannot keep a prompt through refresh_interval (it rebuilds every entry)")
+    if method.needs(True).reconstruct:
+        raise ValueError(f"decoding='keep_prompt' scores no prompt, and {name} scores only prompts (its "
+                         "reconstruction pass): use another selection")
+    if not is_int(budget):
+        raise ValueError(f"decoding='keep_prompt' keeps the prompt whole and `budget` generated entries per layer "
+                         f"and head: give an int, got {shown(budget)}")
+    check_budget_holds(method, int(budget))
+
+
+def kept_prompt_budgets(layers: int, kv_heads: int, generated: int, prompt_lengths: torch.Tensor) -> torch.Tensor:
+    """[L, B, H_kv] budgets of decoding="keep_prompt": each row's prompt plus ``generated`` entries."""
+    return (prompt_lengths + generated)[None, :, None].expand(layers, -1, kv_heads).contiguous()
+
+
 def held_entries(kept: int, prompt_length: int, computed: int, interval: int) -> int:
     """Entries a layer of budget ``kept`` holds per head after ``computed`` tokens (prompt
     included), between attention calls: min(P + t, kept + t mod interval) after t decode steps
@@ -136,7 +168,7 @@ def held_entries(kept: int, prompt_length: int, computed: int, interval: int) ->
     return min(computed, kept + decoded % interval)
 
 
-def capacity_bound(method, prompt_length: int, budget: int | float, config) -> list[int] | None:
+def capacity_bound(method, prompt_length: int, budget: int | float, config, keep_prompt: bool = False) -> list[int] | None:
     """The most entries each layer of one request holds per KV head while it decodes, known before
     the model runs: what a serving scheduler must reserve (``docs/serving.md``).
 
@@ -146,7 +178,8 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config) -> l
     budgets drawn from the prompt's attention (D2O) are bounded by the prompt. None: the method
     never compresses (``full``), and the request grows with every token.
 
-    method: a Method or a registered name; config: the model's HF config (depth, KV heads).
+    method: a Method or a registered name; config: the model's HF config (depth, KV heads);
+    keep_prompt: decoding="keep_prompt" (the prompt plus ``budget`` generated entries).
     """
     if isinstance(method, str):
         from .methods import get_method  # the registry, imported when a name is given
@@ -161,6 +194,9 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config) -> l
     if not (is_int(layers) and is_int(kv_heads)):
         raise ValueError(f"config must be the model's transformers config (model.config), got {shown(config)}")
     lengths = torch.tensor([prompt_length])
+    if keep_prompt:
+        check_keep_prompt(method, budget)
+        return [prompt_length + budget + method.interval] * layers
     if method.allocates_from_all_layers:
         per_row = row_budgets(budget, lengths, budget_floor(method))
         budgets = torch.maximum(per_row, lengths).expand(layers, 1, kv_heads)

@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import DECODE_KERNELS, Needs, Reconstruction, attend, decode_kernel_for, hand_over, join_prefill_stats
-from .budgets import budget_floor, layer_budgets, row_budgets, validate_budget
+from .budgets import budget_floor, check_keep_prompt, kept_prompt_budgets, layer_budgets, row_budgets, validate_budget
 from .checks import as_bool, shown
 from .continuation import P, ids_hash
 from .diagnostics import warn_budget
@@ -57,8 +57,10 @@ class CacheSummary:
 
 # What decoding does after the prompt is compressed: "compress" keeps the budget (the method
 # compresses every ``interval`` new tokens); "append" lets every later token in uncompressed (a
-# context compressed once, then a question and its answer appended: kvpress's and KVzip's setting).
-DECODING = ("compress", "append")
+# context compressed once, then a question and its answer appended: kvpress's and KVzip's setting);
+# "keep_prompt" compresses nothing of the prompt and keeps ``budget`` of the generated tokens (a
+# serving engine's prompt blocks then stay shareable: prefix caching).
+DECODING = ("compress", "append", "keep_prompt")
 
 
 class CompressedCache(Cache):
@@ -92,7 +94,12 @@ class CompressedCache(Cache):
         ``interval`` new tokens. "append": the prompt is compressed once, at the end of its
         prefill, and every later token (a question asked of a compressed context, the answer) is
         appended uncompressed, so nothing the compression kept is evicted to make room for it;
-        the cache then grows by one entry per token.
+        the cache then grows by one entry per token. "keep_prompt": the prompt is never
+        compressed, and while decoding the method keeps ``budget`` (an int) of the generated
+        entries per layer and head, compressing every ``interval`` new tokens: no prompt entry is
+        evicted, merged into or moved, so a long generation holds at most prompt + budget +
+        interval entries. For methods that evict (merge ``none``) or ZIP-merge (``zip``,
+        ``keepkv``).
     compile : bool
         Run each layer's decode-time method step (``observe`` and ``compress``) as one
         ``torch.compile`` graph (see :mod:`keepkv.fused`): a few fused kernels per layer-step
@@ -178,6 +185,8 @@ class CompressedCache(Cache):
         self.ids_seen = 0
         self.pending: tuple | None = None  # (hash, count, ids_seen) once the announced forward has run
         self.method.check_budget(self)
+        if decoding == "keep_prompt":
+            check_keep_prompt(self.method, budget)
 
     # -- HF Cache API ------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -398,7 +407,7 @@ class CompressedCache(Cache):
             elif layer_idx == self.num_layers - 1:
                 self._end_prefill(self.layers)
             return output
-        compress = layer.budget is not None and layer.pending >= self.method.interval and self.decoding == "compress"
+        compress = layer.budget is not None and layer.pending >= self.method.interval and self.decoding != "append"
         self._method_step(self.method, layer, stats, compress)  # decode shapes are stable: compiled once
         if compress:
             layer.pending = 0
@@ -487,7 +496,10 @@ class CompressedCache(Cache):
             self.layer_budgets = self._allocate()
         for layer in layers:
             layer.headroom = None
-            if self.layer_budgets is not None:
+            if self.decoding == "keep_prompt":  # nothing to compress yet: the prompt is kept whole
+                layer.set_budget(self.layer_budgets[layer.layer_idx], self.row_budgets, self.prompt_lengths)
+                layer.headroom = self.method.interval
+            elif self.layer_budgets is not None:
                 layer.set_budget(self.layer_budgets[layer.layer_idx], self.row_budgets)
                 layer.headroom = self.method.interval if self.decoding == "compress" else None
                 self.method.compress(layer, layer.prefill_stats)
@@ -497,8 +509,10 @@ class CompressedCache(Cache):
 
     def _allocate(self) -> torch.Tensor | None:
         """[L, B, H_kv] budgets from the method, or None when it never compresses."""
-        states = [layer.state for layer in self.layers]
         kv_heads = self.config.num_key_value_heads
+        if self.decoding == "keep_prompt":
+            return kept_prompt_budgets(self.num_layers, kv_heads, self.budget, self.prompt_lengths)
+        states = [layer.state for layer in self.layers]
         budgets = layer_budgets(self.method, self.num_layers, kv_heads, self.budget, self.prompt_lengths, states)
         if budgets is not None:
             self._warn_budget(self.row_budgets)
@@ -509,6 +523,8 @@ class CompressedCache(Cache):
         """[B] each row's mean budget per layer and head (None before the prefill ended)."""
         if self.prompt_lengths is None:
             return None
+        if self.decoding == "keep_prompt":  # the generated entries' budget
+            return torch.full_like(self.prompt_lengths, self.budget)
         return row_budgets(self.budget, self.prompt_lengths, budget_floor(self.method))
 
     def _warn_budget(self, per_row: torch.Tensor) -> None:

@@ -79,6 +79,8 @@ class LayerStore(CacheLayerMixin):
     with ``capacity`` and ``min_budget`` its largest and smallest entry (``set_budget``);
     ``row_budget`` [B]: each row's mean budget over the layers (what a method's recent window is
     a share of);
+    ``frozen`` [B] or None: each row's prompt length when its prompt is kept whole
+    (``CompressedCache(decoding="keep_prompt")``): its entries never leave and never take a merge;
     ``pending``: tokens appended since the last compression;
     ``state``: the method's per-layer state that is not per entry (the method's own dict).
     """
@@ -101,6 +103,7 @@ class LayerStore(CacheLayerMixin):
         self.row_budget: torch.Tensor | None = None
         self.capacity = 0
         self.min_budget = 0
+        self.frozen: torch.Tensor | None = None
         self.pending = 0
         self.prefill_stats = None
         self.buffers: dict[str, torch.Tensor] = {}
@@ -186,12 +189,15 @@ class LayerStore(CacheLayerMixin):
         bias = self.bias
         return 0 if bias is None else bias.shape[-1]
 
-    def set_budget(self, budget: torch.Tensor | None, row_budget: torch.Tensor | None = None) -> None:
+    def set_budget(self, budget: torch.Tensor | None, row_budget: torch.Tensor | None = None,
+                   frozen: torch.Tensor | None = None) -> None:
         """Entries each row and head may keep [B, H_kv] (None: unlimited), and each row's mean
         budget [B]; ``capacity`` and ``min_budget`` are derived here (one host sync, at the end of a
-        prefill or when rows move)."""
+        prefill or when rows move). ``frozen`` [B]: the entries of positions below it (the row's
+        prompt) are kept as they are (:meth:`frozen_entries`)."""
         self.budget = budget
         self.row_budget = row_budget
+        self.frozen = frozen
         if budget is None:
             self.capacity = self.min_budget = 0
         else:
@@ -204,6 +210,13 @@ class LayerStore(CacheLayerMixin):
     def live(self) -> torch.Tensor:
         """[B, H_kv, S] bool: slots holding an entry."""
         return self.bias > NEG_INF
+
+    def frozen_entries(self) -> torch.Tensor | None:
+        """[B, H_kv, S] bool: the live entries that are kept as they are (a kept prompt's), or None:
+        a compression never evicts them, and a merge never writes into them."""
+        if self.frozen is None:
+            return None
+        return (self.positions < self.frozen[:, None, None]) & self.live()
 
     def live_counts(self) -> torch.Tensor:
         """[B, H_kv] entries kept per row and head."""
@@ -260,7 +273,8 @@ class LayerStore(CacheLayerMixin):
         self.real_seen = self.real_seen.index_select(0, index)
         if self.budget is not None:
             row_budget = None if self.row_budget is None else self.row_budget.index_select(0, index)
-            self.set_budget(self.budget.index_select(0, index), row_budget)
+            frozen = None if self.frozen is None else self.frozen.index_select(0, index)
+            self.set_budget(self.budget.index_select(0, index), row_budget, frozen)
         if self.prefill_stats is not None:
             self.prefill_stats = self.prefill_stats.rows(index)
 
@@ -508,9 +522,11 @@ class LayerStore(CacheLayerMixin):
         out.pending = first.pending
         if first.budget is not None:
             row_budgets = [layer.row_budget for layer in layers]
+            frozen = [layer.frozen for layer in layers]
             out.set_budget(
                 torch.cat([layer.budget for layer in layers]),
                 None if any(b is None for b in row_budgets) else torch.cat(row_budgets),
+                None if any(f is None for f in frozen) else torch.cat(frozen),
             )
         return out
 

@@ -578,11 +578,15 @@ def plan_eviction(
     or, with the layer's own budgets, at most the tokens appended since its last compression
     (each compression leaves every row at its budget or under it, so none is further over it).
     That keeps a ragged batch's decode step (rows of unequal budgets) at the one entry a step
-    adds instead of S - min(budget). ``budget``: (budget [B, H_kv], its max, its min) to use
+    adds instead of S - min(budget). A kept prompt's entries (``layer.frozen_entries()``) rank
+    +inf: they always stay. ``budget``: (budget [B, H_kv], its max, its min) to use
     instead of the layer's (KVReviver's exact share).
     """
     own = budget is None
     budget, capacity, min_budget = budget or (layer.budget, layer.capacity, layer.min_budget)
+    frozen = layer.frozen_entries()
+    if frozen is not None:  # a kept prompt: its entries always stay (its row's budget counts them)
+        priority = priority.masked_fill(frozen, float("inf"))
     live = layer.live()
     size = live.shape[-1]
     most_dropped = max(0, size - min_budget)

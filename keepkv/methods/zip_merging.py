@@ -52,8 +52,11 @@ def nearest_kept(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge targets of a plan: (dst, merge), both [B, H_kv, E]: each evicted entry's most
     cosine-similar kept entry (among ``candidates`` [B, H_kv, S] if given, a subset of the kept
-    ones), and whether it is at least ``threshold`` similar."""
+    ones, never a kept prompt's), and whether it is at least ``threshold`` similar."""
     allowed = plan.kept if candidates is None else candidates
+    frozen = layer.frozen_entries()
+    if frozen is not None:  # a kept prompt's entries take no merge
+        allowed = allowed & ~frozen
     dst, sim = cosine_nearest(layer.keys, plan.evict_idx, allowed, plan.candidate_idx(layer.size))
     return dst, plan.evict_valid & (sim >= threshold)
 
