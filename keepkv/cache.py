@@ -347,6 +347,13 @@ class CompressedCache(Cache):
         mask cannot tell a block of padding from one real token (each query sees itself)."""
         self.prompt_mask = attention_mask.bool()
 
+    def adopt_prefix(self, layer_idx: int, store: LayerStore) -> None:
+        """Take ``store`` as layer ``layer_idx``: the first entries of a prompt whose statistics this
+        cache never saw (a serving engine's shared prefix, ``decoding="keep_prompt"``), which the
+        prompt's next block continues. The method registers its per-entry extras on it."""
+        self.layers[layer_idx] = store
+        self.method.setup_layer(store)
+
     @property
     def prefill_tokens(self) -> int:
         """Tokens of an announced chunked prompt (padding included); 0 when none was announced."""

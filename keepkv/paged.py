@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .budgets import budget_floor, capacity_bound, held_entries, layer_budgets, row_budgets, validate_budget
+from .budgets import (
+    budget_floor, capacity_bound, check_keep_prompt, held_entries, layer_budgets, row_budgets, validate_budget,
+)
 from .cache import CompressedCache
 from .methods import get_method
 from .store import NEG_INF, LayerStore
@@ -110,13 +112,18 @@ class PagedBatch:
     computed: list[int]
     prompt: list[int]
     block_table: torch.Tensor
-    first_block: list[int] | None = None  # [R] each request's first block: its key while it lives
+    first_block: list | None = None  # [R] each request's key while it lives (its first block)
     phases: list[str] | None = None
     plans: dict = field(default_factory=dict, repr=False)  # index tensors built at the step's first layer
+    # [R] where a prompt read in chunks finds its earlier chunks' state, and files this step's
+    # (None: first_block; keep_prompt: the last slot's block and the token count, see batch())
+    chunk_keys: list | None = None
 
     def __post_init__(self):
         if self.first_block is None:
             self.first_block = self.block_table[:, 0].tolist()
+        if self.chunk_keys is None:
+            self.chunk_keys = [(block, block) for block in self.first_block]
         if self.phases is None:
             self.phases = ["prefill" if done == 0 else "decode" for done in self.computed]
 
@@ -143,14 +150,22 @@ class PagedCompression:
         statistics summed chunk by chunk, and it is compressed at its first decode step, when
         it is known to be whole (the engine says only whether a prompt is still being read, so
         its last chunk is not known while it runs).
+    keep_prompt : bool
+        As ``CompressedCache(decoding="keep_prompt")``: a prompt is never compressed (its slots
+        are never written after its own steps wrote them, so an engine may share its blocks:
+        prefix caching), and ``budget`` (an int) of each request's generated entries are kept. A
+        prompt may start past a shared prefix; prompts are read as ``chunked`` ones.
     """
 
-    def __init__(self, config, method: str, budget: int | float, chunked: bool = False):
+    def __init__(self, config, method: str, budget: int | float, chunked: bool = False, keep_prompt: bool = False):
         validate_budget(budget)
         self.method = servable_method(method)
+        if keep_prompt:
+            check_keep_prompt(self.method, budget)
         self.config = config
         self.budget = budget
-        self.chunked = chunked
+        self.keep_prompt = keep_prompt
+        self.chunked = chunked or keep_prompt
         self.spec = method
         self.binary = self.method.merging.name == "none"  # evicting only: the bias is 0 or -inf
         self._layout = None  # (extras {name: trailing shape}, extra_fill), probed on first use
@@ -165,9 +180,19 @@ class PagedCompression:
         # (first block, layer) -> (method state, prefill statistics, extras so far) of a prompt read in chunks
         self.chunks: dict[tuple[int, int], tuple[dict, object, tuple[str, ...]]] = {}
         self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
+        # keep_prompt: a request's key is the block of its first generated slot (slot P, never
+        # shared: no block holding a generated entry is hashed), block -> prompt length P; and the
+        # chunk keys whose prompt has not reached its first decode step yet.
+        self._generated_blocks: dict[int, int] = {}
+        self._closing: set = set()
         self._lock = threading.Lock()
 
     # -- sizes, from token counts only -------------------------------------------------------
+    @property
+    def decoding(self) -> str:
+        """The decoding of the CompressedCache each step runs (``CompressedCache(decoding=...)``)."""
+        return "keep_prompt" if self.keep_prompt else "compress"
+
     def _probe(self):
         """The method's per-entry extras ({name: trailing shape}) and their fills, read from a
         3-token prefill and one decode step of a cache with the model's shapes (KeepKV adds its
@@ -213,6 +238,8 @@ class PagedCompression:
         """Entries per head ``layer`` of a request keeps once compressed: the cache's layer budget
         (``keepkv.budgets.layer_budgets``; the same for every head of a layer, and for every layer
         but PyramidKV's), fixed by the prompt's length."""
+        if prompt_length not in self._kept and self.keep_prompt:
+            self._kept[prompt_length] = [prompt_length + self.budget] * self.config.num_hidden_layers
         if prompt_length not in self._kept:
             budgets = layer_budgets(
                 self.method, self.config.num_hidden_layers, self.config.num_key_value_heads, self.budget,
@@ -232,7 +259,7 @@ class PagedCompression:
 
     def capacity(self, prompt_length: int) -> int:
         """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
-        return max(capacity_bound(self.method, prompt_length, self.budget, self.config))
+        return max(capacity_bound(self.method, prompt_length, self.budget, self.config, self.keep_prompt))
 
     def uncompressed(self, batch: "PagedBatch") -> list[int]:
         """The rows of ``batch`` that every layer holds whole after this step, each token in the
@@ -254,7 +281,7 @@ class PagedCompression:
     # -- one step -----------------------------------------------------------------------------
     def batch(
         self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
-        prefilling: list[bool] | None = None,
+        prefilling: list[bool] | None = None, block_size: int | None = None,
     ) -> PagedBatch:
         """The step's :class:`PagedBatch`.
 
@@ -267,13 +294,19 @@ class PagedCompression:
           then the step decodes;
         - "decode": one new token of a compressed request.
 
-        A request's prompt length is filed under its first block, which it holds until it ends.
+        A request's prompt length is filed under its first block, which it holds until it ends;
+        with ``keep_prompt`` (whose requests may share leading blocks) under the block of its first
+        generated slot (``block_size``: the engine's, needed then).
         """
         lengths = [end - start for start, end in zip(query_start, query_start[1:])]
         computed = [seq - length for seq, length in zip(seq_lens, lengths)]
-        first_blocks = block_table[: len(lengths), 0].tolist()
         if self.chunked and prefilling is None:
             raise ValueError("a chunked PagedCompression needs each request's prefilling flag")
+        if self.keep_prompt:
+            if block_size is None:
+                raise ValueError("a keep_prompt PagedCompression needs the engine's block_size")
+            return self._kept_prompt_batch(query_start, lengths, computed, block_table, prefilling, block_size)
+        first_blocks = block_table[: len(lengths), 0].tolist()
         phases = []
         with self._lock:
             for row, (block, done, length) in enumerate(zip(first_blocks, computed, lengths)):
@@ -301,6 +334,57 @@ class PagedCompression:
                     phases.append("decode")
             prompts = [self._prompts[block] or 0 for block in first_blocks]
         return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], first_blocks, phases)
+
+    def _kept_prompt_batch(self, query_start, lengths, computed, block_table, prefilling, block_size) -> PagedBatch:
+        """:meth:`batch` with ``keep_prompt``: requests may share their leading (prompt) blocks.
+
+        A prompt step is a "chunk" (it may start past a shared prefix); its state is filed under
+        (the block of its last slot, the tokens then held), which no other request writes, and its
+        next chunk or its first decode step ("close") finds it there. At the close, the request's
+        key becomes the block of its first generated slot P, never shared, filed with P; a decode
+        step finds its request's key as the first of its blocks filed at that very index (a block
+        filed for a request that has ended may come back later in another request's table, never
+        before its own key: a chunk step unfiles every block it writes).
+        """
+        tables = block_table[: len(lengths)].tolist()
+        phases, prompts, keys, chunk_keys = [], [], [], []
+        with self._lock:
+            for row, (table, done, length) in enumerate(zip(tables, computed, lengths)):
+                held = done + length
+                if prefilling[row] or length > 1:  # a resumed request replays its outputs too
+                    for index in range(done // block_size, (held - 1) // block_size + 1):
+                        self._generated_blocks.pop(table[index], None)  # rewritten: no longer a request's key
+                    earlier = (table[(done - 1) // block_size], done) if done else None
+                    chunk_key = (table[(held - 1) // block_size], held)
+                    self._closing.discard(earlier)
+                    self._closing.add(chunk_key)
+                    phases.append("chunk")
+                    prompts.append(0)
+                    keys.append(None)
+                    chunk_keys.append((earlier, chunk_key))
+                    continue
+                last = (done - 1) // block_size  # the block of the prompt's last slot, if it just closed
+                earlier = (table[last] if last < len(table) else None, done)
+                if earlier in self._closing:
+                    self._closing.discard(earlier)
+                    self._generated_blocks[table[done // block_size]] = done
+                    phases.append("close")
+                    prompts.append(done)
+                    keys.append(table[done // block_size])
+                    chunk_keys.append((earlier, None))
+                    continue
+                prompt = next((self._generated_blocks[block] for index, block in enumerate(table[: done // block_size + 1])
+                               if self._generated_blocks.get(block, -1) // block_size == index
+                               and self._generated_blocks[block] <= done), None)
+                if prompt is None:
+                    raise ValueError(f"paged: a decode step ({done} tokens held) of a request whose prompt this "
+                                     "PagedCompression never read")
+                phases.append("decode")
+                prompts.append(prompt)
+                keys.append(table[prompt // block_size])
+                chunk_keys.append((None, None))
+        return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], keys, phases,
+                          chunk_keys=chunk_keys)
 
     def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float, layer: int = 0):
         """One attention call of every request in ``batch``, for the model's layer ``layer``.
@@ -331,6 +415,8 @@ class PagedCompression:
                     [r for r in decodes if r not in compressing]]
             batch.plans["groups"] = groups = [_Group.build(batch, group, interval, device) for group in rows if group]
             for group in groups:  # each request's row of the state slabs (a new request: the next free)
+                if group.phase == "chunk":  # a prompt's chunk files its state by its chunk key
+                    continue
                 slab_rows = [self._state_rows.setdefault(batch.first_block[r], len(self._state_rows)) for r in group.rows]
                 group.state_rows = torch.tensor(slab_rows, device=device)
         return batch.plans["groups"]
@@ -348,13 +434,17 @@ class PagedCompression:
         new_query = query[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H, q, D]
         new_keys = key[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H_kv, q, D]
         new_values = value[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)
-        keys = [(batch.first_block[r], layer) for r in rows]
+        earlier, chunk_key = batch.chunk_keys[rows[0]]  # where a prompt's chunks file their state
 
-        cache = CompressedCache(self.config, self.method, self.budget)
+        cache = CompressedCache(self.config, self.method, self.budget, decoding=self.decoding)
         if group.phase in ("prefill", "chunk") and group.seen == 0:
             cache.layers[layer].lazy_initialization(new_keys, new_values)
+        elif group.phase == "chunk" and self.keep_prompt and (earlier, layer) not in self.chunks:
+            # A prompt past a prefix another request wrote (prefix caching): its entries, no statistics.
+            sizes = group.sizes(self, batch, layer, after=False)
+            cache.adopt_prefix(layer, self._gather(kv_cache, batch, group, sizes, new_keys, layer, ()))
         elif group.phase in ("chunk", "close"):  # the prompt so far, whole, and what its chunks summed
-            state, stats, extras = self.chunks.pop(keys[0])
+            state, stats, extras = self.chunks.pop((earlier, layer))
             store = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer, extras)
             store.state.update(state)
             store.prefill_stats = stats
@@ -376,7 +466,7 @@ class PagedCompression:
         else:
             self._write(kv_cache, batch, group, store, group.sizes(self, batch, layer, after=True))
         if group.phase == "chunk":
-            self.chunks[keys[0]] = (dict(store.state), self._trimmed(store.prefill_stats), tuple(store.extras))
+            self.chunks[chunk_key, layer] = (dict(store.state), self._trimmed(store.prefill_stats), tuple(store.extras))
         else:
             self._keep_states(store.state, group, layer)
 
@@ -475,8 +565,8 @@ class PagedCompression:
         )
         if reading:
             return store
-        kept, mean = group.budgets(self, batch, layer)
-        store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), mean)  # as CompressedCache._end_prefill
+        kept, mean, frozen = group.budgets(self, batch, layer)
+        store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), mean, frozen)  # as CompressedCache._end_prefill
         return store
 
     def _write(self, kv_cache, batch: PagedBatch, group: "_Group", layer: LayerStore, sizes: tuple) -> None:
@@ -485,7 +575,7 @@ class PagedCompression:
         one index_copy_ into the cache, over slot indices built once per step, no host sync (which
         slots a step's eviction or merge changed is data; writing every kept slot is not)."""
         kv_heads, block_size, slot_words = kv_cache.shape[1:]
-        slots = group.slots(sizes, kv_heads, block_size)
+        slots = group.slots(sizes, kv_heads, block_size, group.starts(self, batch))
         index, _ = slots_of(layer.live(), max(sizes))  # [R, H_kv, W] live slots first, in slot order
         dtype = kv_cache.dtype
         packed = torch.cat([layer.keys.to(dtype), layer.values.to(dtype), self._meta_words(layer).view(dtype)], dim=-1)
@@ -524,7 +614,7 @@ class PagedCompression:
         """
         kv_heads, block_size, slot_words = kv_cache.shape[1:]
         sizes = group.sizes(self, batch, layer_idx, after=True)
-        slots = group.slots(sizes, kv_heads, block_size)
+        slots = group.slots(sizes, kv_heads, block_size, group.starts(self, batch))
         rows, _, size = layer.bias.shape  # [R, H_kv, S']
         width = max(sizes)
         live = layer.live()
@@ -545,7 +635,7 @@ class PagedCompression:
         flat = kv_cache.view(-1, slot_words)  # vLLM's per-layer cache is one contiguous tensor
         content = meta.view(-1, meta.shape[-1]).index_select(0, meta_rows.flatten()).view(kv_cache.dtype)
         flat[:, 2 * head_dim : 2 * head_dim + meta_width].index_copy_(0, slots.written, content)
-        # Keys and values of the changed slots only; the rest (padding) rewrite slot 0 with its own.
+        # Keys and values of the changed slots only; the rest (padding) rewrite a slot with its own.
         old_positions, old_bias = (t[..., :width] for t in before)
         if width > old_positions.shape[-1]:  # slots the row did not hold before: empty then
             pad = width - old_positions.shape[-1]
@@ -555,7 +645,8 @@ class PagedCompression:
         changed &= slot[:width] < after
         bound = group.changed_bound(group.sizes(self, batch, layer_idx, after=False), sizes, (before[0].shape[-1], size))
         index, is_changed = slots_of(changed, bound)
-        index = index.where(is_changed, 0)  # [R, H_kv, C]
+        starts = group.starts(self, batch)  # padding rewrites a slot the step may write, with its own
+        index = index.where(is_changed, 0 if starts is None else group.size_tensor(starts))  # [R, H_kv, C]
         take = source.gather(-1, index)[..., None].expand(-1, -1, -1, head_dim)
         key_value = torch.cat([layer.keys.gather(2, take), layer.values.gather(2, take)], dim=-1).to(kv_cache.dtype)
         flat[:, : 2 * head_dim].index_copy_(0, slots.flat.gather(-1, index).flatten(), key_value.view(-1, 2 * head_dim))
@@ -628,24 +719,28 @@ class _Group:
             computed=torch.tensor(computed, device=device), seen=max(computed), cache={},
         )
 
-    def slots(self, sizes: tuple, kv_heads: int, block_size: int) -> _Slots:
-        """The rows' first ``sizes`` slots (:class:`_Slots`), built at the first layer that asks."""
-        if sizes not in self.cache:
+    def slots(self, sizes: tuple, kv_heads: int, block_size: int, starts: tuple | None = None) -> _Slots:
+        """The rows' first ``sizes`` slots (:class:`_Slots`; the pairs it writes from ``starts``, per
+        row, if given), built at the first layer that asks."""
+        if (sizes, starts) not in self.cache:
             device = self.table.device
-            width, total = max(sizes), sum(sizes)
+            width = max(sizes)
             count = torch.tensor(sizes)
+            first = torch.zeros_like(count) if starts is None else torch.tensor(starts).clamp(max=count)
+            written_count = count - first
+            total = int(written_count.sum())
             slot = torch.arange(width)
             valid = slot < count[:, None]  # [R, S]
             blocks = self.table.cpu()[:, slot // block_size].where(valid, 0)
             heads = torch.arange(kv_heads)
             flat = (blocks[:, None, :] * kv_heads + heads[None, :, None]) * block_size + (slot % block_size)
-            # The (row, slot) pairs within sizes, from the host's sizes (no device sync):
-            row = torch.repeat_interleave(torch.arange(len(sizes)), count, output_size=total)
-            slot_of_row = torch.arange(total) - (count.cumsum(0) - count)[row]
+            # The (row, slot) pairs it writes, from the host's sizes (no device sync):
+            row = torch.repeat_interleave(torch.arange(len(sizes)), written_count, output_size=total)
+            slot_of_row = torch.arange(total) - (written_count.cumsum(0) - written_count)[row] + first[row]
             written = flat[row, :, slot_of_row].flatten()
-            self.cache[sizes] = _Slots(*(t.to(device) for t in (
+            self.cache[sizes, starts] = _Slots(*(t.to(device) for t in (
                 flat, ~valid[:, None, :].expand(-1, kv_heads, -1), row, slot_of_row, written, heads)))
-        return self.cache[sizes]
+        return self.cache[sizes, starts]
 
     def reads(self, sizes: tuple, spare: int, slots: "_Slots") -> torch.Tensor:
         """[R·H_kv·(S + spare)] rows of ``kv_cache.view(-1, C)``: each row and head's first ``sizes``
@@ -695,13 +790,26 @@ class _Group:
             self.cache[key] = tuple(held(r, length) for r, length in zip(self.rows, self.lengths))
         return self.cache[key]
 
-    def budgets(self, paged: PagedCompression, batch: PagedBatch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([R] entries layer ``layer`` keeps, [R] mean budgets), as CompressedCache._end_prefill sets them."""
+    def budgets(self, paged: PagedCompression, batch: PagedBatch, layer: int) -> tuple:
+        """([R] entries layer ``layer`` keeps, [R] mean budgets, [R] kept prompts or None), as
+        CompressedCache._end_prefill sets them."""
         key = ("budgets", layer)
         if key not in self.cache:
-            prompts = [batch.prompt[r] for r in self.rows]
+            prompts = torch.tensor([batch.prompt[r] for r in self.rows])
             device = self.table.device
-            kept = torch.tensor([paged.kept(p, layer) for p in prompts], device=device)
-            mean = row_budgets(paged.budget, torch.tensor(prompts), budget_floor(paged.method)).to(device)
-            self.cache[key] = (kept, mean)
+            kept = torch.tensor([paged.kept(p, layer) for p in prompts.tolist()], device=device)
+            if paged.keep_prompt:  # the generated entries' budget, and the prompt kept whole
+                self.cache[key] = (kept, torch.full_like(prompts, paged.budget).to(device), prompts.to(device))
+            else:
+                mean = row_budgets(paged.budget, prompts, budget_floor(paged.method)).to(device)
+                self.cache[key] = (kept, mean, None)
         return self.cache[key]
+
+    def starts(self, paged: PagedCompression, batch: PagedBatch) -> tuple | None:
+        """The first slot of each row that a step may write (None: slot 0): with ``keep_prompt`` the
+        slots a prompt's earlier steps (or another request, a shared prefix) wrote are never
+        written again, so a prompt step writes from its first new token and a decode step from
+        the first generated slot."""
+        if not paged.keep_prompt:
+            return None
+        return tuple(batch.prompt[r] if self.phase == "decode" else batch.computed[r] for r in self.rows)

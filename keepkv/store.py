@@ -194,10 +194,17 @@ class LayerStore(CacheLayerMixin):
         """Entries each row and head may keep [B, H_kv] (None: unlimited), and each row's mean
         budget [B]; ``capacity`` and ``min_budget`` are derived here (one host sync, at the end of a
         prefill or when rows move). ``frozen`` [B]: the entries of positions below it (the row's
-        prompt) are kept as they are (:meth:`frozen_entries`)."""
+        prompt) are kept as they are (:meth:`frozen_entries`), unscored: their extras go back to
+        their fill values and no later ``add_to`` or ``overwrite`` changes them."""
         self.budget = budget
         self.row_budget = row_budget
+        newly_frozen = frozen is not None and self.frozen is None
         self.frozen = frozen
+        if newly_frozen:
+            mask = self.frozen_entries()
+            for name in self.extras:
+                current = self._tensors[f"extras.{name}"]
+                current.masked_fill_(mask.view(*mask.shape, *(1,) * (current.dim() - 3)), self._extra_fill[name])
         if budget is None:
             self.capacity = self.min_budget = 0
         else:
@@ -352,13 +359,21 @@ class LayerStore(CacheLayerMixin):
 
     def overwrite(self, **tensors: torch.Tensor) -> None:
         """Overwrite whole tensors (name -> [B, H_kv, S, ...] of the stored shape), in place."""
+        frozen = self.frozen_entries()
         for name, tensor in tensors.items():
-            self._tensors[self._name(name)].copy_(tensor)
+            current = self._tensors[self._name(name)]
+            if frozen is not None:  # a kept prompt's entries stay as they are
+                tensor = tensor.where(~frozen.view(*frozen.shape, *(1,) * (current.dim() - 3)), current)
+            current.copy_(tensor)
         self._binary &= "bias" not in tensors
 
     def add_to(self, name: str, delta: torch.Tensor) -> None:
         """Add ``delta`` [B, H_kv, S, ...] to a stored tensor (a method's accumulated scores), in place."""
-        self._tensors[self._name(name)].add_(delta)
+        current = self._tensors[self._name(name)]
+        frozen = self.frozen_entries()
+        if frozen is not None:  # a kept prompt's entries stay as they are
+            delta = delta.masked_fill(frozen.view(*frozen.shape, *(1,) * (current.dim() - 3)), 0)
+        current.add_(delta)
         self._binary &= name != "bias"
 
     def reload(self, keys: torch.Tensor, values: torch.Tensor, is_real: torch.Tensor) -> None:

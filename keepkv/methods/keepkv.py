@@ -337,6 +337,9 @@ class KeepKVMerge(ZipMerge):
         # logaddexp on a strided view (the buffers' spare slots) is slow on CPU, so it reads a
         # contiguous copy and copies the result back (docs/performance.md has the figure).
         empty = ~live
+        frozen = layer.frozen_entries()
+        if frozen is not None:  # a kept prompt is unscored: its EMA stays at its fill (LayerStore.set_budget)
+            empty = empty | frozen
         for state, fresh, mask in ((ema_s, new_s, empty[:, :, None]), (layer.extras["ema_log_n"], new_n, empty)):
             state.copy_(torch.logaddexp(state.contiguous().add_(decay), fresh).masked_fill_(mask, NEG_INF))
         layer.state["query"] = queries[:, :, :, -1].clone()  # [B, H_kv, g, D]; not a view that holds the block

@@ -1,0 +1,134 @@
+"""The paged adapter with keep_prompt: requests whose prompts share leading blocks (an engine's
+prefix caching) decode as their own CompressedCache(decoding="keep_prompt"), never write a
+prompt's slots after the prompt's own step, and hold at most prompt + budget + interval slots."""
+
+import math
+
+import pytest
+import torch
+
+from keepkv import CompressedCache
+from keepkv.paged import PagedCompression
+
+from test_paged import BLOCK, CONFIG, HEAD_DIM, KV_HEADS, SCALING, alone, tokens
+
+pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")
+# Served methods with observation windows that a budget of 8 generated entries holds.
+METHODS = ["snapkv+window=4", "keepkv+selection.window=4", "h2o+interval=3", "window", "streamingllm",
+           "pyramidkv+window=4", "keydiff", "keepkv+selection.window=4+interval=3"]
+
+
+class SharingEngine:
+    """A block pool whose requests may start on another request's full prompt blocks (a prefix
+    cache hit): they then skip those tokens, as vLLM does. Unused slots hold garbage."""
+
+    def __init__(self, paged: PagedCompression, blocks: int = 96, seed: int = 0):
+        self.paged = paged
+        generator = torch.Generator().manual_seed(seed)
+        words = 2 * HEAD_DIM + paged.meta_words
+        self.kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, words, generator=generator)
+        self.free = torch.randperm(blocks - 1, generator=generator).add(1).tolist()
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.prompt: dict[int, int] = {}
+
+    def admit(self, request: int, prompt: int, shared_from: int | None = None, shared_blocks: int = 0) -> int:
+        """A new request of ``prompt`` tokens; its first ``shared_blocks`` blocks are those of request
+        ``shared_from``. Returns the tokens already computed (the shared prefix)."""
+        self.tables[request] = list(self.tables[shared_from][:shared_blocks]) if shared_blocks else []
+        self.computed[request] = shared_blocks * BLOCK
+        self.prompt[request] = prompt
+        return self.computed[request]
+
+    def step(self, new: dict, layer: int = 0) -> dict:
+        requests = list(new)
+        for request in requests:
+            held = min(self.computed[request] + new[request][0].shape[0], self.paged.capacity(self.prompt[request]))
+            while len(self.tables[request]) < math.ceil(held / BLOCK):
+                self.tables[request].append(self.free.pop())
+        width = max(len(self.tables[r]) for r in requests)
+        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests], dtype=torch.int32)
+        starts = [0]
+        for request in requests:
+            starts.append(starts[-1] + new[request][0].shape[0])
+        seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
+        prefilling = [self.computed[r] < self.prompt[r] for r in requests]
+        batch = self.paged.batch(starts, seq_lens, table, prefilling, block_size=BLOCK)
+        query, key, value = (torch.cat([new[r][i] for r in requests]) for i in range(3))
+        output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING, layer)
+        for request, length in zip(requests, batch.query_lengths):
+            self.computed[request] += length
+        return {r: output[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}
+
+
+def _feed(cache, chunk):
+    query, key, value = chunk
+    return alone(cache, query, key, value)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_requests_sharing_a_prefix_decode_as_alone_and_never_write_it(method):
+    """Request 0 reads a 13-token prompt; request 1 starts on its first 3 blocks (12 tokens) and reads
+    5 more; request 2 reads its own 6. Each decodes 30 tokens, past its budget of 8 generated
+    entries: every output equals its own CompressedCache(decoding="keep_prompt") fed its whole
+    prompt, the shared blocks keep the bytes request 0's prompt step wrote, and no request holds
+    more blocks than its capacity."""
+    generator = torch.Generator().manual_seed(3)
+    paged = PagedCompression(CONFIG, method, 8, keep_prompt=True)
+    engine = SharingEngine(paged)
+    references = {r: CompressedCache(CONFIG, method, 8, decoding="keep_prompt") for r in range(3)}
+    prompt0 = tokens(generator, 13)
+    for request, prompt in ((0, 13), (2, 6)):
+        engine.admit(request, prompt)
+    own1 = tokens(generator, 5)
+    prompts = {0: prompt0, 2: tokens(generator, 6)}
+    outputs = engine.step(prompts)
+    for request in (0, 2):
+        torch.testing.assert_close(outputs[request], _feed(references[request], prompts[request]), rtol=1e-5, atol=1e-5)
+    shared = engine.tables[0][:3]
+    written = engine.kv_cache[shared].clone()
+    engine.admit(1, 17, shared_from=0, shared_blocks=3)
+    references[1].start_prefill(torch.ones(1, 17, dtype=torch.bool))  # a prompt fed in two blocks
+    _feed(references[1], tuple(t[:12] for t in prompt0))  # the prefix, as request 0 wrote it
+    for step in range(31):
+        new = {r: tokens(generator, 1) for r in (0, 2)}
+        new[1] = own1 if step == 0 else tokens(generator, 1)
+        outputs = engine.step(new)
+        for request, chunk in new.items():
+            torch.testing.assert_close(outputs[request], _feed(references[request], chunk), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, s=step, r=request: f"step {s} request {r}: {m}")
+        assert torch.equal(engine.kv_cache[shared], written), "a shared prompt block was written"
+    for request in range(3):
+        prompt = engine.prompt[request]
+        live = references[request].layers[0].live_counts()
+        assert int(live.max()) == paged.stored(prompt, engine.computed[request]) <= prompt + 8 + paged.method.interval
+        assert len(engine.tables[request]) <= math.ceil(paged.capacity(prompt) / BLOCK)
+
+
+def test_a_prompt_read_in_chunks_then_shared():
+    """A prompt read in three chunks closes at its first decode step; a later request on its blocks
+    decodes as alone."""
+    generator = torch.Generator().manual_seed(4)
+    paged = PagedCompression(CONFIG, "snapkv+window=4", 8, keep_prompt=True)
+    engine = SharingEngine(paged)
+    reference = CompressedCache(CONFIG, "snapkv+window=4", 8, decoding="keep_prompt")
+    reference.start_prefill(torch.ones(1, 14, dtype=torch.bool))
+    engine.admit(0, 14)
+    chunks = [tokens(generator, n) for n in (5, 5, 4)]
+    for chunk in chunks:
+        out = engine.step({0: chunk})[0]
+        torch.testing.assert_close(out, _feed(reference, chunk), rtol=1e-5, atol=1e-5)
+    for _ in range(12):
+        chunk = tokens(generator, 1)
+        torch.testing.assert_close(engine.step({0: chunk})[0], _feed(reference, chunk), rtol=1e-5, atol=1e-5)
+    assert paged.stored(14, engine.computed[0]) == int(reference.layers[0].live_counts().max())
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="give an int"):
+        PagedCompression(CONFIG, "snapkv", 0.1, keep_prompt=True)
+    paged = PagedCompression(CONFIG, "snapkv+window=4", 8, keep_prompt=True)
+    with pytest.raises(ValueError, match="block_size"):
+        paged.batch([0, 3], [3], torch.ones(1, 1, dtype=torch.int32), [True])
+    with pytest.raises(ValueError, match="never read"):
+        paged.batch([0, 1], [9], torch.ones(1, 3, dtype=torch.int32), [False], block_size=BLOCK)
