@@ -31,8 +31,8 @@ def test_only_servable_methods_pass_and_the_refusal_names_them(method):
     ({"method": "snapkv", "budget": 1.5}, "budget"),
     ({"method": "snapkv+bogus=1", "budget": 0.1}, "unknown parameter"),
     ({"method": "snapkv+merge=zip", "budget": 0.1}, "merge none or keepkv"),
-    ({"budget": 0.1}, 'takes "method" and "budget"'),
-    ({"method": "snapkv", "window": 3}, 'takes "method" and "budget"'),
+    ({"budget": 0.1}, 'takes "method", "budget" and "keep_prompt"'),
+    ({"method": "snapkv", "window": 3}, 'takes "method", "budget" and "keep_prompt"'),
     ("snapkv", "is a dict"),
 ])
 def test_bad_settings_are_refused_in_one_line(given, message):
@@ -264,3 +264,36 @@ def test_serve_says_it_is_warming_up_until_the_server_is_ready(monkeypatch, caps
     lines = captured.err.splitlines()
     assert lines[0].startswith("keepkv serve: warming up, ") and lines[-1].startswith("keepkv serve: ready after ")
     assert lines[-1].endswith(" s at http://localhost:8000/v1") and len(lines) >= 3
+
+
+def test_keep_prompt_serves_with_prefix_caching_and_counts_generated_entries(tmp_path, monkeypatch):
+    """--keep-prompt: the config says so, prefix caching is left on (and may be asked for), chunked
+    prefill is still turned off, and the budget is the generated entries kept (256 by default)."""
+    model = tmp_path / "SmolLM2-135M-Instruct"
+    model.mkdir()
+    argv, _ = command(["--model", str(model), "--method", "snapkv", "--keep-prompt"], monkeypatch=monkeypatch)
+    assert json.loads(argv[argv.index("--additional-config") + 1]) == {
+        "keepkv": {"method": "snapkv", "budget": 256, "keep_prompt": True}}
+    assert "--no-enable-prefix-caching" not in argv and "--no-enable-chunked-prefill" in argv
+    argv, _ = command(["--model", str(model), "--method", "keepkv", "--keep-prompt", "--budget", "64",
+                       "--enable-prefix-caching"], monkeypatch=monkeypatch)
+    assert json.loads(argv[argv.index("--additional-config") + 1])["keepkv"]["budget"] == 64
+    with pytest.raises(ValueError, match="give an int"):
+        command(["--model", str(model), "--keep-prompt", "--budget", "0.1"], monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match="prefix caching.*--keep-prompt"):
+        command(["--model", str(model), "--enable-prefix-caching"], monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match="drop --budget and --keep-prompt"):
+        command(["--model", str(model), "--method", "full", "--keep-prompt"], monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"method": "snapkv", "budget": 0.3, "keep_prompt": True}, "give an int"),
+    ({"method": "snapkv", "budget": 16, "keep_prompt": True}, "fewer than snapkv's 32 protected"),
+    ({"method": "snapkv", "budget": 64, "keep_prompt": "yes"}, "must be true or false"),
+])
+def test_keep_prompt_settings_are_checked(given, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        check(given)
+    assert "\n" not in str(raised.value)
+    assert check({"method": "keydiff", "keep_prompt": True}) == {"method": "keydiff", "budget": 256, "keep_prompt": True}
+    assert check({"method": "snapkv", "budget": 64, "keep_prompt": False}) == {"method": "snapkv", "budget": 64}

