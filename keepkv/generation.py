@@ -257,6 +257,9 @@ def compress(
     chat = as_bool("chat", chat)
     prefill_chunk = as_int("prefill_chunk", prefill_chunk, 1, none_ok=True)
     method_of(method, method_params)
+    if decoding == "keep_prompt":
+        raise ValueError("keepkv.compress compresses the context: decoding must be 'append' or 'compress' "
+                         "(keep_prompt keeps a prompt whole: keepkv.generate or CompressedCache)")
     cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
     check_budget_holds(cache.method, cache.budget)
     cache.method.prepare(model)
@@ -328,7 +331,8 @@ def generate(
     decoding : str
         "compress" (default): the method keeps the budget while the answer is generated.
         "append": the prompt is compressed once and the answer's tokens are appended
-        uncompressed (``CompressedCache``).
+        uncompressed. "keep_prompt": the prompt is kept whole and the method keeps ``budget``
+        (an int) of the answer's entries (``CompressedCache``).
     **method_params
         Parameters of the method.
 

@@ -126,3 +126,23 @@ def test_every_kept_prompt_method_is_accepted():
     for method in KEEP_PROMPT_METHODS:
         assert get_method(method).merging.name in KEEP_PROMPT_MERGES
         check_keep_prompt(get_method(method), 40)
+
+
+def test_compress_refuses_keep_prompt():
+    from conftest import char_tokenizer
+
+    with pytest.raises(ValueError, match="keepkv.compress compresses the context") as error:
+        keepkv.compress(MODEL, char_tokenizer(), "some context", method="snapkv", budget=64, decoding="keep_prompt")
+    assert "\n" not in str(error.value)
+
+
+def test_generate_keeps_the_prompt_and_answers():
+    """keepkv.generate(decoding="keep_prompt") through the public API: the answer of a budget that
+    holds every generated token is the full cache's."""
+    from conftest import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    full = keepkv.generate(MODEL, tokenizer, "a prompt of some length", method="full", max_new_tokens=16, chat=False)
+    kept = keepkv.generate(MODEL, tokenizer, "a prompt of some length", method="snapkv", budget=64,
+                           decoding="keep_prompt", max_new_tokens=16, chat=False)
+    assert kept == full and len(kept[0]) > 0

@@ -9,6 +9,13 @@ once; the engine is stepped by hand to record how many run concurrently. Prompts
 the Python standard library's sources, each request its own; ``--ragged`` spreads their lengths
 over half to 1.5 times ``--prompt-len`` (a serving mix: unequal budgets in one batch). Run in
 the serving venv.
+
+With ``--shared-prefix N`` every prompt starts with the same N tokens (a shared system prompt or
+document), prefix caching is on for every engine (stock vLLM shares those blocks too), and the
+methods run with ``--keep-prompt`` (prompts kept whole, ``--budget`` generated entries kept)::
+
+    python -m keepkv.vllm.bench --shared-prefix 1024 --prompt-len 32 --requests 16 --gen-len 512 \
+        --full-requests 2 --methods snapkv,keepkv --budget 64
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ def stdlib_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 
 def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None,
-               chunked_prefill: bool = False) -> dict:
+               chunked_prefill: bool = False, prefix_caching: bool = False) -> dict:
     """Serve every prompt at once with ``blocks`` KV blocks; tokens/s and peak concurrency.
     ``progress(finished, total, generated, seconds)`` is called every few seconds while it runs.
     ``chunked_prefill``: vLLM's chunked prefill, with its CPU default of tokens per step."""
@@ -62,7 +69,8 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
 
     args = dict(
         model=model_dir, dtype="float32", max_model_len=max(map(len, prompts)) + gen_len, enforce_eager=True,
-        enable_prefix_caching=False, enable_chunked_prefill=chunked_prefill, num_gpu_blocks_override=blocks, seed=0,
+        enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill, num_gpu_blocks_override=blocks,
+        seed=0,
         block_size=BLOCK_SIZE,
         max_num_seqs=256,
     )
@@ -77,13 +85,14 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-    peak, steps, generated, finished, shown = 0, 0, 0, 0, start
+    peak, steps, generated, finished, cached, shown = 0, 0, 0, 0, 0, start
     so_far: dict[str, int] = {}  # request -> tokens generated so far (for progress)
     while engine.has_unfinished_requests():
         for output in engine.step():
             so_far[output.request_id] = len(output.outputs[0].token_ids)
             if output.finished:
                 generated += len(output.outputs[0].token_ids)
+                cached += output.num_cached_tokens or 0  # vLLM's prefix-cache hits
                 finished += 1
         peak = max(peak, len(scheduler.running))
         steps += 1
@@ -97,6 +106,7 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     gc.collect()
     return {
         "method": keepkv["method"] if keepkv else "full (stock vLLM)",
+        "prefix_cache_hit_tokens": cached if prefix_caching else None,
         "blocks": blocks, "kv_bytes": blocks * block_bytes, "peak_running": peak, "steps": steps,
         "seconds": round(seconds, 2), "generated_tokens": generated, "tokens_per_s": round(generated / seconds, 2),
     }
@@ -105,7 +115,11 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m keepkv.vllm.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="snapkv,window,streamingllm", help="comma-separated keepkv methods")
-    parser.add_argument("--budget", type=float, default=0.1, help="fraction of each prompt kept (default 0.1)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="fraction of each prompt kept (default 0.1); with --shared-prefix, generated entries kept "
+                        "per request (an int, default 256)")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                        help="every prompt starts with the same N tokens; prefix caching on, methods keep prompts whole")
     parser.add_argument("--requests", type=int, default=32, help="requests submitted at once (default 32)")
     parser.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
     parser.add_argument("--ragged", action="store_true",
@@ -119,7 +133,14 @@ def main(argv=None) -> None:
     for name in ("requests", "prompt_len", "gen_len", "full_requests"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 < args.budget <= 1:
+    keep_prompt = args.shared_prefix > 0
+    if args.budget is None:
+        args.budget = 256 if keep_prompt else 0.1
+    if keep_prompt and (args.budget != int(args.budget) or args.budget < 1):
+        parser.error("--budget with --shared-prefix is the generated entries kept: an int >= 1")
+    if keep_prompt:
+        args.budget = int(args.budget)
+    elif not 0 < args.budget <= 1:
         parser.error("--budget must be in (0, 1]")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler is read in-process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -132,18 +153,27 @@ def main(argv=None) -> None:
     model_dir = tempfile.mkdtemp(prefix="keepkv-vllm-")
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    prompts = stdlib_prompts(tokenizer, prompt_lengths(args.requests, args.prompt_len, args.ragged))
+    lengths = prompt_lengths(args.requests + (1 if keep_prompt else 0), args.prompt_len, args.ragged)
+    if keep_prompt:  # one more stdlib file: the shared prefix
+        lengths[-1] = args.shared_prefix
+    prompts = stdlib_prompts(tokenizer, lengths)
+    if keep_prompt:
+        prefix = prompts.pop()
+        prompts = [prefix + prompt for prompt in prompts]
+    request_len = args.shared_prefix + args.prompt_len
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     stock_slot = 2 * head_dim * 4  # fp32 key + value per head
-    full_blocks = args.full_requests * math.ceil((args.prompt_len + args.gen_len) / BLOCK_SIZE)
+    full_blocks = args.full_requests * math.ceil((request_len + args.gen_len) / BLOCK_SIZE)
     engines = [(None, full_blocks)]
     for method in args.methods.split(","):
-        paged = PagedCompression(config, method, args.budget)
+        paged = PagedCompression(config, method, args.budget, keep_prompt=keep_prompt)
         slot = paged.content_bytes(head_dim, model.dtype)
-        engines.append(({"method": method, "budget": args.budget}, full_blocks * stock_slot // slot))  # same bytes
+        settings = {"method": method, "budget": args.budget} | ({"keep_prompt": True} if keep_prompt else {})
+        engines.append((settings, full_blocks * stock_slot // slot))  # same bytes
     run_all(engines, lambda keepkv, blocks, progress: run_engine(
-        model_dir, prompts, args.gen_len, blocks, keepkv, progress, args.chunked_prefill), vars(args), args.json)
+        model_dir, prompts, args.gen_len, blocks, keepkv, progress, args.chunked_prefill, keep_prompt),
+        vars(args), args.json)
 
 
 def run_all(engines, run, settings: dict, json_path: str | None, out=None, err=None) -> list[dict]:
