@@ -347,11 +347,22 @@ class CompressedCache(Cache):
         mask cannot tell a block of padding from one real token (each query sees itself)."""
         self.prompt_mask = attention_mask.bool()
 
-    def adopt_prefix(self, layer_idx: int, store: LayerStore) -> None:
-        """Take ``store`` as layer ``layer_idx``: the first entries of a prompt whose statistics this
-        cache never saw (a serving engine's shared prefix, ``decoding="keep_prompt"``), which the
-        prompt's next block continues. The method registers its per-entry extras on it."""
+    def adopt_layer(self, layer_idx: int, store: LayerStore) -> None:
+        """Put ``store`` in as layer ``layer_idx``: entries built outside the cache
+        (``LayerStore.from_entries``, a serving engine's gathered slots; ``LayerStore.resume`` for
+        what the sequence had besides its entries), which the next ``forward_layer`` appends to.
+        ValueError, nothing changed, for a store of another layer or one with no entries."""
+        if not isinstance(store, LayerStore) or not store.is_initialized or store.layer_idx != layer_idx:
+            got = (f"a store of layer {store.layer_idx}" + ("" if store.is_initialized else ", empty")
+                   if isinstance(store, LayerStore) else shown(store))
+            raise ValueError(f"adopt_layer({layer_idx}): needs a LayerStore of layer {layer_idx} holding entries, got {got}")
         self.layers[layer_idx] = store
+
+    def adopt_prefix(self, layer_idx: int, store: LayerStore) -> None:
+        """:meth:`adopt_layer` for the first entries of a prompt whose statistics this cache never
+        saw (a serving engine's shared prefix, ``decoding="keep_prompt"``), which the prompt's next
+        block continues: the method registers its per-entry extras on it, as at a first token."""
+        self.adopt_layer(layer_idx, store)
         self.method.setup_layer(store)
 
     @property

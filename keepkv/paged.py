@@ -27,10 +27,10 @@ so neither side ever reads a size back from the other.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -168,7 +168,6 @@ class PagedCompression:
         self.chunked = chunked or keep_prompt
         self.spec = method
         self.binary = self.method.merging.name == "none"  # evicting only: the bias is 0 or -inf
-        self._layout = None  # (extras {name: trailing shape}, extra_fill), probed on first use
         # The method's per-layer state of each request (KeepKV: its lost votes): per-row tensors in
         # one slab per layer and name, a row per request (its first block's), so a step files and
         # reads a group's rows with one index_copy_ and one index_select each; anything else (a
@@ -193,37 +192,23 @@ class PagedCompression:
         """The decoding of the CompressedCache each step runs (``CompressedCache(decoding=...)``)."""
         return "keep_prompt" if self.keep_prompt else "compress"
 
-    def _probe(self):
-        """The method's per-entry extras ({name: trailing shape}) and their fills, read from a
-        3-token prefill and one decode step of a cache with the model's shapes (KeepKV adds its
-        EMA, whose trailing dimension is the GQA group, at its first observation)."""
-        if self._layout is None:
-            config = self.config
-            heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-            cache = CompressedCache(config, self.method, 1)
-            generator = torch.Generator().manual_seed(0)
-            for block in (3, 1):
-                query = torch.randn(1, heads, block, head_dim, generator=generator)
-                key, value = (torch.randn(1, kv_heads, block, head_dim, generator=generator) for _ in range(2))
-                if block == 3:
-                    cache.layers[0].lazy_initialization(key, value)
-                mask = torch.ones(1, 1, block, block, dtype=torch.bool).tril()
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # the probe's budget of 1 is tiny on purpose
-                    cache.forward_layer(0, query, key, value, mask, 1.0)
-            layer = cache.layers[0]
-            self._layout = ({name: tuple(t.shape[3:]) for name, t in layer.extras.items()}, dict(layer.extra_fill))
-        return self._layout
+    @functools.cached_property
+    def _layout(self) -> tuple[dict, dict]:
+        """The method's per-entry extras, as it declares them: ({name: trailing shape}, {name: fill})
+        (read on first use: a scheduler's sizes need no head counts beyond the KV heads)."""
+        config = self.config
+        declared = self.method.entry_extras(config.num_attention_heads // config.num_key_value_heads)
+        return ({name: extra.trailing for name, extra in declared.items()},
+                {name: extra.fill for name, extra in declared.items()})
 
     @property
     def extras(self) -> dict[str, tuple]:
         """The method's per-entry extras: name -> trailing shape (() for one word per entry)."""
-        return self._probe()[0]
+        return self._layout[0]
 
     @property
     def extra_fill(self) -> dict[str, float]:
-        return self._probe()[1]
+        return self._layout[1]
 
     @property
     def meta_words(self) -> int:
@@ -446,18 +431,18 @@ class PagedCompression:
         elif group.phase in ("chunk", "close"):  # the prompt so far, whole, and what its chunks summed
             state, stats, extras = self.chunks.pop((earlier, layer))
             store = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer, extras)
-            store.state.update(state)
-            store.prefill_stats = stats
-            cache.layers[layer] = store
+            store.resume(state=state, prefill_stats=stats)
+            cache.adopt_layer(layer, store)
             if group.phase == "close":
                 cache.finish_prefill(layer)
         else:
-            cache.layers[layer] = store = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer)
-            store.pending = self.method.interval - 1 if group.compressing else 0  # this step's append compresses, or not
-            store.state.update(self._join_states(group, layer))
+            store = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer)
+            pending = self.method.interval - 1 if group.compressing else 0  # this step's append compresses, or not
+            store.resume(state=self._join_states(group, layer), pending=pending)
+            cache.adopt_layer(layer, store)
             before = (store.positions.clone(), store.bias.clone())  # what each slot held: see _write_changed
-        if group.phase == "chunk":  # the prompt goes on: the cache attends and sums, and compresses nothing yet
-            cache.prompt_mask = torch.ones(1, group.seen + group.lengths[0] + 1, dtype=torch.bool)
+        if group.phase == "chunk":  # announced a token longer: the cache attends and sums, and compresses nothing yet
+            cache.start_prefill(torch.ones(1, group.seen + group.lengths[0] + 1, dtype=torch.bool))
         out = cache.forward_layer(layer, new_query, new_keys, new_values, group.mask, scaling)  # [R, q, H, D]
         output.index_copy_(0, group.token_index, out.flatten(0, 1).index_select(0, group.real_index).to(output.dtype))
         store = cache.layers[layer]
@@ -475,8 +460,7 @@ class PagedCompression:
         only, as many as a served method reads of a prefill's queries (KeepKV: its window; its merge:
         the last), not the whole prompt's."""
         rows = max(1, self.method.needs(True).window, getattr(self.method.merging, "window", 0) or 0)
-        stats.query = stats.query[:, :, :, -rows:]
-        return stats
+        return replace(stats, query=stats.query[:, :, :, -rows:])
 
     # -- the method's per-layer state, per request ----------------------------------------------
     def _keep_states(self, state: dict, group: "_Group", layer: int) -> None:

@@ -23,7 +23,7 @@ import json
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -172,6 +172,15 @@ def part_params(part) -> dict:
     return {field_.name: getattr(part, field_.name) for field_ in dataclasses.fields(part)}
 
 
+class Extra(NamedTuple):
+    """A per-entry extra a method adds to a layer (``layer.add_extra(name, *extra)``): a tensor
+    [B, H_kv, S, *trailing] of ``dtype`` whose new entries start at ``fill``."""
+
+    fill: float = 0.0
+    dtype: torch.dtype = torch.float32
+    trailing: tuple[int, ...] = ()
+
+
 @dataclass
 class Method:
     """Base class of every method. Subclasses are small dataclasses registered with ``@register``.
@@ -228,6 +237,13 @@ class Method:
 
     def setup_layer(self, layer) -> None:
         """Register per-entry extras on a layer before its first token."""
+
+    def entry_extras(self, group: int) -> dict[str, Extra]:
+        """The per-entry extras this method adds to a layer by its first decode step (in
+        ``setup_layer`` or ``observe``), in the order it adds them, for ``group`` query heads per
+        KV head: what a serving engine stores per slot, known before any token runs
+        (``keepkv.paged``). ``tests/test_paged_api.py`` checks it against a cache's layers."""
+        return {}
 
     def attention_entries(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys, values, bias) the new queries attend over; the new block must come last.
@@ -320,6 +336,10 @@ class Selection:
     def setup_layer(self, layer) -> None:
         """Register per-entry extras (the scores) on a layer before its first token."""
 
+    def entry_extras(self, group: int) -> dict[str, Extra]:
+        """The extras ``setup_layer`` and ``observe`` add (see ``Method.entry_extras``)."""
+        return {}
+
     def observe(self, layer, stats: StepStats) -> None:
         """Fold one attention call's statistics into the scores."""
 
@@ -357,6 +377,10 @@ class Merge:
 
     def setup_layer(self, layer) -> None:
         """Register per-entry extras the merge keeps (KeepKV's EMA adds its own at the prefill)."""
+
+    def entry_extras(self, group: int) -> dict[str, Extra]:
+        """The extras the merge adds, after the selection's (see ``Method.entry_extras``)."""
+        return {}
 
     def observe(self, layer, stats: StepStats, selection: Selection) -> None:
         """Fold one attention call's statistics into what the merge keeps (KeepKV's EMA), after
@@ -480,6 +504,9 @@ class ComposedMethod(Method):
     def setup_layer(self, layer) -> None:
         self.selection.setup_layer(layer)
         self.merging.setup_layer(layer)
+
+    def entry_extras(self, group: int) -> dict[str, Extra]:
+        return {**self.selection.entry_extras(group), **self.merging.entry_extras(group)}
 
     def observe(self, layer, stats: StepStats) -> None:
         self.selection.observe(layer, stats)
@@ -658,6 +685,9 @@ class ScoredSelection(Selection):
     def setup_layer(self, layer) -> None:
         if self.scored:
             layer.add_extra("score")
+
+    def entry_extras(self, group: int) -> dict[str, Extra]:
+        return {"score": Extra()} if self.scored else {}
 
     def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
         """[B, H_kv] recent tokens always kept."""

@@ -19,8 +19,8 @@ from ..merging import Groups, MergedRows, cosine_nearest, group_logsumexp
 from ..offload import FullKVCopy
 from ..store import NEG_INF, slots_of
 from .base import (
-    ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, plan_eviction, protected, register,
-    register_merge, register_selection,
+    ComposedMethod, Extra, Merge, ScoredSelection, Selection, check_choice, check_range, plan_eviction, protected,
+    register, register_merge, register_selection,
 )
 from .snapkv import ObservationWindow
 from .zip_merging import ZipMerge, pool_log_scores, zip_rows
@@ -263,6 +263,10 @@ class KeepKVMerge(ZipMerge):
             steps = layer.state["steps"]
             if steps // self.refresh_interval > (steps - rows) // self.refresh_interval:
                 self.refresh(layer, selection)  # a compression: the store has nothing pending after it
+
+    def entry_extras(self, group: int) -> dict[str, Extra]:
+        """The EMA (:meth:`_start_layer`): ln S per query head of the group, ln N per entry."""
+        return {"ema_log_s": Extra(NEG_INF, trailing=(group,)), "ema_log_n": Extra(NEG_INF)}
 
     def compress(self, layer, selection, stats: StepStats) -> None:
         if layer.size > layer.min_budget:

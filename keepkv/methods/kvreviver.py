@@ -129,7 +129,7 @@ import torch
 from ..attention import Needs
 from ..sketch import CountSketch, fisher_layer_scores, median_rows, proportional_budgets
 from ..store import NEG_INF
-from .base import Method, check_range, plan_eviction, pool_group, register
+from .base import Extra, Method, check_range, plan_eviction, pool_group, register
 
 # Rebuilding vague tokens: the per-row sketch estimates of one chunk ([B, H_kv, c, r, D] for
 # keys and values) stay within this fraction of the rebuilt layer, with chunks of at least
@@ -408,6 +408,9 @@ class KVReviver(Method):
 
     def setup_layer(self, layer) -> None:
         layer.add_extra("score")
+
+    def entry_extras(self, group: int) -> dict[str, Extra]:
+        return {"score": Extra()}
 
     def attention_entries(self, layer):
         """Stored entries with the vague tokens, rebuilt from the sketch, prepended."""

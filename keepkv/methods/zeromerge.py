@@ -10,7 +10,7 @@ import torch
 from ..attention import Needs
 from ..merging import momentum_merge_rows
 from ..store import slots_of
-from .base import Method, check_range, register
+from .base import Extra, Method, check_range, register
 
 def slot_bias(counts: torch.Tensor, alpha: float) -> torch.Tensor:
     """The attention-logit compensation α·ln w of an entry that fused w tokens (eq. 8)."""
@@ -90,6 +90,9 @@ class ZeroMerge(Method):
         layer.add_extra("score")
         layer.add_extra("count", fill=1.0)
         layer.add_extra("slot", fill=False, dtype=torch.bool)
+
+    def entry_extras(self, group):
+        return {"score": Extra(), "count": Extra(1.0), "slot": Extra(False, torch.bool)}
 
     # -- scores ------------------------------------------------------------------------
     def observe(self, layer, stats):
