@@ -296,6 +296,26 @@ def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monke
     assert max(blocks) <= math.ceil((300 + 1) / block_size)
 
 
+def test_preempted_requests_keeping_their_prompts_finish_within_their_blocks(model_dir, prompts, monkeypatch):
+    """Prompts kept whole, prefix caching on, 6 requests (pairs of equal prompts: they share
+    blocks) growing in 8 blocks: the scheduler preempts, every request finishes, and none holds
+    more than its capacity's blocks (a resumed request keeps its replayed tokens as prompt)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preemptions = []
+    preempt = Scheduler._preempt_request
+    monkeypatch.setattr(Scheduler, "_preempt_request", lambda self, *a, **k: preemptions.append(1) or preempt(self, *a, **k))
+    short = [prompt[:100] for prompt in prompts[1:]] * 3
+    engine = Engine(model_dir, {"method": "h2o", "budget": 64, "keep_prompt": True}, num_gpu_blocks_override=8,
+                    max_model_len=600, max_num_batched_tokens=600, enable_prefix_caching=True)
+    tokens, blocks = engine.run(short, new_tokens=160)
+    block_size = engine.manager().block_size
+    engine.close()
+    assert preemptions
+    assert [len(answer) for answer in tokens] == [160] * 6
+    assert max(blocks) <= math.ceil((100 + 160 + 64 + 1) / block_size)
+
+
 @pytest.fixture
 def no_engine_core(monkeypatch):
     """Records every EngineCore started (in this process: multiprocessing is off here)."""
