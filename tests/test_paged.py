@@ -80,16 +80,7 @@ class Engine:
             needed = math.ceil((tokens if self.paged.chunked and tokens <= prompt else min(tokens, capacity)) / BLOCK)
             while len(self.tables[request]) < needed:
                 self.tables[request].append(self.free.pop())
-        width = max(len(self.tables[r]) for r in requests)
-        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests], dtype=torch.int32)
-        starts = [0]
-        for request in requests:
-            starts.append(starts[-1] + new[request][0].shape[0])
-        seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
-        prefilling = [self.computed[r] < self.prompt[r] for r in requests]
-        batch = self.paged.batch(starts, seq_lens, table, prefilling if self.paged.chunked else None)
-        query, key, value = (torch.cat([new[r][i] for r in requests]) for i in range(3))
-        output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING, layer)
+        outputs, batch = self.forward(new, layer)
         for request, length in zip(requests, batch.query_lengths):
             self.computed[request] += length
             keep = math.ceil(self.paged.capacity(self.prompt[request]) / BLOCK)
@@ -98,7 +89,24 @@ class Engine:
                 del self.tables[request][keep:]
                 self.kv_cache[surplus] = torch.randn_like(self.kv_cache[surplus])  # a later read of them shows
                 self.free.extend(surplus)
-        return {r: output[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}
+        return outputs
+
+    def forward(self, new: dict, layer: int = 0) -> tuple[dict, PagedBatch]:
+        """One step of the requests of ``new`` over their block tables as they stand: (request ->
+        output [q, H, D], the step's batch)."""
+        requests = list(new)
+        width = max(len(self.tables[r]) for r in requests)
+        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests], dtype=torch.int32)
+        starts = [0]
+        for request in requests:
+            starts.append(starts[-1] + new[request][0].shape[0])
+        seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
+        prefilling = [self.computed[r] < self.prompt[r] for r in requests]
+        batch = self.paged.batch(starts, seq_lens, table, prefilling if self.paged.chunked else None,
+                                 block_size=BLOCK if self.paged.keep_prompt else None)
+        query, key, value = (torch.cat([new[r][i] for r in requests]) for i in range(3))
+        output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING, layer)
+        return {r: output[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}, batch
 
 
 def tokens(generator, length):

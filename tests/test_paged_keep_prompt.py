@@ -10,7 +10,7 @@ import torch
 from keepkv import CompressedCache
 from keepkv.paged import PagedCompression
 
-from test_paged import BLOCK, CONFIG, HEAD_DIM, KV_HEADS, SCALING, alone, tokens
+from test_paged import BLOCK, CONFIG, Engine, alone, tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")
 # Served methods with observation windows that a budget of 8 generated entries holds.
@@ -18,18 +18,12 @@ METHODS = ["snapkv+window=4", "keepkv+selection.window=4", "h2o+interval=3", "wi
            "pyramidkv+window=4", "keydiff", "keepkv+selection.window=4+interval=3"]
 
 
-class SharingEngine:
+class SharingEngine(Engine):
     """A block pool whose requests may start on another request's full prompt blocks (a prefix
     cache hit): they then skip those tokens, as vLLM does. Unused slots hold garbage."""
 
     def __init__(self, paged: PagedCompression, blocks: int = 96, seed: int = 0):
-        self.paged = paged
-        generator = torch.Generator().manual_seed(seed)
-        words = 2 * HEAD_DIM + paged.meta_words
-        self.kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, words, generator=generator)
-        self.free = torch.randperm(blocks - 1, generator=generator).add(1).tolist()
-        self.tables: dict[int, list[int]] = {}
-        self.computed: dict[int, int] = {}
+        super().__init__(paged, blocks, seed)
         self.prompt: dict[int, int] = {}
 
     def admit(self, request: int, prompt: int, shared_from: int | None = None, shared_blocks: int = 0) -> int:
@@ -41,24 +35,14 @@ class SharingEngine:
         return self.computed[request]
 
     def step(self, new: dict, layer: int = 0) -> dict:
-        requests = list(new)
-        for request in requests:
+        for request in new:
             held = min(self.computed[request] + new[request][0].shape[0], self.paged.capacity(self.prompt[request]))
             while len(self.tables[request]) < math.ceil(held / BLOCK):
                 self.tables[request].append(self.free.pop())
-        width = max(len(self.tables[r]) for r in requests)
-        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests], dtype=torch.int32)
-        starts = [0]
-        for request in requests:
-            starts.append(starts[-1] + new[request][0].shape[0])
-        seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
-        prefilling = [self.computed[r] < self.prompt[r] for r in requests]
-        batch = self.paged.batch(starts, seq_lens, table, prefilling, block_size=BLOCK)
-        query, key, value = (torch.cat([new[r][i] for r in requests]) for i in range(3))
-        output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING, layer)
-        for request, length in zip(requests, batch.query_lengths):
+        outputs, batch = self.forward(new, layer)
+        for request, length in zip(new, batch.query_lengths):
             self.computed[request] += length
-        return {r: output[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}
+        return outputs
 
 
 def _feed(cache, chunk):
