@@ -229,8 +229,8 @@ def test_chunked_prefill_matches_hf_paths_chunked_prefill_and_frees_the_prompts_
     pieces = {}  # first block -> the prompt's pieces, in tokens
     batch = PagedCompression.batch
 
-    def recording(self, *args):
-        made = batch(self, *args)
+    def recording(self, *args, **kwargs):
+        made = batch(self, *args, **kwargs)
         for first, done, new, phase in zip(made.first_block, made.computed, made.query_lengths, made.phases):
             if phase == "chunk":
                 pieces[first] = [*(pieces.get(first, []) if done else []), new]
