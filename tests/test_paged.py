@@ -102,8 +102,8 @@ class Engine:
             starts.append(starts[-1] + new[request][0].shape[0])
         seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
         prefilling = [self.computed[r] < self.prompt[r] for r in requests]
-        batch = self.paged.batch(starts, seq_lens, table, prefilling if self.paged.chunked else None,
-                                 block_size=BLOCK if self.paged.keep_prompt else None)
+        keep_prompt = {"block_size": BLOCK} if self.paged.keep_prompt else {}  # requests may share blocks
+        batch = self.paged.batch(starts, seq_lens, table, prefilling if self.paged.chunked else None, **keep_prompt)
         query, key, value = (torch.cat([new[r][i] for r in requests]) for i in range(3))
         output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING, layer)
         return {r: output[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}, batch
