@@ -653,6 +653,22 @@ def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:
     return (is_sink | is_recent) & layer.live()
 
 
+def note_prompt_end(layer) -> None:
+    """Record the tokens each row has seen as its prompt ends (``layer.state["prompt_seen"]`` [B]):
+    what :func:`decoded_window` counts generated tokens from. Call it from ``observe`` at the
+    prefill."""
+    layer.state["prompt_seen"] = layer.real_seen.clone()
+
+
+def decoded_window(layer, window: int) -> torch.Tensor:
+    """[B, H_kv] the newest ``window`` tokens to protect, counting only those that followed the
+    prompt (:func:`note_prompt_end`): 0 at the prompt's own compression, then up to ``window`` as
+    tokens are generated. A layer with no prompt recorded protects the newest ``window``."""
+    prompt_seen = layer.state.get("prompt_seen")
+    generated = layer.real_seen if prompt_seen is None else layer.real_seen - prompt_seen  # [B]
+    return generated.clamp(min=0, max=window)[:, None].expand_as(layer.budget)
+
+
 def pool_group(probs: torch.Tensor, row_dim: int | None = None) -> torch.Tensor:
     """Pool attention over a GQA group (mean over the g query heads), summing query rows first.
 

@@ -9,7 +9,10 @@ import torch
 
 from ..attention import Needs, Reconstruction
 from ..store import NEG_INF
-from .base import ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, register, register_selection
+from .base import (
+    ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, decoded_window, note_prompt_end,
+    protected, register, register_selection,
+)
 
 BUDGETS = ("layers", "global", "heads", "uniform")
 
@@ -25,12 +28,19 @@ class ContextReconstruction(ScoredSelection):
     question asked later.
 
     While decoding, a new entry's score is the largest probability a decode query gives it, and the
-    old scores rise the same way (the same max, over the queries that follow the prompt).
+    old scores rise the same way (the same max, over the queries that follow the prompt). Such a
+    score rarely reaches those the pass gave the prompt, so the newest ``window`` generated tokens
+    are kept whatever their scores (not the paper's: it compresses once, before decoding).
 
     Parameters
     ----------
     sinks : int
         Leading tokens always kept (4, as kvpress's KVzipPress).
+    window : int
+        While decoding under the budget, the newest generated tokens always kept, up to this many
+        (capped by what the sinks leave of each head's budget). The prompt's own compression
+        protects none, so the window does not count in ``protected_entries()`` (the budget floor).
+        0: the paper's rule, every entry by its score.
     chunk : int
         Tokens the pass repeats per block (the paper: 2000): the cache holds the prompt plus one
         block during the pass.
@@ -53,12 +63,14 @@ class ContextReconstruction(ScoredSelection):
 
     name = "kvzip"
     sinks: int = 4
+    window: int = 32
     chunk: int = 2048
     share: float = 1.0
     budgets: str = "layers"
 
     def __post_init__(self):
         super().__post_init__()
+        check_range("window", self.window, 0, math.inf)
         check_range("chunk", self.chunk, 1, math.inf)
         check_range("share", self.share, 0.0, 1.0, low_open=True)
         check_choice("budgets", self.budgets, BUDGETS)
@@ -78,11 +90,17 @@ class ContextReconstruction(ScoredSelection):
         if stats.is_prefill:
             score = stats.reconstructed[self.reconstruction].amax(2)  # [B, H_kv, S]
             layer.overwrite(score=score)
+            note_prompt_end(layer)
             if self.allocates_from_all_layers:  # allocate() reads every layer's scores, once
                 layer.state["reconstruction_score"] = score.masked_fill(~layer.live(), NEG_INF)
         else:
             found = stats.probs.amax(dim=(2, 3))  # [B, H_kv, S] over the group and the block's queries
             layer.overwrite(score=torch.maximum(layer.extras["score"], found))
+
+    def priority(self, layer) -> torch.Tensor:
+        """[B, H_kv, S]: +inf for the sinks and the decoding window, else the score."""
+        is_protected = protected(layer, self.sinks, decoded_window(layer, self.window))
+        return layer.extras["score"].masked_fill(is_protected, float("inf"))
 
     def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
         """Budgets [L, B, H_kv] whose mean is each row's budget, drawn from the pass's scores:
