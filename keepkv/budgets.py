@@ -160,6 +160,23 @@ def kept_prompt_budgets(layers: int, kv_heads: int, generated: int, prompt_lengt
     return (prompt_lengths + generated)[None, :, None].expand(layers, -1, kv_heads).contiguous()
 
 
+def prompt_budgets(
+    method, budget: int | float, decoding: str, layers: int, kv_heads: int, prompt_lengths: torch.Tensor,
+    states: list[dict] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The budgets a cache sets when its rows' prompts end, the one rule of both caches
+    (``keepkv.cache`` and ``keepkv.paged``): ([L, B, H_kv] entries each layer, row and head keeps,
+    or None when the method never compresses; [B] each row's mean budget, what a recent window is
+    a share of). ``decoding``: as ``CompressedCache(decoding=...)``; with "keep_prompt" each row
+    keeps its prompt plus ``budget`` generated entries, and its mean budget is ``budget``.
+    ``states``: each layer's method state after its prefill (D2O allocates from them)."""
+    if decoding == "keep_prompt":
+        return (kept_prompt_budgets(layers, kv_heads, budget, prompt_lengths),
+                torch.full_like(prompt_lengths, budget))
+    per_row = row_budgets(budget, prompt_lengths, budget_floor(method))
+    return layer_budgets(method, layers, kv_heads, budget, prompt_lengths, states), per_row
+
+
 def held_entries(kept: int, prompt_length: int, computed: int, interval: int) -> int:
     """Entries a layer of budget ``kept`` holds per head after ``computed`` tokens (prompt
     included), between attention calls: min(P + t, kept + t mod interval) after t decode steps

@@ -14,13 +14,13 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import DECODE_KERNELS, Needs, Reconstruction, attend, decode_kernel_for, hand_over, join_prefill_stats
-from .budgets import budget_floor, check_keep_prompt, kept_prompt_budgets, layer_budgets, row_budgets, validate_budget
+from .budgets import check_keep_prompt, prompt_budgets, validate_budget
 from .checks import as_bool, shown
 from .continuation import P, ids_hash
 from .diagnostics import warn_budget
-from .fused import CompiledStep, method_step
 from .methods import Method, get_method
 from .models import check_architecture, check_context, sliding_window
+from .step import DECODING, LayerStep
 from .store import LayerStore
 
 
@@ -55,12 +55,11 @@ class CacheSummary:
 
 
 
-# What decoding does after the prompt is compressed: "compress" keeps the budget (the method
-# compresses every ``interval`` new tokens); "append" lets every later token in uncompressed (a
-# context compressed once, then a question and its answer appended: kvpress's and KVzip's setting);
-# "keep_prompt" compresses nothing of the prompt and keeps ``budget`` of the generated tokens (a
-# serving engine's prompt blocks then stay shareable: prefix caching).
-DECODING = ("compress", "append", "keep_prompt")
+# What decoding does after the prompt is compressed (DECODING, keepkv.step): "compress" keeps the
+# budget (the method compresses every ``interval`` new tokens); "append" lets every later token in
+# uncompressed (a context compressed once, then a question and its answer appended: kvpress's and
+# KVzip's setting); "keep_prompt" compresses nothing of the prompt and keeps ``budget`` of the
+# generated tokens (a serving engine's prompt blocks then stay shareable: prefix caching).
 
 
 class CompressedCache(Cache):
@@ -158,8 +157,8 @@ class CompressedCache(Cache):
             decode_kernel_for(kernel, "cuda" if torch.cuda.is_available() else "cpu")
         self.kernel = kernel
         self._decode_kernels: dict = {}  # device -> the decode kernel ``kernel`` names, resolved once
-        self._method_step = CompiledStep() if compile else method_step
         self.method = method_of(method, method_params)
+        self.step = LayerStep(self.method, decoding, self.compile)  # what the method does to a layer, by phase
         self.method_spec = method if isinstance(method, str) else method.name  # the variant as given
         self.budget = budget
         self.num_layers = config.num_hidden_layers
@@ -169,6 +168,7 @@ class CompressedCache(Cache):
         super().__init__(layers=[LayerStore(i, shared) for i in range(self.num_layers)])
         self.prompt_lengths: torch.Tensor | None = None
         self.layer_budgets: torch.Tensor | None = None
+        self.row_budgets: torch.Tensor | None = None  # [B] each row's mean budget, set as its prompt ends
         self.prefill_peak_bytes = 0
         self.prompt_mask: torch.Tensor | None = None
         self.record = record
@@ -207,7 +207,7 @@ class CompressedCache(Cache):
         super().reset()
         self._reconstruction, self._reconstruction_expected = None, False
         self.prompt_lengths = None
-        self.layer_budgets = None
+        self.layer_budgets = self.row_budgets = None
         self.prefill_peak_bytes = 0
         self.prompt_mask = None
         self.token_hash = self.token_count = self.pending = None
@@ -254,6 +254,8 @@ class CompressedCache(Cache):
             self.prompt_lengths = self.prompt_lengths.index_select(0, index.to(self.prompt_lengths.device))
         if self.layer_budgets is not None:
             self.layer_budgets = self.layer_budgets.index_select(1, index.to(self.layer_budgets.device))
+        if self.row_budgets is not None:
+            self.row_budgets = self.row_budgets.index_select(0, index.to(self.row_budgets.device))
         if self.prompt_mask is not None:
             self.prompt_mask = self.prompt_mask.index_select(0, index.to(self.prompt_mask.device))
         if self.token_hash is not None:
@@ -363,7 +365,7 @@ class CompressedCache(Cache):
         saw (a serving engine's shared prefix, ``decoding="keep_prompt"``), which the prompt's next
         block continues: the method registers its per-entry extras on it, as at a first token."""
         self.adopt_layer(layer_idx, store)
-        self.method.setup_layer(store)
+        self.step.start(store)
 
     @property
     def prefill_tokens(self) -> int:
@@ -398,7 +400,7 @@ class CompressedCache(Cache):
                     f"{self.method.name} scores the prompt with a reconstruction pass after its prefill: use "
                     "keepkv.generate or keepkv.compress, or keepkv.reconstruction.prefill(model, tokenizer, cache, ...)"
                 )
-            self.method.setup_layer(layer)
+            self.step.start(layer)
             # A chunked prefill's buffers take the whole prompt at once, not a growth step per chunk.
             layer.headroom = self.prefill_tokens - block if self.prefill_tokens > block else None
         is_real = block_mask[:, 0, -1, :]
@@ -419,16 +421,13 @@ class CompressedCache(Cache):
         if is_prefill:
             if self.defers_to_reconstruction:  # compressed once its reconstruction passes ran
                 return output
-            self.method.observe(layer, stats)
+            self.step.observe_prompt(layer, stats)
             if not self.method.allocates_from_all_layers:
                 self._end_prefill([layer])
             elif layer_idx == self.num_layers - 1:
                 self._end_prefill(self.layers)
             return output
-        compress = layer.budget is not None and layer.pending >= self.method.interval and self.decoding != "append"
-        self._method_step(self.method, layer, stats, compress)  # decode shapes are stable: compiled once
-        if compress:
-            layer.pending = 0
+        self.step.decode(layer, stats)
         return output
 
     def _decode_kernel(self, device):
@@ -477,7 +476,7 @@ class CompressedCache(Cache):
         recording cache compresses nothing and keeps the statistics for ``fork``."""
         if self.defers_to_reconstruction:
             for layer in self.layers:
-                self.method.observe(layer, layer.prefill_stats)
+                self.step.observe_prompt(layer, layer.prefill_stats)
             self._end_prefill(self.layers)
 
     def _reconstruction_step(self, layer, query, keys, values, block_mask, scaling) -> torch.Tensor:
@@ -502,7 +501,7 @@ class CompressedCache(Cache):
         layer = self.layers[layer_idx]
         if layer.prefill_stats is None or self.method.allocates_from_all_layers:
             raise ValueError("finish_prefill: the layer has no summed prefill, or the method allocates from all layers")
-        self.method.observe(layer, layer.prefill_stats)
+        self.step.observe_prompt(layer, layer.prefill_stats)
         self._end_prefill([layer])
 
     def _end_prefill(self, layers: list[LayerStore]) -> None:
@@ -511,39 +510,29 @@ class CompressedCache(Cache):
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
         if self.prompt_lengths is None:
             self.prompt_lengths = layers[0].real_seen.clone()
-            self.layer_budgets = self._allocate()
+            states = [layer.state for layer in self.layers]
+            self.layer_budgets, self.row_budgets = prompt_budgets(
+                self.method, self.budget, self.decoding, self.num_layers, self.config.num_key_value_heads,
+                self.prompt_lengths, states,
+            )
+            if self.layer_budgets is not None and self.decoding != "keep_prompt":
+                self._warn_budget(self.row_budgets)
+        frozen = self.prompt_lengths if self.decoding == "keep_prompt" else None
         for layer in layers:
-            layer.headroom = None
-            if self.decoding == "keep_prompt":  # nothing to compress yet: the prompt is kept whole
-                layer.set_budget(self.layer_budgets[layer.layer_idx], self.row_budgets, self.prompt_lengths)
-                layer.headroom = self.method.interval
-            elif self.layer_budgets is not None:
-                layer.set_budget(self.layer_budgets[layer.layer_idx], self.row_budgets)
-                layer.headroom = self.method.interval if self.decoding == "compress" else None
-                self.method.compress(layer, layer.prefill_stats)
+            budget = None if self.layer_budgets is None else self.layer_budgets[layer.layer_idx]
+            self.step.close_prompt(layer, budget, self.row_budgets, frozen, layer.prefill_stats)
             if self.record is None:
                 layer.prefill_stats = None
-            layer.pending = 0
-
-    def _allocate(self) -> torch.Tensor | None:
-        """[L, B, H_kv] budgets from the method, or None when it never compresses."""
-        kv_heads = self.config.num_key_value_heads
-        if self.decoding == "keep_prompt":
-            return kept_prompt_budgets(self.num_layers, kv_heads, self.budget, self.prompt_lengths)
-        states = [layer.state for layer in self.layers]
-        budgets = layer_budgets(self.method, self.num_layers, kv_heads, self.budget, self.prompt_lengths, states)
-        if budgets is not None:
-            self._warn_budget(self.row_budgets)
-        return budgets
 
     @property
-    def row_budgets(self) -> torch.Tensor | None:
-        """[B] each row's mean budget per layer and head (None before the prefill ended)."""
-        if self.prompt_lengths is None:
-            return None
-        if self.decoding == "keep_prompt":  # the generated entries' budget
-            return torch.full_like(self.prompt_lengths, self.budget)
-        return row_budgets(self.budget, self.prompt_lengths, budget_floor(self.method))
+    def _method_step(self):
+        """The decode step's method call (eager, or compiled: :mod:`keepkv.fused`), which
+        benchmarks wrap to time or count it."""
+        return self.step._method_step
+
+    @_method_step.setter
+    def _method_step(self, step) -> None:
+        self.step._method_step = step
 
     def _warn_budget(self, per_row: torch.Tensor) -> None:
         """Warn (once per prefill, one host sync) about the compressed row that keeps the fewest entries."""
@@ -588,6 +577,7 @@ class CompressedCache(Cache):
         out.prompt_lengths = torch.cat([cache.prompt_lengths for cache in caches])
         if first.layer_budgets is not None:
             out.layer_budgets = torch.cat([cache.layer_budgets for cache in caches], dim=1)
+        out.row_budgets = torch.cat([cache.row_budgets for cache in caches])
         out.prefill_peak_bytes = max(cache.prefill_peak_bytes for cache in caches)
         if known:
             out.token_hash = torch.cat([cache.token_hash for cache in caches])
@@ -622,8 +612,8 @@ class CompressedCache(Cache):
             )
             layer.pending = source.pending
             cache.layers[i] = layer
-            cache.method.setup_layer(layer)
-            cache.method.observe(layer, source.prefill_stats)
+            cache.step.start(layer)
+            cache.step.observe_prompt(layer, source.prefill_stats)
             layer.prefill_stats = source.prefill_stats
         cache._end_prefill(cache.layers)
         cache.token_hash, cache.token_count, cache.ids_seen = self.token_hash, self.token_count, self.ids_seen
@@ -638,7 +628,7 @@ class CompressedCache(Cache):
         # Normal tensors, as the store's buffers (written in place also outside inference mode);
         # deepcopy keeps each view on its copied buffer.
         with torch.inference_mode(False):
-            shared = {id(self.config): self.config, id(self._method_step): self._method_step}
+            shared = {id(self.config): self.config, id(self.step): self.step}
             return _copy.deepcopy(self, memo=shared)
 
     # -- reporting -------------------------------------------------------------------------

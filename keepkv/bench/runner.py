@@ -211,7 +211,7 @@ class MethodTimer:
                 continue  # traced into the compiled step: a timer there would stop it compiling
             self._shadow(cache.method, part, part)
         if cache.compile:
-            self._shadow(cache, "_method_step", "compress")  # observe + compress: one compiled graph
+            self._shadow(cache.step, "_method_step", "compress")  # observe + compress: one compiled graph
         for layer in cache.layers:
             self._shadow(layer, "append", "append")
         self._shadow(cache, "forward_layer", "forward_layer")

@@ -1,0 +1,82 @@
+"""One layer's compression step, in phases: the code both caches run.
+
+The Hugging Face cache (:class:`keepkv.cache.CompressedCache`) and the paged adapter
+(:class:`keepkv.paged.PagedCompression`) each own their attention and their storage; what a
+method does to a layer's store is this object's, so a request served from an engine's blocks
+is compressed by the very calls that compress it in ``keepkv.generate``:
+
+==================  =====================================================================
+phase               calls
+==================  =====================================================================
+prefill, chunk      :meth:`LayerStep.start` at a layer's first tokens (the method's extras);
+                    nothing else until the prompt is whole
+end of prompt       :meth:`LayerStep.observe_prompt` (the prompt's statistics), then
+                    :meth:`LayerStep.close_prompt` (budgets; compress, or keep the prompt whole)
+decode              :meth:`LayerStep.decode`: the step's statistics (one query row, or the
+                    rows since the last compression), then the compression when it is due
+reconstruction      none: a KVzip pass only adds to the prompt's statistics
+                    (``CompressedCache.begin_reconstruction``); its end of prompt follows
+==================  =====================================================================
+
+Budgets come from :func:`keepkv.budgets.prompt_budgets`, the one rule of both caches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fused import CompiledStep, method_step
+
+DECODING = ("compress", "append", "keep_prompt")
+
+
+class LayerStep:
+    """A method's phases on one layer's store (:class:`keepkv.store.LayerStore`), for a cache
+    that decodes as ``decoding`` says (``CompressedCache(decoding=...)``). ``compile``: each decode
+    step's ``observe`` and ``compress`` run as one ``torch.compile`` graph (:mod:`keepkv.fused`)."""
+
+    def __init__(self, method, decoding: str = "compress", compile: bool = False):
+        if decoding not in DECODING:
+            raise ValueError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {decoding!r}")
+        self.method = method
+        self.decoding = decoding
+        self._method_step = CompiledStep() if compile else method_step
+
+    def start(self, layer) -> None:
+        """A layer's first tokens: the method registers its per-entry extras."""
+        self.method.setup_layer(layer)
+
+    def observe_prompt(self, layer, stats) -> None:
+        """The whole prompt's statistics (its chunks' summed, a reconstruction pass's included)."""
+        self.method.observe(layer, stats)
+
+    def close_prompt(self, layer, budget: torch.Tensor | None, row_budget: torch.Tensor | None,
+                     frozen: torch.Tensor | None = None, stats=None) -> None:
+        """The end of a layer's prompt, once the method observed it: the layer takes its budgets
+        ([B, H_kv] entries each row and head keeps, None: never compress; [B] mean budgets) and is
+        compressed, keeps its prompt whole (``decoding="keep_prompt"``, ``frozen`` [B] the prompt
+        lengths), or is left to grow (``decoding="append"``). ``stats``: the prompt's statistics,
+        which the compression may read."""
+        layer.headroom = None
+        if self.decoding == "keep_prompt":  # nothing to compress yet: the prompt is kept whole
+            layer.set_budget(budget, row_budget, frozen)
+            layer.headroom = self.method.interval
+        elif budget is not None:
+            layer.set_budget(budget, row_budget)
+            layer.headroom = self.method.interval if self.decoding == "compress" else None
+            self.method.compress(layer, stats)
+        layer.pending = 0
+
+    def compresses(self, layer) -> bool:
+        """Whether the decode step now running compresses the layer: it has a budget, decoding
+        keeps it, and ``interval`` tokens came since the last compression."""
+        return layer.budget is not None and layer.pending >= self.method.interval and self.decoding != "append"
+
+    def decode(self, layer, stats) -> None:
+        """A decode step's method work: the step's statistics, then the compression if due
+        (:meth:`compresses`). ``stats`` covers the rows appended since the last compression that
+        the method has not seen (one per step in the Hugging Face cache)."""
+        compress = self.compresses(layer)
+        self._method_step(self.method, layer, stats, compress)  # decode shapes are stable: compiled once
+        if compress:
+            layer.pending = 0
