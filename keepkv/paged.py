@@ -1,27 +1,31 @@
-"""The paged adapter: methods run on requests whose entries live in a serving engine's blocks.
+"""The paged adapter: methods run on requests whose entries live in a serving engine's blocks,
+and the engine's own kernel attends over them in place.
 
-A serving engine (vLLM) stores each request's KV entries in blocks of ``block_size`` slots
-listed in a block table, and frees whole blocks. Here a request keeps its entries compact in
-its leading slots, so its scheduler can free every block past ``capacity_bound``. One attention
-call over a batch of requests runs through the very code of :class:`~keepkv.cache.CompressedCache`:
-the requests' slots are gathered into a :class:`~keepkv.store.LayerStore` (one row per request),
-``CompressedCache.forward_layer`` appends, attends, scores and compresses, and the kept entries
-are written back (the index tensors of a step are built at its first layer). A prompt's step
-writes its kept entries compacted; a decode step leaves every entry that stays where it was,
-moves only the entries past a request's size into its emptied slots, and writes keys and values
-only where an entry or its votes changed (a few slots per request), the metadata words of all.
-This module knows nothing of vLLM (``keepkv.vllm`` wires it in).
+A serving engine (vLLM) stores each request's KV entries in blocks of ``block_size`` slots listed
+in a block table, and frees whole blocks. Here every head of a request holds the same number of
+entries, S, in its slots 0..S-1 (S is known from token counts alone: :meth:`PagedCompression.stored`),
+so to the engine's kernel a compressed request is an ordinary shorter sequence with its own block
+table, and an uncompressed one is exactly what stock vLLM holds. The planes of a block (keys and
+values in the kernel's packing, the method's fp32 words beside them) are
+:mod:`keepkv.paged_layout`'s. One layer's step over a batch of requests:
 
-Paged layout, per layer::
+1. the prompts that ended are compressed (a prompt read in chunks, at its first decode step);
+2. the step's keys and values go in through the engine's own cache write, at each request's
+   next slots, with their words (position, the method's extras at their fill);
+3. the engine's kernel attends every request in one call, over its slots, in place;
+4. a decoding request's query is kept (a few rows per request and layer): the method's
+   statistics are computed when it compresses, not at every step;
+5. the requests whose ``interval`` came round are compressed: their slots are read once into a
+   :class:`~keepkv.store.LayerStore`, the method observes the queries kept since its last
+   compression and compresses (:class:`~keepkv.step.LayerStep`, the Hugging Face path's code),
+   and the kept entries are written back into the leading slots.
 
-    kv_cache : [blocks, H_kv, block_size, C]   model dtype; C holds the key (D), the value (D),
-                                               then the entry's metadata as fp32 words:
-                                               position, bias, the method's per-entry extras
-    block_table : [R, max_blocks] int          the blocks of each request, in order
-
-Slot j of a request is (block_table[j // block_size], j % block_size). A request that holds S
-entries uses its slots 0..S-1; S is known from token counts alone (:meth:`PagedCompression.stored`),
-so neither side ever reads a size back from the other.
+Between compressions nothing reads a request's cache but the kernel. A method that needs the
+attention of every decoding query (H2O's and SnapKV's accumulated scores, KeepKV's EMA) gets it
+at the compression, from the kept queries against the keys: the entries a query saw are those
+still held at its position (nothing is evicted or merged between compressions), so its
+probabilities are the ones it had. This module knows nothing of vLLM (``keepkv.vllm`` wires it
+in, with vLLM's kernel); :class:`~keepkv.paged_layout.TorchPagedKernel` is the reference kernel.
 """
 
 from __future__ import annotations
@@ -30,24 +34,23 @@ import contextlib
 import functools
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from .budgets import (
-    budget_floor, capacity_bound, check_keep_prompt, held_entries, layer_budgets, row_budgets, validate_budget,
-)
-from .cache import CompressedCache
+from .attention import Needs, StepStats, attend, group_queries, join_prefill_stats, scaled_logits, softmax_probs
+from .budgets import capacity_bound, check_keep_prompt, held_entries, prompt_budgets, validate_budget
 from .methods import get_method
-from .store import NEG_INF, LayerStore
-from .methods.base import ComposedMethod, slots_of
+from .methods.base import ComposedMethod
+from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
+from .step import LayerStep
+from .store import LayerStore
 
 # Methods the paged adapter serves: selections whose scores need no pass beyond the prompt's own
 # attention and whose layer budgets are drawn from the prompt's length alone (PyramidKV's and
-# KeepKV's EMA selection differ by layer), with eviction or KeepKV's merge (its votes are the bias
-# word; its EMA, per-entry extras in the slots' words, plus a little per-layer state per request,
-# filed apart per request).
+# KeepKV's EMA selection differ by layer, never by head), with eviction or KeepKV's merge (its
+# votes are the bias; its EMA, per-entry extras in the slots' words, plus a little per-layer state
+# per request, filed apart per request).
 SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keydiff", "keepkv")
 SERVED_SELECTIONS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keydiff", "ema")
 SERVED_MERGES = ("none", "keepkv")
@@ -72,15 +75,15 @@ def servable_method(spec: str) -> ComposedMethod:
     return method
 
 
-# Intra-op threads of one paged decode step. The step is hundreds of small tensor ops (a method's
-# scoring, selection and merges over [R, H_kv, S] with S near the budget); each one that forks
-# a parallel region waits for every one of the engine's threads, which vLLM pins to cores, so
-# on a busy host an op of microseconds waits for a scheduler tick (docs/serving.md has the
-# figures). One thread runs them back to back; the model's own matmuls keep the engine's threads.
+# Intra-op threads of a compression's method work: hundreds of small tensor ops over [R, H_kv, S];
+# each one that forks a parallel region waits for every one of the engine's threads, which vLLM
+# pins to cores, so on a busy host an op of microseconds waits for a scheduler tick. One thread
+# runs them back to back; the kernel and the model's matmuls keep the engine's threads.
 STEP_THREADS = 1
-# A prompt's step (a prefill, a chunk, or the close that compresses a chunked prompt) is few large
-# ops (its causal attention is O(prompt²)): it keeps the engine's threads (0: leave them as they are).
+# A prompt's compression (and a prompt's statistics, O(prompt²) for H2O) keeps the engine's threads.
 PROMPT_THREADS = 0
+# Steps a request's key may go unseen before its filed state and kept queries may go to another.
+STALE_STEPS = 256
 
 
 @contextlib.contextmanager
@@ -132,13 +135,26 @@ class PagedBatch:
         return [end - start for start, end in zip(self.query_start, self.query_start[1:])]
 
 
+@dataclass
+class _Prompt:
+    """What a prompt read in chunks carries to its next chunk or its close, per layer: the
+    method's state, its statistics so far (a method whose prompt statistics need every query row,
+    as H2O's column sums) or its newest query rows (one whose need only the last few), and the
+    extras the store had."""
+
+    state: dict
+    stats: StepStats | None
+    queries: torch.Tensor | None  # [1, H, r, D]
+    extras: tuple[str, ...]
+
+
 class PagedCompression:
     """One method and budget over paged requests: sizes, capacity, and one layer's step.
 
     Parameters
     ----------
     config : transformers.PretrainedConfig
-        The model's config (depth and KV heads).
+        The model's config (depth, heads and KV heads).
     method : str
         A method of :data:`SERVED_METHODS`, or a variant (``"snapkv+window=16"``).
     budget : float or int
@@ -146,18 +162,20 @@ class PagedCompression:
         entry count.
     chunked : bool
         The engine may split a prompt over several steps (vLLM's chunked prefill). Every prompt
-        then goes through :meth:`batch`'s "chunk" rows: its entries are written whole, its
-        statistics summed chunk by chunk, and it is compressed at its first decode step, when
-        it is known to be whole (the engine says only whether a prompt is still being read, so
-        its last chunk is not known while it runs).
+        then goes through :meth:`batch`'s "chunk" rows: its entries are written whole, and it is
+        compressed at its first decode step, when it is known to be whole (the engine says only
+        whether a prompt is still being read, so its last chunk is not known while it runs).
     keep_prompt : bool
         As ``CompressedCache(decoding="keep_prompt")``: a prompt is never compressed (its slots
         are never written after its own steps wrote them, so an engine may share its blocks:
         prefix caching), and ``budget`` (an int) of each request's generated entries are kept. A
         prompt may start past a shared prefix; prompts are read as ``chunked`` ones.
+    kernel : PagedKernel
+        The engine's cache write and attention (default: :class:`~keepkv.paged_layout.TorchPagedKernel`).
     """
 
-    def __init__(self, config, method: str, budget: int | float, chunked: bool = False, keep_prompt: bool = False):
+    def __init__(self, config, method: str, budget: int | float, chunked: bool = False, keep_prompt: bool = False,
+                 kernel: PagedKernel | None = None):
         validate_budget(budget)
         self.method = servable_method(method)
         if keep_prompt:
@@ -167,17 +185,30 @@ class PagedCompression:
         self.keep_prompt = keep_prompt
         self.chunked = chunked or keep_prompt
         self.spec = method
-        self.binary = self.method.merging.name == "none"  # evicting only: the bias is 0 or -inf
-        # The method's per-layer state of each request (KeepKV: its lost votes): per-row tensors in
-        # one slab per layer and name, a row per request (its first block's), so a step files and
-        # reads a group's rows with one index_copy_ and one index_select each; anything else (a
-        # scalar) once per layer. A request's row is rewritten when a new request takes its block.
-        self._state_rows: dict[int, int] = {}  # first block -> slab row
+        self.kernel = kernel if kernel is not None else TorchPagedKernel()
+        self.step = LayerStep(self.method, self.decoding)
+        self.biased = self.method.merging.name != "none"  # a merge writes votes: the bias words
+        # What a method reads of a prompt: "summed" statistics of every chunk's query rows (H2O's
+        # column sums), or only its newest rows, computed once the prompt is whole.
+        needs = self.method.needs(True)
+        self._sums_prompt = bool(needs.probs or needs.colsum or needs.decays or needs.logits or needs.colmax)
+        self._prompt_rows = max(1, needs.window, getattr(self.method.merging, "window", 0) or 0)
+        decode = self.method.needs(False)
+        # Query rows kept per request and layer between compressions: the attention every decoding
+        # query gave (probabilities, logits), or the newest query a merge reads.
+        self._query_rows = self.method.interval if (decode.probs or decode.logits or self.biased) else 0
+        # The method's per-layer state and kept queries of each request, a row per request (its key)
+        # in one slab per layer and name: a step files and reads a group's rows with one index_copy_
+        # and one index_select each. A row goes to a new request when its key is reused, or once
+        # its key went unseen for STALE_STEPS steps.
+        self._rows: dict = {}  # key -> slab row
+        self._seen: dict = {}  # key -> the step it was last seen
+        self._steps = 0
         self._slabs: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> [rows, ...]
         self._layer_state: dict[int, dict] = {}  # layer -> the state that is not per row
+        self._queries: dict[int, torch.Tensor] = {}  # layer -> [rows, interval, H, D] kept queries
         self._prompts: dict[int, int | None] = {}  # first block id -> prompt length (None: chunks still coming)
-        # (first block, layer) -> (method state, prefill statistics, extras so far) of a prompt read in chunks
-        self.chunks: dict[tuple[int, int], tuple[dict, object, tuple[str, ...]]] = {}
+        self.chunks: dict[tuple, _Prompt] = {}  # (chunk key, layer) -> a prompt read in chunks, so far
         self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
         # keep_prompt: a request's key is the block of its first generated slot (slot P, never
         # shared: no block holding a generated entry is hashed), block -> prompt length P; and the
@@ -189,11 +220,11 @@ class PagedCompression:
     # -- sizes, from token counts only -------------------------------------------------------
     @property
     def decoding(self) -> str:
-        """The decoding of the CompressedCache each step runs (``CompressedCache(decoding=...)``)."""
+        """The decoding of the Hugging Face path it matches (``CompressedCache(decoding=...)``)."""
         return "keep_prompt" if self.keep_prompt else "compress"
 
     @functools.cached_property
-    def _layout(self) -> tuple[dict, dict]:
+    def _extras(self) -> tuple[dict, dict]:
         """The method's per-entry extras, as it declares them: ({name: trailing shape}, {name: fill})
         (read on first use: a scheduler's sizes need no head counts beyond the KV heads)."""
         config = self.config
@@ -204,32 +235,32 @@ class PagedCompression:
     @property
     def extras(self) -> dict[str, tuple]:
         """The method's per-entry extras: name -> trailing shape (() for one word per entry)."""
-        return self._layout[0]
+        return self._extras[0]
 
     @property
     def extra_fill(self) -> dict[str, float]:
-        return self._layout[1]
+        return self._extras[1]
 
     @property
     def meta_words(self) -> int:
-        """fp32 words of metadata per entry and head: position, bias, each extra's words."""
-        return 2 + sum(math.prod(shape) for shape in self.extras.values())
+        """fp32 words per slot and KV head: the position, the bias (a merging method's), each extra's words."""
+        return 1 + self.biased + sum(math.prod(shape) for shape in self.extras.values())
 
-    def content_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes per slot and head of the paged layout (key, value, metadata)."""
-        return 2 * head_dim * dtype.itemsize + 4 * self.meta_words
+    def layout(self, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> PagedLayout:
+        """The planes of this method's blocks (:class:`~keepkv.paged_layout.PagedLayout`)."""
+        return _layout(self.kernel, block_size, kv_heads, head_dim, dtype, self.biased, self.meta_words)
+
+    def content_bytes(self, head_dim: int, dtype: torch.dtype, block_size: int = 128) -> int:
+        """Bytes per slot and KV head of the paged layout (key, value, words: vLLM's ``state_content_bytes``)."""
+        return self.layout(block_size, self.config.num_key_value_heads, head_dim, dtype).cell_bytes
 
     def kept(self, prompt_length: int, layer: int = 0) -> int:
-        """Entries per head ``layer`` of a request keeps once compressed: the cache's layer budget
-        (``keepkv.budgets.layer_budgets``; the same for every head of a layer, and for every layer
-        but PyramidKV's), fixed by the prompt's length."""
-        if prompt_length not in self._kept and self.keep_prompt:
-            self._kept[prompt_length] = [prompt_length + self.budget] * self.config.num_hidden_layers
+        """Entries per head ``layer`` of a request keeps once compressed (``keepkv.budgets.prompt_budgets``,
+        the Hugging Face cache's rule; the same for every head of a layer, and for every layer but
+        PyramidKV's), fixed by the prompt's length."""
         if prompt_length not in self._kept:
-            budgets = layer_budgets(
-                self.method, self.config.num_hidden_layers, self.config.num_key_value_heads, self.budget,
-                torch.tensor([prompt_length]),
-            )
+            budgets, _ = prompt_budgets(self.method, self.budget, self.decoding, self.config.num_hidden_layers,
+                                        self.config.num_key_value_heads, torch.tensor([prompt_length]))
             self._kept[prompt_length] = budgets[:, 0, 0].tolist()
         return self._kept[prompt_length][layer]
 
@@ -246,24 +277,7 @@ class PagedCompression:
         """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
         return max(capacity_bound(self.method, prompt_length, self.budget, self.config, self.keep_prompt))
 
-    def uncompressed(self, batch: "PagedBatch") -> list[int]:
-        """The rows of ``batch`` that every layer holds whole after this step, each token in the
-        slot of its position: never compressed, and not compressing now (a prompt under its
-        budget that has not outgrown it; a prompt read in chunks while its tokens so far would
-        be one). Their attention is the full cache's, so an engine may run it with its own
-        kernel and numerics (keepkv.vllm does); the step still runs them through the method,
-        which observes them. From host-side token counts only."""
-        rows = []
-        interval = self.method.interval
-        for row, (phase, done, length) in enumerate(zip(batch.phases, batch.computed, batch.query_lengths)):
-            after = done + length
-            prompt = after if phase == "chunk" else batch.prompt[row]
-            self.kept(prompt)  # fills self._kept[prompt]: each layer's budget
-            if held_entries(min(self._kept[prompt]), prompt, after, interval) == after:
-                rows.append(row)
-        return rows
-
-    # -- one step -----------------------------------------------------------------------------
+    # -- one step's phases ------------------------------------------------------------------------
     def batch(
         self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
         prefilling: list[bool] | None = None, block_size: int | None = None,
@@ -290,7 +304,16 @@ class PagedCompression:
         if self.keep_prompt:
             if block_size is None:
                 raise ValueError("a keep_prompt PagedCompression needs the engine's block_size")
-            return self._kept_prompt_batch(query_start, lengths, computed, block_table, prefilling, block_size)
+            batch = self._kept_prompt_batch(query_start, lengths, computed, block_table, prefilling, block_size)
+        else:
+            batch = self._prompt_batch(query_start, lengths, computed, block_table, prefilling)
+        with self._lock:
+            self._steps += 1
+            for key in batch.first_block:
+                self._seen[key] = self._steps
+        return batch
+
+    def _prompt_batch(self, query_start, lengths, computed, block_table, prefilling) -> PagedBatch:
         first_blocks = block_table[: len(lengths), 0].tolist()
         phases = []
         with self._lock:
@@ -312,9 +335,12 @@ class PagedCompression:
                         f"(got {length} new tokens after {done}): disable speculative decoding"
                         + ("" if self.chunked else ", or let keepkv.vllm read prompts in chunks (chunked prefill)")
                     )
-                elif self._prompts[block] is None:
+                elif self._prompts.get(block, 0) is None:
                     self._prompts[block] = done
                     phases.append("close")
+                elif block not in self._prompts:
+                    raise ValueError(f"paged: a decode step ({done} tokens held) of a request whose prompt this "
+                                     "PagedCompression never read")
                 else:
                     phases.append("decode")
             prompts = [self._prompts[block] or 0 for block in first_blocks]
@@ -375,107 +401,404 @@ class PagedCompression:
         """One attention call of every request in ``batch``, for the model's layer ``layer``.
 
         kv_cache [blocks, H_kv, block_size, C]; query [T, H, D]; key, value [T, H_kv, D] (T: the
-        step's new tokens, request after request). Writes the kept entries back into kv_cache and
-        returns the attention output [T, H, D].
+        step's new tokens, request after request). Writes the step's entries into kv_cache,
+        compresses the requests that are due, and returns the attention output [T, H, D].
         """
+        kv_heads, block_size = kv_cache.shape[1:3]
+        layout = self.layout(block_size, kv_heads, query.shape[-1], kv_cache.dtype)
+        plan = self._plan(batch, layer, block_size, query.device)
+        planes = layout.planes(kv_cache)
         output = query.new_empty(query.shape)
-        for group in self._groups(batch, query.device):
-            with _threads(STEP_THREADS if group.phase == "decode" else PROMPT_THREADS):
-                self._forward_rows(kv_cache, query, key, value, batch, group, scaling, output, layer)
+        for row in plan.closing:  # a prompt read in chunks, whole now: compressed before its first decode token
+            with _threads(PROMPT_THREADS):
+                self._close(planes, layout, batch, plan, [row], scaling, layer)
+        for rows in plan.dense:  # a whole prompt over its budget: attended and compressed before it is written
+            with _threads(PROMPT_THREADS):
+                self._dense_prompt(planes, layout, batch, plan, rows, query, key, value, scaling, layer, output)
+        if plan.attending:
+            self._write_new(planes, layout, batch, plan, key, value, layer)
+            self._attend(planes, layout, batch, plan, query, scaling, layer, output)
+        for rows in plan.prompts_ending:  # a whole prompt within its budget, attended in place: its statistics
+            with _threads(PROMPT_THREADS):
+                self._close(planes, layout, batch, plan, rows, scaling, layer, new=(query, key, value))
+        for row in plan.chunks:
+            with _threads(PROMPT_THREADS):
+                self._file_chunk(planes, layout, batch, plan, row, query, key, value, scaling, layer)
+        if plan.decoding:
+            self._keep_queries(plan, query, layer)
+        for rows in plan.compressing:
+            with _threads(STEP_THREADS):
+                self._compress(planes, layout, batch, plan, rows, query, scaling, layer)
         return output
 
-    def _groups(self, batch: PagedBatch, device) -> list["_Group"]:
-        """The step's groups of rows run together, with their index tensors (built at the step's
-        first layer, read by every layer): each prefill, chunk and close alone, then the decodes
-        that compress now, then those that do not (interval > 1).
+    # -- the step's plan: rows, sizes and index tensors, built at its first layer -------------------
+    def _plan(self, batch: PagedBatch, layer: int, block_size: int, device) -> "_StepPlan":
+        if "step" not in batch.plans:
+            batch.plans["step"] = _StepPlan.build(self, batch, block_size, device)
+        return batch.plans["step"]
 
-        Each prompt alone: prompts of unequal length in one call would be left-padded to the
-        longest (wasted work), and their compression then runs on other shapes than a request's
-        own cache (float noise; KeepKV's merge decisions follow it)."""
-        if "groups" not in batch.plans:
-            interval = self.method.interval
-            decodes = [r for r, phase in enumerate(batch.phases) if phase == "decode"]
-            compressing = [r for r in decodes if (batch.computed[r] - batch.prompt[r]) % interval == interval - 1]
-            rows = [*([r] for r, phase in enumerate(batch.phases) if phase != "decode"), compressing,
-                    [r for r in decodes if r not in compressing]]
-            batch.plans["groups"] = groups = [_Group.build(batch, group, interval, device) for group in rows if group]
-            for group in groups:  # each request's row of the state slabs (a new request: the next free)
-                if group.phase == "chunk":  # a prompt's chunk files its state by its chunk key
-                    continue
-                slab_rows = [self._state_rows.setdefault(batch.first_block[r], len(self._state_rows)) for r in group.rows]
-                group.state_rows = torch.tensor(slab_rows, device=device)
-        return batch.plans["groups"]
+    def _sizes(self, batch: PagedBatch, rows, layer: int, when: str) -> tuple:
+        """Entries each of ``rows`` holds in layer ``layer``: "before" the step; "written" once its
+        prompt closed (a close row's compressed prompt) and its new tokens are in; "after" the step."""
+        def held(row):
+            phase, done, length = batch.phases[row], batch.computed[row], batch.query_lengths[row]
+            if phase == "chunk":
+                return done + (0 if when == "before" else length)
+            if phase == "prefill":
+                return 0 if when == "before" else min(length, self.kept(length, layer)) if when == "after" else length
+            if phase == "close":
+                if when == "before":
+                    return done
+                return self.stored(done, done, layer) + 1 if when == "written" else self.stored(done, done + 1, layer)
+            prompt = batch.prompt[row]
+            if when == "before":
+                return self.stored(prompt, done, layer)
+            if when == "written":
+                return self.stored(prompt, done, layer) + 1
+            return self.stored(prompt, done + 1, layer)
+        return tuple(held(row) for row in rows)
 
-    def _forward_rows(self, kv_cache, query, key, value, batch, group: "_Group", scaling, output, layer: int = 0):
-        """Gather the group's rows into one LayerStore, run CompressedCache.forward_layer, write back.
+    # -- writes and the kernel ---------------------------------------------------------------------
+    def _write_new(self, planes, layout: PagedLayout, batch, plan, key, value, layer: int) -> None:
+        """The step's keys and values through the engine's cache write, at each attending row's next
+        slots, and their words: position, bias 0 (a biased layout's), the extras at their fill."""
+        slots, tokens, positions = plan.new_slots(self, batch, layer)
+        keys_plane, values_plane, words = planes
+        new_keys = key if tokens is None else key.index_select(0, tokens)
+        new_values = value if tokens is None else value.index_select(0, tokens)
+        self.kernel.write(keys_plane, values_plane, layout.key_rows(new_keys, None, 1.0),
+                          layout.padded(new_values), slots)
+        index = plan.word_rows(layout, slots)  # [N, H_kv, M]
+        fresh = plan.fresh_words(self, layout, positions)  # [N, H_kv, M]
+        words.index_put_((index,), fresh)
 
-        Each call runs as the cache's layer ``layer`` (its budget is that layer's; the other
-        layers of the cache stay empty). A prompt read in chunks runs as the Hugging Face path's
-        chunked prefill does (``CompressedCache.start_prefill``): each chunk attends over the
-        chunks before it and sums the method's statistics, and the prompt is compressed once
-        whole, here at the request's first decode step ("close"), before that step's token.
-        """
-        rows, tokens, real = group.rows, group.tokens, group.real
-        new_query = query[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H, q, D]
-        new_keys = key[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)  # [R, H_kv, q, D]
-        new_values = value[tokens].masked_fill(~real[..., None, None], 0).transpose(1, 2)
-        earlier, chunk_key = batch.chunk_keys[rows[0]]  # where a prompt's chunks file their state
-
-        cache = CompressedCache(self.config, self.method, self.budget, decoding=self.decoding)
-        if group.phase in ("prefill", "chunk") and group.seen == 0:
-            cache.layers[layer].lazy_initialization(new_keys, new_values)
-        elif group.phase == "chunk" and self.keep_prompt and (earlier, layer) not in self.chunks:
-            # A prompt past a prefix another request wrote (prefix caching): its entries, no statistics.
-            sizes = group.sizes(self, batch, layer, after=False)
-            cache.adopt_prefix(layer, self._gather(kv_cache, batch, group, sizes, new_keys, layer, ()))
-        elif group.phase in ("chunk", "close"):  # the prompt so far, whole, and what its chunks summed
-            state, stats, extras = self.chunks.pop((earlier, layer))
-            store = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer, extras)
-            store.resume(state=state, prefill_stats=stats)
-            cache.adopt_layer(layer, store)
-            if group.phase == "close":
-                cache.finish_prefill(layer)
+    def _attend(self, planes, layout: PagedLayout, batch, plan, query, scaling: float, layer: int, output) -> None:
+        """Every attending row in one call of the engine's kernel, over its slots."""
+        call = plan.kernel_call(self, batch, layer, layout, query.shape[1])
+        rows_query = query if call.tokens is None else query.index_select(0, call.tokens)
+        keys_plane, values_plane, _ = planes
+        padded = layout.padded(rows_query, ones=True)
+        if layout.key_dim == layout.head_dim and call.tokens is None and output.is_contiguous():
+            self.kernel.attend(padded, keys_plane, values_plane, call.block_table, call.query_start_loc,
+                               call.seq_lens, call.plan, scaling, output)
+            return
+        attended = padded.new_empty(padded.shape)
+        self.kernel.attend(padded, keys_plane, values_plane, call.block_table, call.query_start_loc, call.seq_lens,
+                           call.plan, scaling, attended)
+        attended = attended[..., : layout.head_dim]
+        if call.tokens is None:
+            output.copy_(attended)
         else:
-            store = self._gather(kv_cache, batch, group, group.sizes(self, batch, layer, after=False), new_keys, layer)
-            pending = self.method.interval - 1 if group.compressing else 0  # this step's append compresses, or not
-            store.resume(state=self._join_states(group, layer), pending=pending)
-            cache.adopt_layer(layer, store)
-            before = (store.positions.clone(), store.bias.clone())  # what each slot held: see _write_changed
-        if group.phase == "chunk":  # announced a token longer: the cache attends and sums, and compresses nothing yet
-            cache.start_prefill(torch.ones(1, group.seen + group.lengths[0] + 1, dtype=torch.bool))
-        out = cache.forward_layer(layer, new_query, new_keys, new_values, group.mask, scaling)  # [R, q, H, D]
-        output.index_copy_(0, group.token_index, out.flatten(0, 1).index_select(0, group.real_index).to(output.dtype))
-        store = cache.layers[layer]
-        if group.phase == "decode":
-            self._write_changed(kv_cache, batch, group, store, layer, before)
-        else:
-            self._write(kv_cache, batch, group, store, group.sizes(self, batch, layer, after=True))
-        if group.phase == "chunk":
-            self.chunks[chunk_key, layer] = (dict(store.state), self._trimmed(store.prefill_stats), tuple(store.extras))
-        else:
-            self._keep_states(store.state, group, layer)
+            output.index_copy_(0, call.tokens, attended)
 
-    def _trimmed(self, stats):
-        """A chunked prompt's summed statistics, kept until its next chunk: the newest query rows
-        only, as many as a served method reads of a prefill's queries (KeepKV: its window; its merge:
-        the last), not the whole prompt's."""
-        rows = max(1, self.method.needs(True).window, getattr(self.method.merging, "window", 0) or 0)
-        return replace(stats, query=stats.query[:, :, :, -rows:])
+    # -- prompts ---------------------------------------------------------------------------------
+    def _prompt_stats(self, query_g: torch.Tensor, store: LayerStore, scaling: float) -> StepStats:
+        """The statistics the method reads of a whole prompt held in ``store`` (its tokens in
+        slot order), from its newest query rows ``query_g`` [1, H_kv, g, r, D]: what a prefill of
+        the whole prompt gives for a method that reads only its last rows."""
+        rows = query_g.shape[3]
+        mask = torch.ones(rows, rows, dtype=torch.bool, device=query_g.device).tril()[None, None]
+        query = query_g.flatten(1, 2)
+        needs = Needs(window=self.method.needs(True).window)
+        _, stats = attend(query, store.keys, store.values, store.bias, mask, scaling, needs, True, store.binary_bias())
+        return stats
 
-    # -- the method's per-layer state, per request ----------------------------------------------
-    def _keep_states(self, state: dict, group: "_Group", layer: int) -> None:
-        """File a layer's method state by row: a per-row tensor (first dimension the group's rows)
-        into its slab rows, anything else as the layer's. A per-row tensor whose trailing shape
-        changes from step to step is tied to one step's slots (KeepKV's newest query's logits,
-        [R, H_kv, g, S]): the method rewrites it before it reads it (tested against each
-        request's own cache), so it is not filed."""
+    def _file_chunk(self, planes, layout, batch, plan, row: int, query, key, value, scaling, layer: int) -> None:
+        """A prompt's chunk, attended in place: keep what its close will need (the method's state,
+        its newest query rows, or its statistics summed so far)."""
+        earlier, chunk_key = batch.chunk_keys[row]
+        before = self.chunks.pop((earlier, layer), None)
+        start, stop = batch.query_start[row], batch.query_start[row + 1]
+        rows_query = query[start:stop].transpose(0, 1)[None]  # [1, H, q, D]
+        if not self._sums_prompt:
+            if before is not None and before.queries is not None:
+                rows_query = torch.cat([before.queries, rows_query], dim=2)
+            kept = rows_query[:, :, -self._prompt_rows :].clone()
+            state = before.state if before is not None else {}
+            extras = before.extras if before is not None else ()
+            self.chunks[chunk_key, layer] = _Prompt(state, None, kept, extras)
+            return
+        # Statistics of every query row: this chunk's queries over the prompt so far (its slots).
+        done = batch.computed[row]
+        store = self._gather(planes, layout, batch, plan, [row], (done + stop - start,), layer, (done + stop - start,))
+        if before is None:
+            self.step.start(store)
+        else:
+            store.resume(state=before.state)
+        q = stop - start
+        mask = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()[None, None]
+        _, stats = attend(rows_query, store.keys, store.values, store.bias, mask, scaling, self.method.needs(True),
+                          True, store.binary_bias())
+        if before is not None and before.stats is not None:
+            stats = join_prefill_stats(before.stats, stats, self.method.needs(True).window)
+        stats = StepStats(**{**vars(stats), "query": stats.query[:, :, :, -self._prompt_rows :]})
+        self.chunks[chunk_key, layer] = _Prompt(dict(store.state), stats, None, tuple(store.extras))
+
+    def _close(self, planes, layout, batch, plan, rows: list[int], scaling: float, layer: int, new=None) -> None:
+        """Prompts that are whole: the method observes each and compresses it (or keeps it whole),
+        and its kept entries are written back compact. A close row's prompt was read in chunks;
+        ``new`` (query, key, value): a whole prompt this step read and attended in place."""
+        row = rows[0]
+        if new is None:
+            earlier, _ = batch.chunk_keys[row]
+            prompt = self.chunks.pop((earlier, layer), None)
+            length = batch.computed[row]
+        else:
+            prompt, length = None, batch.query_lengths[row]
+        store = self._gather(planes, layout, batch, plan, rows, (length,), layer, (length,))
+        if prompt is None or (prompt.stats is None and not prompt.state):  # its first chunk's store, or a prefix
+            self.step.start(store)
+        else:
+            store.resume(state=prompt.state)
+        if new is not None:
+            query, _, _ = new
+            start, stop = batch.query_start[row], batch.query_start[row + 1]
+            rows_query = query[start:stop].transpose(0, 1)[None]
+            if self._sums_prompt:
+                mask = torch.ones(stop - start, stop - start, dtype=torch.bool, device=query.device).tril()[None, None]
+                _, stats = attend(rows_query, store.keys, store.values, store.bias, mask, scaling,
+                                  self.method.needs(True), True, store.binary_bias())
+            else:
+                stats = self._prompt_stats(group_queries(rows_query[:, :, -self._prompt_rows :], layout.kv_heads),
+                                           store, scaling)
+        elif prompt is not None and prompt.stats is not None:
+            stats = prompt.stats
+        elif prompt is not None and prompt.queries is not None:
+            stats = self._prompt_stats(group_queries(prompt.queries, layout.kv_heads), store, scaling)
+        else:  # a prompt whose every token another request wrote (a whole shared prefix): no query of its own
+            stats = StepStats(query=store.keys.new_zeros(1, layout.kv_heads, self._group, 0, layout.head_dim),
+                              scaling=scaling, is_prefill=True)
+        self.step.observe_prompt(store, stats)
+        budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
+        before = (store.positions.clone(), store.bias.clone())
+        self.step.close_prompt(store, budget, mean, frozen, stats)
+        after = self._sizes(batch, rows, layer, "after") if new is not None else tuple(
+            self.stored(batch.computed[r], batch.computed[r], layer) for r in rows)
+        self._write_back(planes, layout, batch, plan, rows, store, after, before, layer, scaling)
+        self._file_states(store.state, batch, rows, layer)
+
+    def _dense_prompt(self, planes, layout, batch, plan, rows, query, key, value, scaling, layer, output) -> None:
+        """A whole prompt over its budget, read in one step: its blocks hold only what it keeps, so it
+        is attended here (keepkv's attention), compressed, and its kept entries written compact."""
+        row = rows[0]
+        start, stop = batch.query_start[row], batch.query_start[row + 1]
+        q = stop - start
+        new_keys, new_values = (t[start:stop].transpose(0, 1)[None] for t in (key, value))  # [1, H_kv, q, D]
+        store = LayerStore(layer)
+        store.lazy_initialization(new_keys, new_values)
+        self.step.start(store)
+        store.append(new_keys, new_values, torch.ones(1, q, dtype=torch.bool, device=key.device))
+        mask = torch.ones(q, q, dtype=torch.bool, device=key.device).tril()[None, None]
+        out, stats = attend(query[start:stop].transpose(0, 1)[None], store.keys, store.values, store.bias, mask,
+                            scaling, self.method.needs(True), True, store.binary_bias())
+        output[start:stop] = out[0].to(output.dtype)
+        self.step.observe_prompt(store, stats)
+        budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
+        before = (store.positions.clone(), store.bias.clone())
+        self.step.close_prompt(store, budget, mean, frozen, stats)
+        self._write_back(planes, layout, batch, plan, rows, store, self._sizes(batch, rows, layer, "after"),
+                         before, layer, scaling, everything=True)
+        self._file_states(store.state, batch, rows, layer)
+
+    # -- decoding ---------------------------------------------------------------------------------
+    def _keep_queries(self, plan, query, layer: int) -> None:
+        """Each decoding row's query into its kept rows (the compression's statistics read them)."""
+        if not self._query_rows:
+            return
+        kept = self._query_slab(layer, query)
+        kept.index_put_((plan.decode_slab_rows, plan.decode_query_index), query.index_select(0, plan.decode_tokens))
+
+    def _query_slab(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        slab = self._queries.get(layer)
+        rows = max(self._rows.values(), default=0) + 1
+        if slab is None or slab.shape[0] < rows:
+            grown = like.new_zeros(max(2 * rows, 8), self._query_rows, *like.shape[1:])
+            if slab is not None:
+                grown[: slab.shape[0]] = slab
+            self._queries[layer] = slab = grown
+        return slab
+
+    def _compress(self, planes, layout, batch, plan, rows: list[int], query, scaling: float, layer: int) -> None:
+        """Decoding rows whose ``interval`` came round (each holding as many entries): the method
+        observes every query since its last compression, compresses, and the kept entries are
+        written back into the leading slots."""
+        written = self._sizes(batch, rows, layer, "written")
+        store = self._gather(planes, layout, batch, plan, rows, written, layer,
+                             tuple(batch.computed[r] + 1 for r in rows))
+        budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
+        store.set_budget(budget, mean, frozen)
+        store.resume(state=self._join_states(batch, rows, layer), pending=self.method.interval)
+        store.headroom = self.method.interval
+        stats = self._decode_stats(batch, plan, rows, store, query, scaling, layer, layout)
+        before = (store.positions.clone(), store.bias.clone())
+        self.step.decode(store, stats)
+        self._write_back(planes, layout, batch, plan, rows, store, self._sizes(batch, rows, layer, "after"), before,
+                         layer, scaling)
+        self._file_states(store.state, batch, rows, layer)
+
+    def _decode_stats(self, batch, plan, rows, store: LayerStore, query, scaling, layer, layout) -> StepStats:
+        """What the attention of the ``interval`` decoding queries since the last compression gave,
+        computed now over the store: each query sees the entries held at its position (the later
+        ones are masked), with their votes, exactly what it attended over."""
+        tokens = torch.tensor([batch.query_start[r] for r in rows], device=query.device)
+        if not self._query_rows:
+            return StepStats(query=group_queries(query.index_select(0, tokens)[:, :, None], layout.kv_heads),
+                             scaling=scaling, is_prefill=False)
+        slab_rows = torch.tensor([self._rows[batch.first_block[r]] for r in rows], device=query.device)
+        queries = self._queries[layer].index_select(0, slab_rows)  # [R, N, H, D], oldest first
+        query_g = group_queries(queries.transpose(1, 2), layout.kv_heads)  # [R, H_kv, g, N, D]
+        needs = self.method.needs(False)
+        stats = StepStats(query=query_g, scaling=scaling, is_prefill=False)
+        logits = scaled_logits(query_g, store.keys, scaling)  # [R, H_kv, g, N, S]
+        if needs.logits:
+            stats.logits = logits
+        if needs.probs:
+            count = query_g.shape[3]
+            newest = torch.tensor([batch.computed[r] for r in rows], device=query.device)  # each row's last query position
+            query_pos = newest[:, None] - torch.arange(count - 1, -1, -1, device=query.device)  # [R, N]
+            visible = store.positions[:, :, None, :] <= query_pos[:, None, :, None]  # [R, H_kv, N, S]
+            biased = logits + store.bias[:, :, None, None, :]
+            stats.probs = softmax_probs(biased.masked_fill(~visible[:, :, None], NEG_INF))
+        return stats
+
+    # -- reading and writing a request's slots ----------------------------------------------------
+    def _gather(self, planes, layout: PagedLayout, batch, plan, rows: list[int], sizes: tuple, layer: int,
+                seen: tuple) -> LayerStore:
+        """A store of each row's first ``sizes`` slots (rows of equal size, or one row), in slot
+        order, that has seen ``seen`` tokens per row: whole blocks read once, unpacked from the
+        kernel's order."""
+        keys_plane, values_plane, words = planes
+        size = max(sizes)
+        blocks = plan.blocks_of(batch, rows, size, layout.block_size)  # [R, n] int64
+        count, width = blocks.shape[1], layout.block_size
+        key_order, value_order = plan.orders(self.kernel, layout)
+        with torch.inference_mode(False):  # the store's buffers are normal tensors (LayerStore._new_buffer)
+            keys, values = (
+                plane.index_select(0, blocks.flatten())[..., order]  # [R·n, H_kv, bs, Dk]
+                .view(len(rows), count, layout.kv_heads, width, layout.key_dim)
+                .transpose(1, 2).reshape(len(rows), layout.kv_heads, count * width, layout.key_dim)[:, :, :size, : layout.head_dim]
+                for plane, order in ((keys_plane, key_order), (values_plane, value_order))
+            )
+        slot = torch.arange(size, device=blocks.device)
+        word_rows = layout.word_index(blocks.gather(1, (slot // width)[None].expand(len(rows), -1))[:, None, :],
+                                      torch.arange(layout.kv_heads, device=blocks.device)[None, :, None], slot % width)
+        meta = words[word_rows[..., None] + torch.arange(layout.words, device=blocks.device)]  # [R, H_kv, S, M]
+        empty = (slot[None, None, :] >= torch.tensor(sizes, device=blocks.device)[:, None, None]).expand(
+            len(rows), layout.kv_heads, size)
+        positions = meta[..., 0].long().masked_fill(empty, -1)
+        bias = meta[..., 1] if layout.biased else torch.zeros_like(meta[..., 0])
+        bias = bias.masked_fill(empty, NEG_INF)
+        tensors = {"keys": keys, "values": values, "bias": bias, "positions": positions}
+        word = 1 + layout.biased
+        chosen = {}
+        for name, shape in self.extras.items():
+            width_words = math.prod(shape)
+            extra = meta[..., word : word + width_words].reshape(*meta.shape[:-1], *shape)
+            tensors[f"extras.{name}"] = extra.masked_fill(empty.view(*empty.shape, *(1,) * len(shape)), self.extra_fill[name])
+            chosen[name] = self.extra_fill[name]
+            word += width_words
+        return LayerStore.from_entries(layer, tensors, chosen, seen=max(seen), real_seen=torch.tensor(seen, device=blocks.device),
+                                       binary=not layout.biased or bool((bias[~empty] == 0).all()),
+                                       headroom=self.method.interval)
+
+    def _write_back(self, planes, layout: PagedLayout, batch, plan, rows, store: LayerStore, sizes: tuple,
+                    before: tuple[torch.Tensor, torch.Tensor], layer: int, scaling: float, everything: bool = False) -> None:
+        """Each row's live entries of ``store`` into its first ``sizes`` slots. An entry held in a slot
+        below its row's size stays in that slot; the entries past it fill the emptied slots, in slot
+        order. Keys and values go through the engine's cache write for the slots whose entry or
+        votes changed (a served method changes a slot's key or value only with its entry or its
+        votes); the words of every slot a row may write. With ``keep_prompt`` a row writes only
+        past its prompt (an engine may share those blocks). ``before``: ([R, H_kv, S] positions,
+        bias) of the slots as they were read; ``everything``: the slots held nothing yet."""
+        keys_plane, values_plane, words = planes
+        kv_heads = layout.kv_heads
+        width = max(sizes)
+        live = store.live()
+        size = live.shape[-1]
+        slot = torch.arange(size, device=live.device)
+        after = torch.tensor(sizes, device=live.device)[:, None, None]  # [R, 1, 1]
+        source = slot[:width].expand(len(rows), kv_heads, width)  # the store slot each of a row's slots gets
+        spill = size - min(sizes)
+        if spill > 0:
+            from .store import slots_of
+
+            holes = ~live[..., :width] & (slot[:width] < after)
+            hole, has_hole = slots_of(holes, min(spill, width))
+            mover, has_mover = slots_of(live & (slot >= after), min(spill, width))
+            source = source.scatter(-1, hole, mover.where(has_hole & has_mover, hole))
+        positions, bias = store.positions.gather(-1, source), store.bias.gather(-1, source)
+        starts = plan.starts(self, batch, rows)  # the first slot each row may write
+        writable = ((slot[:width] < after) & (slot[:width] >= torch.tensor(starts, device=live.device)[:, None, None])
+                    ).expand(len(rows), kv_heads, width)
+        if everything:
+            changed = writable.any(1)
+        else:
+            old_positions, old_bias = before
+            pad = width - old_positions.shape[-1]
+            if pad > 0:
+                old_positions = torch.nn.functional.pad(old_positions, (0, pad), value=-1)
+                old_bias = torch.nn.functional.pad(old_bias, (0, pad), value=NEG_INF)
+            differs = (positions != old_positions[..., :width]) | (bias != old_bias[..., :width])
+            changed = (differs & writable).any(1)  # [R, W]: a slot written in every head, if in any
+        # Host-side: which slots to write (a compression's few; none that would take a prompt's slot).
+        row_index, slot_index = changed.nonzero(as_tuple=True)
+        if row_index.numel():
+            blocks = plan.blocks_of(batch, rows, width, layout.block_size)
+            flat = blocks[row_index, slot_index // layout.block_size] * layout.block_size + slot_index % layout.block_size
+            take = source[row_index, :, slot_index]  # [N, H_kv]
+            picked_keys = store.keys[row_index[:, None], torch.arange(kv_heads)[None, :], take]  # [N, H_kv, D]
+            picked_values = store.values[row_index[:, None], torch.arange(kv_heads)[None, :], take]
+            picked_bias = store.bias[row_index[:, None], torch.arange(kv_heads)[None, :], take] if layout.biased else None
+            self.kernel.write(keys_plane, values_plane, layout.key_rows(picked_keys, picked_bias, scaling),
+                              layout.padded(picked_values), flat)
+        # Words of every writable slot: position, bias, extras (scores change everywhere).
+        row_index, head_index, slot_index = writable.nonzero(as_tuple=True)
+        if row_index.numel():
+            blocks = plan.blocks_of(batch, rows, width, layout.block_size)
+            block = blocks[row_index, slot_index // layout.block_size]
+            index = layout.word_index(block, head_index, slot_index % layout.block_size)
+            take = source[row_index, head_index, slot_index]
+            columns = [store.positions[row_index, head_index, take].float()[:, None]]
+            if layout.biased:
+                columns.append(store.bias[row_index, head_index, take][:, None])
+            for name, shape in self.extras.items():
+                if name in store.extras:
+                    columns.append(store.extras[name][row_index, head_index, take].reshape(len(take), -1).float())
+                else:
+                    columns.append(torch.full((len(take), math.prod(shape)), self.extra_fill[name]))
+            words.index_put_((index[:, None] + torch.arange(layout.words),), torch.cat(columns, dim=1))
+
+    # -- the method's per-layer state, per request -------------------------------------------------
+    def _slab_row(self, key) -> int:
+        """The slab row of request ``key``: its own, or one that a request unseen for
+        :data:`STALE_STEPS` steps gives up, or a new one."""
+        with self._lock:
+            if key in self._rows:
+                return self._rows[key]
+            stale = [old for old, seen in self._seen.items() if old in self._rows and seen < self._steps - STALE_STEPS]
+            if stale:
+                row = self._rows.pop(stale[0])
+                self._seen.pop(stale[0], None)
+            else:
+                row = len(self._rows)
+                while row in self._rows.values():
+                    row += 1
+            self._rows[key] = row
+            return row
+
+    def _file_states(self, state: dict, batch, rows: list[int], layer: int) -> None:
+        """File a layer's method state by row: a per-row tensor (first dimension the rows) into its
+        slab rows, anything else as the layer's. A per-row tensor whose trailing shape changes from
+        step to step is tied to one step's slots (KeepKV's newest query's logits, [R, H_kv, g, S]):
+        the method rewrites it before it reads it (tested against each request's own cache), so it
+        is not filed."""
         if not state:
             return
         slabs = self._slabs.setdefault(layer, {})
         shared = self._layer_state.setdefault(layer, {})
-        rows = group.state_rows
+        slab_rows = torch.tensor([self._slab_row(batch.first_block[r]) for r in rows])
         for name, value in state.items():
-            if not (isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == len(group.rows)):
+            if not (isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == len(rows)):
                 shared[name] = value
                 continue
             slab = slabs.get(name)
@@ -485,315 +808,193 @@ class PagedCompression:
             if name in slabs and slab is None:
                 continue
             slabs[name] = slab = self._grown(value.new_zeros(0, *value.shape[1:]) if slab is None else slab)
-            slab.index_copy_(0, rows, value)
+            slab.index_copy_(0, slab_rows.to(slab.device), value)
 
     def _grown(self, slab: torch.Tensor) -> torch.Tensor:
         """``slab`` with a row for every request seen (zeros where none was filed), doubled when short."""
-        if slab.shape[0] >= len(self._state_rows):
+        rows = max(self._rows.values(), default=-1) + 1
+        if slab.shape[0] >= rows:
             return slab
-        grown = slab.new_zeros(max(2 * len(self._state_rows), 8), *slab.shape[1:])
+        grown = slab.new_zeros(max(2 * rows, 8), *slab.shape[1:])
         grown[: slab.shape[0]] = slab
         return grown
 
-    def _join_states(self, group: "_Group", layer: int) -> dict:
-        """The group's rows' filed states as one layer's (per-row tensors read from their slabs; a
-        row nothing was filed for reads zeros)."""
+    def _join_states(self, batch, rows: list[int], layer: int) -> dict:
+        """The rows' filed states as one layer's (per-row tensors read from their slabs)."""
         joined = dict(self._layer_state.get(layer, {}))
         slabs = self._slabs.get(layer, {})
+        slab_rows = torch.tensor([self._slab_row(batch.first_block[r]) for r in rows])
         for name, slab in slabs.items():
             if slab is not None:
                 slabs[name] = slab = self._grown(slab)
-                joined[name] = slab.index_select(0, group.state_rows)
+                joined[name] = slab.index_select(0, slab_rows.to(slab.device))
         return joined
 
-    # -- gather / write ------------------------------------------------------------------------
-    def _gather(self, kv_cache, batch: PagedBatch, group: "_Group", sizes: tuple, like, layer: int = 0,
-                extras: tuple[str, ...] | None = None) -> LayerStore:
-        """A decode-ready LayerStore of each row's first ``sizes`` slots (slots past a row's size
-        are empty), its budgets fixed by its prompt; or, for a prompt read in chunks (``extras``:
-        the extras its method has added so far), the prompt so far, without budgets.
+    @property
+    def _group(self) -> int:
+        return self.config.num_attention_heads // self.config.num_key_value_heads
 
-        Keys and values are read by one index_select each straight into the store's buffers, with
-        room for the step's append (``LayerStore._extend`` appends in place); the metadata words by
-        one more. ``like``: [R, H_kv, q, D] of the model's dtype.
-        """
-        kv_heads, block_size, words = kv_cache.shape[1:]
-        head_dim = like.shape[-1]
-        slots = group.slots(sizes, kv_heads, block_size)
-        rows, _, size = slots.flat.shape
-        spare = self.method.interval  # the store's headroom (below): spare slots for the step's append
-        flat = kv_cache.view(-1, words)  # vLLM's per-layer cache is one contiguous tensor
-        with torch.inference_mode(False):  # the store's buffers are normal tensors (LayerStore._new_buffer)
-            keys, values = (
-                flat[:, start : start + head_dim].index_select(0, group.reads(sizes, spare, slots)).view(rows, kv_heads, size + spare, head_dim)
-                for start in (0, head_dim)
-            )
-        meta_words = 4 * self.meta_words // kv_cache.element_size()
-        meta = flat[:, 2 * head_dim : 2 * head_dim + meta_words].index_select(0, slots.flat.view(-1))
-        meta = meta.view(torch.float32).view(*slots.flat.shape, self.meta_words)
-        empty = slots.empty
-        positions = meta[..., 0].long().masked_fill_(empty, -1)
-        bias = meta[..., 1].masked_fill(empty, NEG_INF)
-        reading = extras is not None
-        chosen = set(self.extras if extras is None else extras)
-        tensors, word = {"keys": keys.narrow(2, 0, size), "values": values.narrow(2, 0, size), "bias": bias, "positions": positions}, 2
-        for name, shape in self.extras.items():
-            width = math.prod(shape)
-            if name in chosen:
-                extra = meta[..., word : word + width].reshape(*meta.shape[:-1], *shape)
-                tensors[f"extras.{name}"] = extra.masked_fill(empty.view(*empty.shape, *(1,) * len(shape)), self.extra_fill[name])
-            word += width
-        store = LayerStore.from_entries(
-            layer, tensors, {name: self.extra_fill[name] for name in chosen}, seen=group.seen, real_seen=group.computed,
-            binary=self.binary, headroom=spare, buffers={"keys": keys, "values": values},
-        )
-        if reading:
-            return store
-        kept, mean, frozen = group.budgets(self, batch, layer)
-        store.set_budget(kept[:, None].expand(-1, kv_heads).contiguous(), mean, frozen)  # as CompressedCache._end_prefill
-        return store
 
-    def _write(self, kv_cache, batch: PagedBatch, group: "_Group", layer: LayerStore, sizes: tuple) -> None:
-        """Write each row's live entries, compacted, into its first ``sizes`` slots: whole slots
-        (key, value, metadata) packed once, then one index_select of the written slots' sources and
-        one index_copy_ into the cache, over slot indices built once per step, no host sync (which
-        slots a step's eviction or merge changed is data; writing every kept slot is not)."""
-        kv_heads, block_size, slot_words = kv_cache.shape[1:]
-        slots = group.slots(sizes, kv_heads, block_size, group.starts(self, batch))
-        index, _ = slots_of(layer.live(), max(sizes))  # [R, H_kv, W] live slots first, in slot order
-        dtype = kv_cache.dtype
-        packed = torch.cat([layer.keys.to(dtype), layer.values.to(dtype), self._meta_words(layer).view(dtype)], dim=-1)
-        rows, size, width = packed.shape[0], packed.shape[2], packed.shape[-1]  # [R, H_kv, S, C']
-        # Each written slot's source: [N, H_kv] rows of packed.view(-1, C'), (row, head, slot) flattened.
-        source = (slots.row[:, None] * kv_heads + slots.heads[None, :]) * size + index[slots.row, :, slots.slot]
-        content = packed.view(rows * kv_heads * size, width).index_select(0, source.flatten())
-        flat = kv_cache.view(-1, slot_words)  # vLLM's per-layer cache is one contiguous tensor
-        flat[:, :width].index_copy_(0, slots.written, content)
-
-    def _meta_words(self, layer: LayerStore) -> torch.Tensor:
-        """[R, H_kv, S, M] fp32: each entry's metadata words as a slot stores them (position, bias,
-        the method's extras in order; an extra the store has not added yet, as in a prompt read in
-        chunks, at its fill value)."""
-        words = [layer.positions.float()[..., None], layer.bias[..., None]]
-        for name, shape in self.extras.items():
-            if name in layer.extras:
-                words.append(layer.extras[name].flatten(3) if len(shape) else layer.extras[name][..., None])
-            else:  # a prompt read in chunks: the method adds its extras when it compresses
-                words.append(words[0].new_full((*words[0].shape[:3], math.prod(shape)), self.extra_fill[name]))
-        return torch.cat(words, dim=-1)
-
-    def _write_changed(self, kv_cache, batch: PagedBatch, group: "_Group", layer: LayerStore, layer_idx: int,
-                       before: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """A decode step's write: each row's entries into its first ``sizes`` slots, moving only what
-        changed. An entry that stays in a slot below the row's size stays in that slot; the entries
-        past it (the step's new token, a kept entry of a ragged row) fill the emptied slots below, in
-        slot order. The metadata words (position, bias, scores, EMA) of every slot are written; the
-        key and value only of the slots whose entry or votes changed.
-
-        ``before`` ([R, H_kv, S] positions and bias of the gathered slots, before the step): a served
-        method changes a slot's key or value only with its entry (position) or its votes (bias: a
-        merge adds the merged entry's), so a slot whose position and bias are unchanged holds the
-        key and value it was read with. No host sync: how many slots change is bounded by the step's
-        sizes, known on the host (:meth:`_Group.changed_bound`).
-        """
-        kv_heads, block_size, slot_words = kv_cache.shape[1:]
-        sizes = group.sizes(self, batch, layer_idx, after=True)
-        slots = group.slots(sizes, kv_heads, block_size, group.starts(self, batch))
-        rows, _, size = layer.bias.shape  # [R, H_kv, S']
-        width = max(sizes)
-        live = layer.live()
-        after = group.size_tensor(sizes)  # [R, 1, 1]
-        slot = torch.arange(size, device=live.device)
-        source = slot[:width].expand(rows, kv_heads, width)  # [R, H_kv, W] the store slot each slot gets
-        spill = size - min(sizes)  # at most this many entries per row past its size
-        if spill > 0:
-            holes = ~live[..., :width] & (slot[:width] < after)
-            hole, has_hole = slots_of(holes, min(spill, width))
-            mover, has_mover = slots_of(live & (slot >= after), min(spill, width))
-            source = source.scatter(-1, hole, mover.where(has_hole & has_mover, hole))
-        # Metadata of every slot within sizes: [N, H_kv] rows of the packed words.
-        meta = self._meta_words(layer)  # [R, H_kv, S', M] fp32
-        meta_rows = (slots.row[:, None] * kv_heads + slots.heads[None, :]) * size + source[slots.row, :, slots.slot]
-        head_dim = layer.keys.shape[-1]
-        meta_width = 4 * meta.shape[-1] // kv_cache.element_size()
-        flat = kv_cache.view(-1, slot_words)  # vLLM's per-layer cache is one contiguous tensor
-        content = meta.view(-1, meta.shape[-1]).index_select(0, meta_rows.flatten()).view(kv_cache.dtype)
-        flat[:, 2 * head_dim : 2 * head_dim + meta_width].index_copy_(0, slots.written, content)
-        # Keys and values of the changed slots only; the rest (padding) rewrite a slot with its own.
-        old_positions, old_bias = (t[..., :width] for t in before)
-        if width > old_positions.shape[-1]:  # slots the row did not hold before: empty then
-            pad = width - old_positions.shape[-1]
-            old_positions = F.pad(old_positions, (0, pad), value=-1)
-            old_bias = F.pad(old_bias, (0, pad), value=NEG_INF)
-        changed = (layer.positions.gather(-1, source) != old_positions) | (layer.bias.gather(-1, source) != old_bias)
-        changed &= slot[:width] < after
-        bound = group.changed_bound(group.sizes(self, batch, layer_idx, after=False), sizes, (before[0].shape[-1], size))
-        index, is_changed = slots_of(changed, bound)
-        starts = group.starts(self, batch)  # padding rewrites a slot the step may write, with its own
-        index = index.where(is_changed, 0 if starts is None else group.size_tensor(starts))  # [R, H_kv, C]
-        take = source.gather(-1, index)[..., None].expand(-1, -1, -1, head_dim)
-        key_value = torch.cat([layer.keys.gather(2, take), layer.values.gather(2, take)], dim=-1).to(kv_cache.dtype)
-        flat[:, : 2 * head_dim].index_copy_(0, slots.flat.gather(-1, index).flatten(), key_value.view(-1, 2 * head_dim))
+@functools.lru_cache(maxsize=64)
+def _layout(kernel, block_size, kv_heads, head_dim, dtype, biased, words) -> PagedLayout:
+    return PagedLayout(block_size, kv_heads, head_dim, kernel.key_dim(head_dim, biased), words, dtype, biased)
 
 
 @dataclass
-class _Slots:
-    """Index tensors of a group's first ``sizes`` slots (built once per step and sizes).
+class _KernelCall:
+    """One kernel call's shapes (host int32 tensors) and plan; ``tokens``: the attending rows'
+    tokens in the step's token axis (None: every token)."""
 
-    flat [R, H_kv, S]: each slot's row in ``kv_cache.view(-1, C)`` (block 0 past a row's size);
-    empty [R, H_kv, S]: past the row's size; row, slot [N]: the (row, slot) pairs within sizes;
-    written [N·H_kv]: their flat rows, head after head (the order of ``[N, H_kv]``)."""
-
-    flat: torch.Tensor
-    empty: torch.Tensor
-    row: torch.Tensor
-    slot: torch.Tensor
-    written: torch.Tensor
-    heads: torch.Tensor  # [H_kv] 0..H_kv-1
+    tokens: torch.Tensor | None
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    plan: object
 
 
 @dataclass
-class _Group:
-    """Rows of one step run together, and their index tensors (built once per step).
+class _StepPlan:
+    """The step's rows by what they do, and the index tensors shared by its layers (built at its
+    first layer; per layer where sizes differ, PyramidKV's)."""
 
-    tokens, real [R, q]: the rows' new tokens left-padded to one block (flat token indices,
-    padding 0); mask [R, 1, q, q]; token_index, real_index [n]: where the real tokens are in the
-    step's flat token axis and in the group's [R·q]; computed [R]: tokens before this step."""
-
-    rows: list[int]
-    lengths: list[int]
-    phase: str  # PagedBatch.phases: "prefill", "chunk", "close" or "decode"
-    compressing: bool
-    table: torch.Tensor
-    tokens: torch.Tensor
-    real: torch.Tensor
-    mask: torch.Tensor
-    token_index: torch.Tensor
-    real_index: torch.Tensor
-    computed: torch.Tensor
-    seen: int
-    cache: dict
-    state_rows: torch.Tensor | None = None  # [R] the rows' slab rows (PagedCompression._keep_states)
+    closing: list[int]  # close rows: a chunked prompt compressed before its first decode token
+    dense: list[list[int]]  # whole prompts over their budget, each alone
+    prompts_ending: list[list[int]]  # whole prompts within their budget, attended in place, each alone
+    chunks: list[int]  # prompt chunks read in place
+    attending: list[int]  # rows whose new tokens are written and attended in place
+    decoding: list[int]  # rows decoding a token (close rows too)
+    compressing: list[list[int]]  # decoding rows due to compress, by equal size
+    decode_tokens: torch.Tensor
+    decode_slab_rows: torch.Tensor
+    decode_query_index: torch.Tensor
+    block_size: int
+    cache: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, batch: PagedBatch, rows: list[int], interval: int, device) -> "_Group":
-        """The group of ``rows``; ValueError if they mix phases (a prefill, a chunk, a close, a
-        decode that compresses now, one that does not): one LayerStore has one prefill flag and
-        one pending count for its rows."""
-        lengths = batch.query_lengths
-        computed = [batch.computed[r] for r in rows]
-        phases = {(batch.phases[r], batch.phases[r] == "decode" and (done - batch.prompt[r]) % interval == interval - 1)
-                  for r, done in zip(rows, computed)}
-        if len(phases) > 1 or (len(rows) > 1 and batch.phases[rows[0]] != "decode"):
-            raise ValueError(f"paged: rows {rows} mix phases (prefill, compressing or plain decode), or share a "
-                             "prompt step: call them apart")
-        phase, compressing = phases.pop()
-        counts = [lengths[r] for r in rows]
-        block = max(counts)
-        starts = torch.tensor([batch.query_start[r] for r in rows])
-        offsets = torch.arange(block) - (block - torch.tensor(counts))[:, None]
-        real = offsets >= 0
-        tokens = (starts[:, None] + offsets).where(real, 0)
-        mask = (torch.ones(block, block, dtype=torch.bool).tril() & real[:, None, :])[:, None]
-        return cls(
-            rows=list(rows), lengths=counts, phase=phase, compressing=compressing,
-            table=batch.block_table[rows].long().to(device),
-            tokens=tokens.to(device), real=real.to(device), mask=mask.to(device),
-            token_index=tokens[real].to(device), real_index=real.flatten().nonzero().flatten().to(device),
-            computed=torch.tensor(computed, device=device), seen=max(computed), cache={},
-        )
-
-    def slots(self, sizes: tuple, kv_heads: int, block_size: int, starts: tuple | None = None) -> _Slots:
-        """The rows' first ``sizes`` slots (:class:`_Slots`; the pairs it writes from ``starts``, per
-        row, if given), built at the first layer that asks."""
-        if (sizes, starts) not in self.cache:
-            device = self.table.device
-            width = max(sizes)
-            count = torch.tensor(sizes)
-            first = torch.zeros_like(count) if starts is None else torch.tensor(starts).clamp(max=count)
-            written_count = count - first
-            total = int(written_count.sum())
-            slot = torch.arange(width)
-            valid = slot < count[:, None]  # [R, S]
-            blocks = self.table.cpu()[:, slot // block_size].where(valid, 0)
-            heads = torch.arange(kv_heads)
-            flat = (blocks[:, None, :] * kv_heads + heads[None, :, None]) * block_size + (slot % block_size)
-            # The (row, slot) pairs it writes, from the host's sizes (no device sync):
-            row = torch.repeat_interleave(torch.arange(len(sizes)), written_count, output_size=total)
-            slot_of_row = torch.arange(total) - (written_count.cumsum(0) - written_count)[row] + first[row]
-            written = flat[row, :, slot_of_row].flatten()
-            self.cache[sizes, starts] = _Slots(*(t.to(device) for t in (
-                flat, ~valid[:, None, :].expand(-1, kv_heads, -1), row, slot_of_row, written, heads)))
-        return self.cache[sizes, starts]
-
-    def reads(self, sizes: tuple, spare: int, slots: "_Slots") -> torch.Tensor:
-        """[R·H_kv·(S + spare)] rows of ``kv_cache.view(-1, C)``: each row and head's first ``sizes``
-        slots (:meth:`slots`), then ``spare`` more that repeat its first (a buffer's spare slots, which
-        appends overwrite). Built once per step, sizes and spare."""
-        key = ("reads", sizes, spare)
-        if key not in self.cache:
-            flat = slots.flat
-            self.cache[key] = torch.cat([flat, flat[..., :1].expand(-1, -1, spare)], dim=-1).flatten()
-        return self.cache[key]
-
-    def size_tensor(self, sizes: tuple) -> torch.Tensor:
-        """[R, 1, 1] ``sizes`` on the device (built once per step and sizes)."""
-        key = ("size_tensor", sizes)
-        if key not in self.cache:
-            self.cache[key] = torch.tensor(sizes, device=self.table.device)[:, None, None]
-        return self.cache[key]
-
-    def changed_bound(self, before: tuple, after: tuple, slots: tuple[int, int]) -> int:
-        """Most slots of one row and head that a decode step changes (``PagedCompression._write_changed``),
-        from host-side sizes. ``before``, ``after``: the rows' sizes before and after the step;
-        ``slots``: the step's store's slots before and after it.
-
-        Per row: the q new tokens and the entries a compression moves (at most the tail it cuts,
-        before + q - kept) each land in one slot; it merges into at most as many targets as it
-        evicts (before + q - after); the entries then past the row's size (the former, or kept
-        entries of a row shrinking to its budget) fill as many of its emptied slots.
-        """
-        q = self.tokens.shape[1]
-        tail = slots[0] + q - slots[1]
-        most = max(
-            q + tail + max(0, b + q - a) + min(slots[1] - a, max(0, b - a) + q + tail) for b, a in zip(before, after)
-        )
-        return max(1, min(max(after), most))
-
-    def sizes(self, paged: PagedCompression, batch: PagedBatch, layer: int, after: bool) -> tuple:
-        """Entries each row of layer ``layer`` holds before the step's append, or after the step
-        (``PagedCompression.stored``; the same for every layer but PyramidKV's). A prompt read in
-        chunks holds all its tokens until its close step compresses it."""
-        key = ("sizes", layer, after)
-        if key not in self.cache:
-            def held(r, length):
-                done = batch.computed[r] + (length if after else 0)
-                if self.phase == "chunk" or (self.phase == "close" and not after):
-                    return done
-                return paged.stored(batch.prompt[r], done, layer)
-            self.cache[key] = tuple(held(r, length) for r, length in zip(self.rows, self.lengths))
-        return self.cache[key]
-
-    def budgets(self, paged: PagedCompression, batch: PagedBatch, layer: int) -> tuple:
-        """([R] entries layer ``layer`` keeps, [R] mean budgets, [R] kept prompts or None), as
-        CompressedCache._end_prefill sets them."""
-        key = ("budgets", layer)
-        if key not in self.cache:
-            prompts = torch.tensor([batch.prompt[r] for r in self.rows])
-            device = self.table.device
-            kept = torch.tensor([paged.kept(p, layer) for p in prompts.tolist()], device=device)
-            if paged.keep_prompt:  # the generated entries' budget, and the prompt kept whole
-                self.cache[key] = (kept, torch.full_like(prompts, paged.budget).to(device), prompts.to(device))
+    def build(cls, paged: PagedCompression, batch: PagedBatch, block_size: int, device) -> "_StepPlan":
+        interval = paged.method.interval
+        closing, dense, ending, chunks, attending, decoding = [], [], [], [], [], []
+        due = []
+        for row, phase in enumerate(batch.phases):
+            length, done = batch.query_lengths[row], batch.computed[row]
+            if phase == "prefill":
+                if length > min(paged.kept(length, layer) for layer in range(paged.config.num_hidden_layers)):
+                    dense.append([row])
+                    continue
+                ending.append([row])
+            elif phase == "chunk":
+                chunks.append(row)
             else:
-                mean = row_budgets(paged.budget, prompts, budget_floor(paged.method)).to(device)
-                self.cache[key] = (kept, mean, None)
+                if phase == "close":
+                    closing.append(row)
+                decoding.append(row)
+                decoded = done - (done if phase == "close" else batch.prompt[row]) + 1  # decode steps so far, this one too
+                if decoded % interval == 0:
+                    due.append(row)
+            attending.append(row)
+        # Rows due to compress run together when they hold as many entries (their new entries are
+        # then the store's last slots, as in the Hugging Face cache); sizes are the same in every
+        # layer but PyramidKV's, whose layers scale them alike.
+        by_size: dict = {}
+        for row in due:
+            sizes = tuple(paged._sizes(batch, [row], layer, "written")[0] for layer in range(paged.config.num_hidden_layers))
+            by_size.setdefault(sizes, []).append(row)
+        tokens = torch.tensor([batch.query_start[r] for r in decoding], dtype=torch.long)
+        slab_rows = torch.tensor([paged._slab_row(batch.first_block[r]) for r in decoding], dtype=torch.long)
+        query_index = torch.tensor([(batch.computed[r] - (batch.computed[r] if batch.phases[r] == "close" else batch.prompt[r]))
+                                    % max(1, paged._query_rows) for r in decoding], dtype=torch.long)
+        return cls(closing, dense, ending, chunks, attending, decoding, list(by_size.values()),
+                   tokens.to(device), slab_rows.to(device), query_index.to(device), block_size)
+
+    # -- index tensors -------------------------------------------------------------------------
+    def blocks_of(self, batch: PagedBatch, rows: list[int], size: int, block_size: int) -> torch.Tensor:
+        """[R, ceil(size / block_size)] int64 the rows' blocks holding slots 0..size-1."""
+        key = ("blocks", tuple(rows), size)
+        if key not in self.cache:
+            count = max(1, math.ceil(size / block_size))
+            self.cache[key] = batch.block_table[rows][:, :count].long()
         return self.cache[key]
 
-    def starts(self, paged: PagedCompression, batch: PagedBatch) -> tuple | None:
-        """The first slot of each row that a step may write (None: slot 0): with ``keep_prompt`` the
-        slots a prompt's earlier steps (or another request, a shared prefix) wrote are never
-        written again, so a prompt step writes from its first new token and a decode step from
-        the first generated slot."""
+    def orders(self, kernel, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("orders", layout)
+        if key not in self.cache:
+            self.cache[key] = kernel.orders(layout.block_size, layout.key_dim, layout.dtype)
+        return self.cache[key]
+
+    def starts(self, paged: PagedCompression, batch: PagedBatch, rows: list[int]) -> tuple:
+        """The first slot each row may write: with ``keep_prompt`` the slots a prompt's earlier steps
+        (or another request, a shared prefix) wrote are never written again."""
         if not paged.keep_prompt:
-            return None
-        return tuple(batch.prompt[r] if self.phase == "decode" else batch.computed[r] for r in self.rows)
+            return (0,) * len(rows)
+        return tuple(batch.prompt[r] if batch.phases[r] == "decode" else
+                     batch.computed[r] if batch.phases[r] == "close" else batch.computed[r] for r in rows)
+
+    def budgets(self, paged: PagedCompression, batch: PagedBatch, rows: list[int], layer: int, device) -> tuple:
+        """([R, H_kv] entries layer ``layer`` keeps, [R] mean budgets, [R] kept prompts or None), as
+        the Hugging Face cache sets them when a prompt ends (``keepkv.budgets.prompt_budgets``)."""
+        key = ("budgets", tuple(rows), layer)
+        if key not in self.cache:
+            prompts = torch.tensor([batch.prompt[r] for r in rows])  # every row but a chunk's knows its prompt
+            budgets, mean = prompt_budgets(paged.method, paged.budget, paged.decoding, paged.config.num_hidden_layers,
+                                           paged.config.num_key_value_heads, prompts)
+            frozen = prompts.to(device) if paged.keep_prompt else None
+            self.cache[key] = (budgets[layer].to(device), mean.to(device), frozen)
+        return self.cache[key]
+
+    def new_slots(self, paged: PagedCompression, batch: PagedBatch, layer: int):
+        """(slots [N] int64, tokens [N] or None: the attending rows' tokens, positions [N] int64):
+        where each attending row's new tokens go (its next slots) and the positions they are."""
+        sizes = paged._sizes(batch, self.attending, layer, "written")
+        key = ("new", sizes)
+        if key not in self.cache:
+            rows = torch.tensor(self.attending)
+            lengths = torch.tensor([batch.query_lengths[r] for r in self.attending])
+            total = int(lengths.sum())
+            row = torch.repeat_interleave(torch.arange(len(rows)), lengths, output_size=total)
+            within = torch.arange(total) - (lengths.cumsum(0) - lengths)[row]  # each new token's index in its row
+            slot = (torch.tensor(sizes) - lengths)[row] + within  # its slot: after what its row held
+            block = batch.block_table[rows][row, slot // self.block_size].long()
+            tokens = torch.tensor([batch.query_start[r] for r in self.attending])[row] + within
+            positions = torch.tensor([batch.computed[r] for r in self.attending])[row] + within
+            device = self.decode_tokens.device
+            every = total == batch.query_start[-1]
+            self.cache[key] = ((block * self.block_size + slot % self.block_size).to(device),
+                               None if every else tokens.to(device), positions.to(device))
+        return self.cache[key]
+
+    def word_rows(self, layout: PagedLayout, slots: torch.Tensor) -> torch.Tensor:
+        """[N, H_kv, M] indices of the words of slots [N] in the flat fp32 view."""
+        key = ("words", layout, slots.data_ptr(), slots.numel())
+        if key not in self.cache:
+            block, offset = slots // layout.block_size, slots % layout.block_size
+            first = layout.word_index(block[:, None], torch.arange(layout.kv_heads, device=slots.device)[None, :],
+                                      offset[:, None])
+            self.cache[key] = first[..., None] + torch.arange(layout.words, device=slots.device)
+        return self.cache[key]
+
+    def fresh_words(self, paged: PagedCompression, layout: PagedLayout, positions: torch.Tensor) -> torch.Tensor:
+        """[N, H_kv, M] the words of new entries: position, bias 0, every extra at its fill."""
+        fills = [0.0] * (layout.biased + 0)
+        for name, shape in paged.extras.items():
+            fills += [paged.extra_fill[name]] * math.prod(shape)
+        tail = torch.tensor(fills, dtype=torch.float32, device=positions.device)
+        words = torch.cat([positions.float()[:, None], tail[None].expand(len(positions), -1)], dim=1)
+        return words[:, None].expand(-1, layout.kv_heads, -1)
+
+    def kernel_call(self, paged: PagedCompression, batch: PagedBatch, layer: int, layout: PagedLayout,
+                    num_heads: int) -> _KernelCall:
+        sizes = paged._sizes(batch, self.attending, layer, "written")
+        key = ("call", sizes, layout.key_dim)
+        if key not in self.cache:
+            lengths = [batch.query_lengths[r] for r in self.attending]
+            starts = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+            every = len(self.attending) == len(batch.phases)
+            tokens = None
+            if not every:
+                tokens = torch.cat([torch.arange(batch.query_start[r], batch.query_start[r + 1]) for r in self.attending])
+                tokens = tokens.to(self.decode_tokens.device)
+            seq_lens = torch.tensor(sizes, dtype=torch.int32)
+            table = batch.block_table[self.attending].to(torch.int32)
+            plan = paged.kernel.plan(starts, seq_lens, num_heads, layout.kv_heads, layout.key_dim, layout.dtype)
+            self.cache[key] = _KernelCall(tokens, starts, seq_lens, table, plan)
+        return self.cache[key]

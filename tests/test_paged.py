@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 import keepkv.paged as paged_module
 from keepkv import CompressedCache
 from keepkv.budgets import budget_floor, row_budgets
-from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression, _Group
+from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression
 
 from helpers import request_state
 
@@ -24,30 +24,6 @@ SCALING = HEAD_DIM**-0.5
 pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")  # tiny budgets on purpose
 
 
-@pytest.fixture(autouse=True)
-def check_writes(monkeypatch):
-    """Every decode step checks, with a host sync, that its changed slots fit the write's static
-    bound: the slots_of call that follows _Group.changed_bound (the write's pick of the changed
-    slots) is given a mask with at most that many True slots per row and head."""
-    bounds = []
-    changed_bound, pick = _Group.changed_bound, paged_module.slots_of
-
-    def recorded(self, *args):
-        bounds.append(changed_bound(self, *args))
-        return bounds[-1]
-
-    def checked(mask, count):
-        if bounds:
-            bound = bounds.pop()
-            assert count == bound
-            changed = int(mask.sum(-1).max()) if mask.numel() else 0
-            assert changed <= bound, f"paged: {changed} slots changed, bound {bound}"
-        return pick(mask, count)
-
-    monkeypatch.setattr(_Group, "changed_bound", recorded)
-    monkeypatch.setattr(paged_module, "slots_of", checked)
-
-
 class Engine:
     """A minimal engine: a block pool, each request's block table capped at its capacity, the
     paged cache filled with garbage so that a read of a stale slot shows."""
@@ -56,8 +32,8 @@ class Engine:
         self.paged = paged
         generator = torch.Generator().manual_seed(seed)
         size = torch.finfo(dtype).bits // 8
-        words = (2 * HEAD_DIM * size + 4 * paged.meta_words) // size  # the metadata: fp32 words
-        self.kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, words, generator=generator).to(dtype)
+        cell = paged.content_bytes(HEAD_DIM, dtype, BLOCK) // size  # a slot's key, value and fp32 words
+        self.kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, cell, generator=generator).to(dtype)
         self.free = torch.randperm(blocks - 1, generator=generator).add(1).tolist()  # block 0: the null block
         self.tables: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
