@@ -628,7 +628,6 @@ class PagedCompression:
         budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
         store.set_budget(budget, mean, frozen)
         store.resume(state=self._join_states(batch, rows, layer), pending=self.method.interval)
-        store.headroom = self.method.interval
         stats = self._decode_stats(batch, plan, rows, store, query, scaling, layer, layout)
         before = (store.positions.clone(), store.bias.clone())
         self.step.decode(store, stats)
@@ -648,18 +647,17 @@ class PagedCompression:
         queries = self._queries[layer].index_select(0, slab_rows)  # [R, N, H, D], oldest first
         query_g = group_queries(queries.transpose(1, 2), layout.kv_heads)  # [R, H_kv, g, N, D]
         needs = self.method.needs(False)
-        stats = StepStats(query=query_g, scaling=scaling, is_prefill=False)
         logits = scaled_logits(query_g, store.keys, scaling)  # [R, H_kv, g, N, S]
-        if needs.logits:
-            stats.logits = logits
+        probs = None
         if needs.probs:
             count = query_g.shape[3]
             newest = torch.tensor([batch.computed[r] for r in rows], device=query.device)  # each row's last query position
             query_pos = newest[:, None] - torch.arange(count - 1, -1, -1, device=query.device)  # [R, N]
             visible = store.positions[:, :, None, :] <= query_pos[:, None, :, None]  # [R, H_kv, N, S]
             biased = logits + store.bias[:, :, None, None, :]
-            stats.probs = softmax_probs(biased.masked_fill(~visible[:, :, None], NEG_INF))
-        return stats
+            probs = softmax_probs(biased.masked_fill(~visible[:, :, None], NEG_INF))
+        return StepStats(query=query_g, scaling=scaling, is_prefill=False, probs=probs,
+                         logits=logits if needs.logits else None)
 
     # -- reading and writing a request's slots ----------------------------------------------------
     def _gather(self, planes, layout: PagedLayout, batch, plan, rows: list[int], sizes: tuple, layer: int,
@@ -995,6 +993,6 @@ class _StepPlan:
                 tokens = tokens.to(self.decode_tokens.device)
             seq_lens = torch.tensor(sizes, dtype=torch.int32)
             table = batch.block_table[self.attending].to(torch.int32)
-            plan = paged.kernel.plan(starts, seq_lens, num_heads, layout.kv_heads, layout.key_dim, layout.dtype)
+            plan = paged.kernel.plan(starts, seq_lens, num_heads, layout)
             self.cache[key] = _KernelCall(tokens, starts, seq_lens, table, plan)
         return self.cache[key]

@@ -49,8 +49,7 @@ class PagedKernel(Protocol):
         """The engine's cache write: keys, values [N, H_kv, Dk] into slots [N] (int64, block *
         block_size + offset) of the planes [blocks, H_kv, block_size * Dk]."""
 
-    def plan(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
-             key_dim: int, dtype: torch.dtype):
+    def plan(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, layout: "PagedLayout"):
         """What the kernel needs of one call's shapes (int32 host tensors: [R + 1], [R]), built once
         per step and shared by every layer whose requests hold the same sizes."""
 
@@ -86,7 +85,7 @@ class TorchPagedKernel:
         keys_plane[block, heads, key_order[offset][:, None, :]] = keys.to(keys_plane.dtype)
         values_plane[block, heads, value_order[offset][:, None, :]] = values.to(values_plane.dtype)
 
-    def plan(self, query_start_loc, seq_lens, num_heads, num_kv_heads, key_dim, dtype):
+    def plan(self, query_start_loc, seq_lens, num_heads, layout):
         return None
 
     def attend(self, query, keys_plane, values_plane, block_table, query_start_loc, seq_lens, plan, scaling,

@@ -12,6 +12,7 @@ import keepkv.paged as paged_module
 from keepkv import CompressedCache
 from keepkv.budgets import budget_floor, row_budgets
 from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression
+from keepkv.step import LayerStep
 
 from helpers import request_state
 
@@ -148,8 +149,7 @@ def test_a_bfloat16_cache_decodes_as_alone(method):
         for request, (query, key, value) in new.items():
             expected = alone(references[request], query, key, value)
             torch.testing.assert_close(outputs[request], expected, rtol=2e-2, atol=2e-2)
-            position = held_slots(engine, request)[..., 2 * HEAD_DIM : 2 * HEAD_DIM + 2]  # one fp32 word
-            held = position.contiguous().view(torch.float32)[..., 0].sort(-1).values  # [H_kv, S]
+            held = held_slots(engine, request)[2][..., 0].sort(-1).values  # [H_kv, S] each slot's position word
             live = references[request].layers[0].positions[0]
             assert torch.equal(held, live[live >= 0].view(KV_HEADS, -1).sort(-1).values.float())
 
@@ -208,90 +208,105 @@ def decode_beside_alone(paged, method, budget, layer, seed, steps):
             yield engine, request, prompts[request], references[request]
 
 
-class KeyValueWrites(TorchDispatchMode):
-    """Count the slots whose key and value an index_copy_ or index_put_ writes (rows of width >= 2D)."""
+class CacheWrites:
+    """The slots whose keys and values the kernel's cache write is handed, per call."""
 
-    def __init__(self):
-        super().__init__()
-        self.slots = 0
+    def __init__(self, paged: PagedCompression):
+        self.slots: list[int] = []
+        write = paged.kernel.write
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.index_copy_.default, torch.ops.aten._index_put_impl_.default,
-                    torch.ops.aten.index_put_.default):
-            written = args[3] if func is torch.ops.aten.index_copy_.default else args[2]
-            if written.dim() == 2 and written.shape[-1] >= 2 * HEAD_DIM:
-                self.slots += written.shape[0]
-        return func(*args, **(kwargs or {}))
+        def counted(keys_plane, values_plane, keys, values, slots):
+            self.slots.append(len(slots))
+            return write(keys_plane, values_plane, keys, values, slots)
+
+        paged.kernel.write = counted
 
 
-def held_slots(engine, request) -> torch.Tensor:
-    """[H_kv, S, C] the slots a request holds now (S: what ``stored`` says)."""
-    held = engine.paged.stored(engine.prompt[request], engine.computed[request])
-    blocks = torch.tensor([engine.tables[request][j // BLOCK] for j in range(held)])
-    return engine.kv_cache[blocks, :, torch.arange(held) % BLOCK].transpose(0, 1).clone()
+def held_slots(engine, request, computed: int | None = None):
+    """(keys, values [H_kv, S, D], words [H_kv, S, M]) of the slots a request holds now (S: what
+    ``stored`` says), unpacked from the engine's planes."""
+    paged = engine.paged
+    done = engine.computed[request] if computed is None else computed
+    held = paged.stored(engine.prompt[request], done)
+    layout = paged.layout(BLOCK, KV_HEADS, HEAD_DIM, engine.kv_cache.dtype)
+    keys_plane, values_plane, words = layout.planes(engine.kv_cache)
+    key_order, value_order = paged.kernel.orders(BLOCK, layout.key_dim, layout.dtype)
+    slot = torch.arange(held)
+    blocks = torch.tensor(engine.tables[request])[slot // BLOCK]
+    heads = torch.arange(KV_HEADS)[:, None]
+    keys = keys_plane[blocks[None, :, None], heads[..., None], key_order[slot % BLOCK][None]][..., :HEAD_DIM]
+    values = values_plane[blocks[None, :, None], heads[..., None], value_order[slot % BLOCK][None]][..., :HEAD_DIM]
+    index = layout.word_index(blocks[None], heads, slot % BLOCK)
+    return keys, values, words[index[..., None] + torch.arange(layout.words)]
 
 
 @pytest.mark.parametrize("method", ["window", "streamingllm", "snapkv", "h2o", "keepkv", "h2o+interval=3"])
 @pytest.mark.parametrize("budget", [12, 0.5])
-def test_uncompressed_rows_are_those_that_hold_every_token_at_its_position(method, budget):
-    """PagedCompression.uncompressed names, after each step, the requests whose cache holds every
-    token seen so far, each in the slot of its position (an engine may attend over them with its
-    own kernel), and no other: short prompts until they outgrow their budget, never a compressed
-    one. (PyramidKV's layers differ; this engine runs one layer.)"""
+def test_an_uncompressed_request_holds_what_stock_vllm_holds(method, budget):
+    """Until a request outgrows its budget, each of its tokens is in the slot of its position, its
+    key and value exactly as the engine's own cache write of that token puts them: the engine's
+    kernel reads it as it reads stock vLLM's (bit for bit). Once compressed, it holds what
+    ``stored`` says, in its leading slots."""
     generator = torch.Generator().manual_seed(3)
     paged = PagedCompression(CONFIG, method, budget)
     engine = Engine(paged)
-    batches = []
-    batch = paged.batch
-    paged.batch = lambda *args: batches.append(batch(*args)) or batches[-1]
+    stock = Engine(PagedCompression(CONFIG, "window", 10_000))  # every token in the slot of its position
     prompts = {0: 5, 1: 20, 2: 9}
-    references = {r: CompressedCache(CONFIG, method, budget) for r in prompts}
-    changed = set()
+    fed = {r: [] for r in prompts}
+    seen = set()
     for step in range(26):
         new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
+        for request, chunk in new.items():
+            fed[request].append(chunk)
         engine.step(new)
-        rows = paged.uncompressed(batches[-1])
-        for row, (request, (query, key, value)) in enumerate(new.items()):
-            alone(references[request], query, key, value)
-            positions = references[request].layers[0].positions[0]  # [H_kv, S]
+        for request in prompts:
             done = engine.computed[request]
-            held = positions.sort(-1).values[:, -done:]  # each head's newest positions, in order
-            whole = bool(((positions >= 0).sum(-1) == done).all()) and bool((held == torch.arange(done)).all())
-            slots = held_slots(engine, request)[..., 2 * HEAD_DIM].long()  # each slot's position word
-            in_place = slots.shape[1] == done and bool((slots == torch.arange(done)).all())
-            assert (row in rows) == whole == in_place, (step, request)
-            changed.add((request, whole))
-            if isinstance(budget, float):  # under the floor, nothing is compressed
-                assert whole or done > budget_floor(paged.method)
-    assert (0, True) in changed  # a short prompt, held whole
+            whole = paged.stored(prompts[request], done) == done
+            keys, values, words = held_slots(engine, request)
+            if whole:
+                assert torch.equal(words[..., 0], torch.arange(done).float().expand(KV_HEADS, -1))
+                everything = [torch.cat([c[i] for c in fed[request]]) for i in (1, 2)]  # [T, H_kv, D]
+                assert torch.equal(keys, everything[0].transpose(0, 1)) and torch.equal(values, everything[1].transpose(0, 1))
+            else:
+                assert keys.shape[1] == paged.stored(prompts[request], done) < done
+            seen.add((request, whole))
+    assert (0, True) in seen
     if isinstance(budget, int):  # it outgrew its budget of 12; the 20-token prompt was compressed at once
-        assert {(0, False), (1, False)} <= changed
+        assert {(0, False), (1, False)} <= seen
+    del stock
 
-    """A decode step leaves every entry that stays in its slot, with its key and value bytes as they
-    were unless its votes changed (a merge into it), and writes keys and values of a few slots per
-    request and head (the new token's, a merge target's), not of every slot a request holds. A
-    short prompt beside longer ones (ragged sizes: its new tokens land past its size in the step's
-    store) fills its own slots in order."""
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "keepkv", "keepkv+threshold=-1.0+protect=0+max_value_change=None",
+                                    "snapkv+interval=4", "keepkv+interval=4"])
+def test_a_decode_step_moves_only_what_changed(method):
+    """A decode step writes the key and value of its new token only (one slot per request); a step
+    that compresses also writes the slots whose entry or votes changed, a few per request. An
+    entry that stays keeps its slot, with its key and value bytes as they were unless its votes
+    changed (a merge into it). A short prompt beside longer ones fills its own slots in order."""
     generator = torch.Generator().manual_seed(3)
     paged = PagedCompression(CONFIG, method, 8)
     engine = Engine(paged)
     prompts = {0: 3, 1: 25, 2: 60}
     engine.step({r: tokens(generator, n) for r, n in prompts.items()})
-    position, bias = 2 * HEAD_DIM, 2 * HEAD_DIM + 1
+    writes = CacheWrites(paged)
+    interval = paged.method.interval
     for step in range(9):
         before = {r: held_slots(engine, r) for r in prompts}
-        with KeyValueWrites() as writes:
-            engine.step({r: tokens(generator, 1) for r in prompts})
-        assert writes.slots <= 7 * KV_HEADS * len(prompts)  # of the 8 slots a request holds per head
-        for request, old in before.items():
-            new = held_slots(engine, request)
-            both = min(old.shape[1], new.shape[1])  # a compression may shrink the request to its budget
-            old, still = old[:, :both], new[:, :both]
-            still_held = (old[..., position, None] == new[:, None, :, position]).any(-1)  # [H_kv, S]
-            in_place = old[..., position] == still[..., position]
-            assert torch.equal(still_held, in_place), (step, request)
-            same = in_place & (old[..., bias] == still[..., bias])
-            assert torch.equal(old[..., : 2 * HEAD_DIM][same], still[..., : 2 * HEAD_DIM][same])
+        writes.slots.clear()
+        engine.step({r: tokens(generator, 1) for r in prompts})
+        compressing = [r for r in prompts if (engine.computed[r] - prompts[r]) % interval == 0]
+        assert writes.slots[0] == len(prompts)  # the new tokens, one slot each
+        assert sum(writes.slots[1:]) <= 2 * interval * KV_HEADS * len(compressing)  # moved entries, merge targets, per head
+        for request, (old_keys, _, old_words) in before.items():
+            new_keys, _, new_words = held_slots(engine, request)
+            both = min(old_words.shape[1], new_words.shape[1])
+            old_position, new_position = old_words[:, :both, 0], new_words[:, :both, 0]
+            still_held = (old_words[..., None, 0] == new_words[:, None, :, 0]).any(-1)[:, :both]  # [H_kv, S]
+            assert torch.equal(still_held, old_position == new_position), (step, request)
+            same = old_position == new_position
+            if paged.biased:
+                same &= old_words[:, :both, 1] == new_words[:, :both, 1]
+            assert torch.equal(old_keys[:, :both][same], new_keys[:, :both][same])
 
 
 @pytest.mark.parametrize("method", ["pyramidkv+window=2+kernel=1", "pyramidkv+window=2+kernel=1+interval=3"])
@@ -368,72 +383,57 @@ def test_rejects_what_it_cannot_serve():
         PagedCompression(CONFIG, "snapkv", 0.5, chunked=True).batch([0, 5], [5], torch.ones(1, 2, dtype=torch.int32))
 
 
-def test_rows_of_mixed_phase_are_refused_not_run_as_the_first_rows_phase():
-    """One LayerStore call takes its prefill flag and pending count for every row: rows that differ
-    in phase must never share it (forward() groups them; a direct call with mixed rows is refused)."""
-    generator = torch.Generator().manual_seed(3)
-    paged = PagedCompression(CONFIG, "h2o+interval=3", 0.5)
-    engine = Engine(paged)
-    engine.step({0: tokens(generator, 6)})
-    engine.step({0: tokens(generator, 1)})
-    new = {0: tokens(generator, 1), 1: tokens(generator, 5)}  # a decode beside a prefill
-    fresh = [engine.free.pop(), engine.free.pop()]
-    width = max(len(engine.tables[0]), 2)
-    table = torch.tensor([engine.tables[0] + [0] * (width - len(engine.tables[0])), fresh + [0] * (width - 2)],
-                         dtype=torch.int32)
-    batch = paged.batch([0, 1, 6], [8, 5], table)
-    query, key, value = (torch.cat([new[r][i] for r in (0, 1)]) for i in range(3))
-    with pytest.raises(ValueError, match="mix phases"):
-        _Group.build(batch, [0, 1], paged.method.interval, query.device)
-    decodes = PagedBatch([0, 1, 2], [7, 7], [6, 5], table)  # 1 and 2 decode steps into interval 3
-    with pytest.raises(ValueError, match="mix phases"):
-        _Group.build(decodes, [0, 1], paged.method.interval, query.device)
-
-
-@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "keepkv"])
-def test_a_step_builds_its_index_tensors_once_for_every_layer(method, monkeypatch):
-    """One engine step over every layer of the model: each group's index tensors are built at the
-    step's first layer (one _Group per group, one set of slots per distinct sizes: one for every
-    layer but PyramidKV's, whose layers keep different budgets), not once per layer."""
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv+window=2", "keepkv"])
+def test_a_step_builds_its_plan_once_for_every_layer(method, monkeypatch):
+    """One engine step over every layer of the model: the step's plan (its rows by phase, slots,
+    kernel shapes) is built at its first layer and read by every layer, with one kernel call
+    shape per distinct sizes (one for every layer but PyramidKV's, whose layers keep different
+    budgets)."""
     generator = torch.Generator().manual_seed(5)
-    paged = PagedCompression(CONFIG, method, 0.5)
+    paged = PagedCompression(CONFIG, method, 16)
     caches = [Engine(paged) for _ in range(CONFIG.num_hidden_layers)]  # one KV cache per layer, same tables
-    prompts = {0: tokens(generator, 9), 1: tokens(generator, 6)}
+    prompts = {0: tokens(generator, 39), 1: tokens(generator, 6)}
     for layer, engine in enumerate(caches):
         engine.step(prompts, layer)
-    built, slots = [], []
-    original_build, original_slots = _Group.build.__func__, _Group.slots
-    monkeypatch.setattr(_Group, "build", classmethod(lambda cls, *a: built.append(a[1]) or original_build(cls, *a)))
-    monkeypatch.setattr(_Group, "slots", lambda self, sizes, *a: slots.append(sizes) or original_slots(self, sizes, *a))
+    built, plans = [], []
+    original_build = paged_module._StepPlan.build.__func__
+    monkeypatch.setattr(paged_module._StepPlan, "build",
+                        classmethod(lambda cls, *a: built.append(a[1]) or original_build(cls, *a)))
+    plan = paged.kernel.plan
+    monkeypatch.setattr(paged.kernel, "plan", lambda start, lens, *a: plans.append(tuple(lens.tolist())) or plan(start, lens, *a))
     engine = caches[0]
     new = {0: tokens(generator, 1), 1: tokens(generator, 1)}
     width = max(len(engine.tables[r]) for r in (0, 1))
     table = torch.tensor([engine.tables[r] + [0] * (width - len(engine.tables[r])) for r in (0, 1)], dtype=torch.int32)
-    batch = paged.batch([0, 1, 2], [10, 7], table)
+    batch = paged.batch([0, 1, 2], [40, 7], table)
     query, key, value = (torch.cat([new[r][i] for r in (0, 1)]) for i in range(3))
     for layer, each in enumerate(caches):
         each.paged.forward(each.kv_cache, query, key, value, batch, SCALING, layer)
-    assert built == [[0, 1]]  # one decode group, built once
-    sizes = {tuple(paged.stored(p, c + n, layer) for p, c in ((9, 9), (6, 6))) for layer in range(3) for n in (0, 1)}
-    assert set(slots) == sizes
-    assert len(slots) == 2 * CONFIG.num_hidden_layers  # read at every layer (gather and write), built once per sizes
+    assert built == [batch]  # one plan, built once
+    sizes = {tuple(paged.stored(p, c, layer) + 1 for p, c in ((39, 39), (6, 6))) for layer in range(3)}
+    assert sorted(plans) == sorted(sizes)  # one kernel shape per distinct sizes
+    assert (len(sizes) > 1) == method.startswith("pyramidkv")
 
 
-def test_a_decode_step_runs_on_one_thread_a_prompt_on_the_engines_and_the_count_is_back(monkeypatch):
-    """A decode step's small ops run on STEP_THREADS intra-op threads, a prompt's step on the
-    engine's (PROMPT_THREADS 0); the caller's count is back afterwards, also when the step raises."""
-    engine = Engine(PagedCompression(CONFIG, "snapkv", 0.5))  # its layout probe runs a cache of its own
+def test_compressions_run_on_one_thread_prompts_on_the_engines_and_the_count_is_back(monkeypatch):
+    """A decode step's compression (many small ops) runs on STEP_THREADS intra-op threads, a
+    prompt's close on the engine's (PROMPT_THREADS 0); the caller's count is back afterwards, also
+    when the step raises."""
+    paged = PagedCompression(CONFIG, "snapkv", 4)
+    engine = Engine(paged)
     seen = []
-    forward_layer = CompressedCache.forward_layer
-    monkeypatch.setattr(CompressedCache, "forward_layer", lambda *a: seen.append(torch.get_num_threads()) or forward_layer(*a))
+    decode, close = LayerStep.decode, LayerStep.close_prompt
+    monkeypatch.setattr(LayerStep, "decode", lambda *a: seen.append(("decode", torch.get_num_threads())) or decode(*a))
+    monkeypatch.setattr(LayerStep, "close_prompt",
+                        lambda *a: seen.append(("prompt", torch.get_num_threads())) or close(*a))
     before = torch.get_num_threads()
     torch._C.set_num_threads(2)  # torch.set_num_threads may be vLLM's no-op (its in-process worker replaces it)
     try:
         generator = torch.Generator().manual_seed(6)
         engine.step({0: tokens(generator, 7)})
         engine.step({0: tokens(generator, 1)})
-        assert seen == [2, 1] and torch.get_num_threads() == 2  # the prompt's step, then a decode step
-        monkeypatch.setattr(CompressedCache, "forward_layer", lambda *a: 1 / 0)
+        assert seen == [("prompt", 2), ("decode", 1)] and torch.get_num_threads() == 2
+        monkeypatch.setattr(LayerStep, "decode", lambda *a: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             engine.step({0: tokens(generator, 1)})
         assert torch.get_num_threads() == 2

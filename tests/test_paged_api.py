@@ -82,7 +82,8 @@ def test_the_paged_layout_is_the_declared_one(spec):
     declared = paged.method.entry_extras(CONFIG.num_attention_heads // CONFIG.num_key_value_heads)
     assert paged.extras == {name: extra.trailing for name, extra in declared.items()}
     assert paged.extra_fill == {name: extra.fill for name, extra in declared.items()}
-    assert paged.meta_words == 2 + sum(math.prod(extra.trailing) for extra in declared.values())
+    assert paged.meta_words == 1 + paged.biased + sum(math.prod(extra.trailing) for extra in declared.values())
+    assert paged.biased == (paged.method.merging.name != "none")  # a merge's votes: the bias word and key words
 
 
 class _Watched:

@@ -2,14 +2,18 @@
 
 While the engine's ``additional_config`` has no ``"keepkv"`` entry every call goes to vLLM's
 own CPU attention, so installing the plugin changes nothing. With one, the layer's spec becomes
-a :class:`~keepkv.vllm.spec.KeepKVSpec` (each slot also holds the entry's position, bias and
-scores), the metadata builder turns each step into a :class:`~keepkv.paged.PagedBatch`, and the
-attention call runs :meth:`keepkv.paged.PagedCompression.forward`, which writes the new entries
-itself (vLLM's slot mapping addresses positions, not compacted slots).
+a :class:`~keepkv.vllm.spec.KeepKVSpec` (each slot's cell also holds the entry's fp32 words:
+position and the method's scores), the metadata builder turns each step into a
+:class:`~keepkv.paged.PagedBatch`, and the attention call runs
+:meth:`keepkv.paged.PagedCompression.forward` with :class:`VllmCpuKernel`: vLLM's own cache write
+and kernel over the key and value planes of each block (``keepkv.paged_layout``), so a request
+is attended in place, as stock vLLM attends it. keepkv writes the new entries itself (vLLM's slot
+mapping addresses positions, not compacted slots).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -22,11 +26,88 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
+    _get_attn_isa,
 )
 
 from ..paged import PagedBatch, PagedCompression
+from ..paged_layout import BIAS_WORDS
 from .settings import engine_settings
 from .spec import KeepKVSpec
+
+
+class VllmCpuKernel:
+    """vLLM's CPU attention as the paged adapter's kernel (``keepkv.paged_layout.PagedKernel``):
+    its cache write (``cpu_attn_reshape_and_cache``, which packs keys per ISA), its scheduler
+    metadata and its kernel (``cpu_attention_with_kv_cache``), over views of the key and value
+    planes, which both take as strided tensors [blocks, H_kv, block_size, Dk]."""
+
+    def __init__(self, kv_cache_dtype: str = "auto"):
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def key_dim(self, head_dim: int, biased: bool) -> int:
+        if not biased:
+            return head_dim
+        wide = [size for size in CPUAttentionBackend.get_supported_head_sizes() if size >= head_dim + BIAS_WORDS]
+        if not wide:
+            raise ValueError(f"keepkv.vllm: no head size of vLLM's CPU kernel holds {head_dim} + {BIAS_WORDS} bias words")
+        return min(wide)
+
+    @functools.lru_cache(maxsize=16)
+    def isa(self, dtype: torch.dtype, block_size: int, key_dim: int) -> str:
+        return _get_attn_isa(dtype, block_size, key_dim, self.kv_cache_dtype)
+
+    @functools.lru_cache(maxsize=16)
+    def orders(self, block_size: int, key_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the cache write puts element (slot, d) of a block, read off one probe block: each
+        slot's index written in every dimension, then each dimension's index in every slot (exact
+        in any float dtype up to 256), and the raw planes inverted."""
+        isa = self.isa(dtype, block_size, key_dim)
+        slots = torch.arange(block_size)
+        found = []
+        for coordinate in (slots[:, None].expand(-1, key_dim), torch.arange(key_dim)[None, :].expand(block_size, -1)):
+            planes = torch.zeros(1, 1, 2, block_size * key_dim, dtype=dtype)
+            keys, values = (planes[:, :, i].unflatten(-1, (block_size, key_dim)) for i in (0, 1))
+            probe = coordinate[:, None, :].to(dtype).contiguous()  # [block_size, 1, Dk]
+            ops.cpu_attn_reshape_and_cache(probe, probe, keys, values, slots, isa, kv_cache_dtype=self.kv_cache_dtype)
+            found.append(planes[0, 0].long())  # [2, block_size * Dk]: the coordinate at each raw element
+        orders = []
+        for plane in (0, 1):
+            order = torch.full((block_size, key_dim), -1, dtype=torch.long)
+            order[found[0][plane], found[1][plane]] = torch.arange(block_size * key_dim)
+            if bool((order < 0).any()):
+                raise RuntimeError(f"keepkv.vllm: vLLM's {isa!r} cache write does not place each element of a block once")
+            orders.append(order)
+        return orders[0], orders[1]
+
+    @staticmethod
+    def _caches(keys_plane, values_plane, key_dim: int):
+        block_size = keys_plane.shape[-1] // key_dim
+        return keys_plane.unflatten(-1, (block_size, key_dim)), values_plane.unflatten(-1, (block_size, key_dim)), block_size
+
+    def write(self, keys_plane, values_plane, keys, values, slots) -> None:
+        key_cache, value_cache, block_size = self._caches(keys_plane, values_plane, keys.shape[-1])
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots,
+                                       self.isa(key_cache.dtype, block_size, keys.shape[-1]),
+                                       kv_cache_dtype=self.kv_cache_dtype)
+
+    def plan(self, query_start_loc, seq_lens, num_heads: int, layout):
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(seq_lens), num_heads=num_heads, num_kv_heads=layout.kv_heads, head_dim=layout.key_dim,
+            seq_lens=seq_lens, dtype=layout.dtype, query_start_loc=query_start_loc, causal=True,
+            sliding_window_size=-1, isa=self.isa(layout.dtype, layout.block_size, layout.key_dim),
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def attend(self, query, keys_plane, values_plane, block_table, query_start_loc, seq_lens, plan, scaling,
+               output) -> None:
+        key_cache, value_cache, _ = self._caches(keys_plane, values_plane, query.shape[-1])
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=output, query_start_loc=query_start_loc,
+            seq_lens=seq_lens, scale=scaling, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=block_table, softcap=0, scheduler_metadata=plan, s_aux=None,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
 
 # The PagedCompression of the engine configuration this process serves now (an engine's layers keep
 # their own reference, so a later engine of another configuration replaces it: one entry at most).
@@ -45,37 +126,19 @@ def compression(vllm_config: VllmConfig) -> PagedCompression | None:
     key = (chosen["method"], chosen["budget"], chosen["chunked"], chosen.get("keep_prompt", False))
     if key not in _COMPRESSIONS:
         _COMPRESSIONS.clear()
-        _COMPRESSIONS[key] = PagedCompression(vllm_config.model_config.hf_text_config, **chosen)
+        _COMPRESSIONS[key] = PagedCompression(vllm_config.model_config.hf_text_config, **chosen,
+                                              kernel=VllmCpuKernel(str(vllm_config.cache_config.cache_dtype)))
     _WORKER.update(paged=_COMPRESSIONS[key], num_layers=vllm_config.model_config.hf_text_config.num_hidden_layers,
                    max_model_len=vllm_config.model_config.max_model_len)
     return _COMPRESSIONS[key]
 
 
 @dataclass
-class StockRows:
-    """The step's uncompressed rows (``PagedCompression.uncompressed``), as vLLM's own CPU kernel
-    reads them: their blocks copied into vLLM's layout (``blocks``: the block ids, in order;
-    ``slots``: every slot of the copy, in order), block_table [n, max_blocks] int32 into that copy, query_start_loc [n+1] and seq_lens [n]
-    int32, tokens [t] long (where their tokens are in the step's flat token axis), and the
-    kernel's scheduler metadata."""
-
-    blocks: torch.Tensor
-    slots: torch.Tensor
-    block_table: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    tokens: torch.Tensor
-    scheduler_metadata: torch.Tensor
-
-
-@dataclass
 class KeepKVMetadata:
-    """What one step's attention calls read: the paged batch, the tokens it covers, and its
-    uncompressed rows for vLLM's kernel (None if there are none)."""
+    """What one step's attention calls read: the paged batch and the tokens it covers."""
 
     num_actual_tokens: int
     batch: PagedBatch
-    stock: StockRows | None = None
 
 
 class KeepKVBackend(CPUAttentionBackend):
@@ -121,32 +184,7 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
         starts, lengths = common.query_start_loc_cpu[: rows + 1].tolist(), seq_lens[:rows].tolist()
         batch = self.paged.batch(starts, lengths, common.block_table_tensor[:rows], prefilling,
                                  block_size=self.kv_cache_spec.block_size)
-        return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch,
-                              stock=self._stock_rows(batch, self.paged.uncompressed(batch), lengths))
-
-    def _stock_rows(self, batch: PagedBatch, rows: list[int], seq_lens: list[int]) -> StockRows | None:
-        """The uncompressed ``rows`` as vLLM's kernel reads them (:class:`StockRows`), or None."""
-        if not rows:
-            return None
-        row_lens = torch.tensor([seq_lens[r] for r in rows], dtype=torch.int32)
-        counts = (row_lens + self.block_size - 1) // self.block_size  # [n] blocks each row reads
-        column = torch.arange(int(counts.max()))
-        held = column < counts[:, None]  # [n, max_blocks]
-        blocks = batch.block_table[rows][:, : column.numel()][held].long()  # row after row, in order
-        table = (column + (counts.cumsum(0) - counts)[:, None]).where(held, 0).to(torch.int32)
-        lengths = torch.tensor([batch.query_lengths[r] for r in rows])
-        query_start_loc = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-        starts = torch.tensor([batch.query_start[r] for r in rows])
-        total = int(lengths.sum())
-        tokens = torch.arange(total) + torch.repeat_interleave(starts - query_start_loc[:-1], lengths, output_size=total)
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(rows), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            seq_lens=row_lens, dtype=self.dtype, query_start_loc=query_start_loc, causal=True,
-            sliding_window_size=self.window_size, isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
-        slots = torch.arange(blocks.numel() * self.block_size)
-        return StockRows(blocks, slots, table, query_start_loc, row_lens, tokens, scheduler_metadata)
+        return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch)
 
 
 class KeepKVImpl(CPUAttentionBackendImpl):
@@ -166,36 +204,7 @@ class KeepKVImpl(CPUAttentionBackendImpl):
         output[:tokens] = self.paged.forward(
             kv_cache, query[:tokens], key[:tokens], value[:tokens], attn_metadata.batch, self.scale, self.layer_index
         ).view_as(output[:tokens])
-        if attn_metadata.stock is not None:
-            self._stock_attention(layer, query, kv_cache, attn_metadata.stock, output)
         return output
-
-    def _stock_attention(self, layer, query, kv_cache, stock: StockRows, output) -> None:
-        """The uncompressed rows' attention by vLLM's own kernel, in its numerics, over the entries
-        the step has just written: a request the method does not compress answers as stock vLLM
-        (in bf16 too). Their blocks' keys and values are written into a copy in vLLM's own layout
-        (which its kernel packs per ISA) by vLLM's own cache write, slot for slot: keepkv's slots
-        also hold metadata words, and hold keys and values plainly."""
-        head = self.head_size
-        held = kv_cache.index_select(0, stock.blocks)  # [n, H_kv, block_size, C]
-        blocks, kv_heads, block_size, _ = held.shape
-        keys, values = (held[..., start : start + head].transpose(1, 2).reshape(blocks * block_size, kv_heads, head)
-                        for start in (0, head))  # [n·block_size, H_kv, D], slot after slot
-        key_cache, value_cache = held.new_empty(blocks, kv_heads, 2 * block_size, head).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, stock.slots, layer.isa,
-                                       k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-                                       kv_cache_dtype=self.kv_cache_dtype)
-        rows_query = query.index_select(0, stock.tokens)  # [t, H, D]
-        rows_output = torch.empty_like(rows_query)
-        ops.cpu_attention_with_kv_cache(
-            query=rows_query, key_cache=key_cache, value_cache=value_cache, output=rows_output,
-            query_start_loc=stock.query_start_loc, seq_lens=stock.seq_lens, scale=self.scale, causal=True,
-            alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window, block_table=stock.block_table,
-            softcap=self.logits_soft_cap, scheduler_metadata=stock.scheduler_metadata, s_aux=self.sinks,
-            dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
-        output.view(output.shape[0], self.num_heads, head).index_copy_(0, stock.tokens, rows_output)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.paged is None:  # keepkv writes its entries in forward(), at compacted slots
