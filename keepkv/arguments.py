@@ -10,15 +10,23 @@ import argparse
 
 
 def budget_arg(text: str) -> int | float:
-    """'0.1' -> 0.1 (fraction), '128' -> 128 (entries)."""
+    """'0.1' -> 0.1 (fraction), '128' -> 128 (entries); out of range is refused as the arguments are
+    parsed (before torch is imported)."""
+    wanted = f"budget must be a float in (0, 1] (a fraction of the prompt) or an int in [1, 2**48] (entries), got {text!r}"
     try:
-        return int(text)
+        value = int(text)
+        if not 1 <= value <= 2**48:
+            raise argparse.ArgumentTypeError(wanted)
+        return value
     except ValueError:
         pass
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a float in (0, 1] or an int >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(wanted) from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(wanted)
+    return value
 
 
 def _unset(default) -> bool:

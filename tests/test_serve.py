@@ -16,7 +16,8 @@ from keepkv.vllm import serve
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_only_servable_methods_pass_and_the_refusal_names_them(method):
     if method in SERVED_METHODS:
-        assert check({"method": method, "budget": 0.3}) == {"method": method, "budget": 0.3}
+        served = method if "interval=" in method else f"{method}+interval=16"  # the serving default, unless named
+        assert check({"method": method, "budget": 0.3}) == {"method": served, "budget": 0.3}
     else:
         served = "does not serve kvzip: its reconstruction pass" if method == "kvzip" else (
             f"keepkv.vllm serves {', '.join(SERVED_METHODS)} .*got '{method}'"
@@ -51,7 +52,7 @@ def test_a_config_vllm_would_ignore_is_refused(monkeypatch, plugins, loaded):
         monkeypatch.setenv("VLLM_PLUGINS", plugins)
     assert plugin_enabled() == loaded
     if loaded:
-        assert config("h2o", 64) == {"keepkv": {"method": "h2o", "budget": 64}}
+        assert config("h2o", 64) == {"keepkv": {"method": "h2o+interval=16", "budget": 64}}
     else:
         with pytest.raises(RuntimeError, match="leaves out keepkv's plugin"):
             config("h2o", 64)
@@ -70,9 +71,9 @@ def test_serve_passes_vllm_flags_on_and_adds_what_the_cpu_build_needs(tmp_path, 
                            "--dtype", "float32"], monkeypatch=monkeypatch)
     assert argv[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and argv[4] == str(model)
     config_at = argv.index("--additional-config")
-    assert json.loads(argv[config_at + 1]) == {"keepkv": {"method": "h2o", "budget": 64}}
+    assert json.loads(argv[config_at + 1]) == {"keepkv": {"method": "h2o+interval=16", "budget": 64}}  # served every 16 tokens
     assert argv[-4:] == ["--port", "8123", "--dtype", "float32"]  # as given, in order
-    assert "--no-enable-prefix-caching" in argv and "--no-enable-chunked-prefill" in argv
+    assert "--no-enable-prefix-caching" in argv and "--no-enable-chunked-prefill" not in argv  # vLLM's default: on
     assert "--enforce-eager" in argv  # no compile wait on CPU
     assert argv[argv.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"  # not a path
     assert added == {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
@@ -82,13 +83,14 @@ def test_serve_passes_vllm_flags_on_and_adds_what_the_cpu_build_needs(tmp_path, 
     assert added == {}
     argv, added = command(["--model", str(model), "--method", "full"], cpu=False, monkeypatch=monkeypatch)
     assert added == {"HF_HUB_OFFLINE": "1"} and "--enforce-eager" not in argv
+    assert "--no-enable-prefix-caching" not in argv  # --method full: stock vLLM with its defaults
     for flag in ("--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--enable-chunked-prefill",
                  "--served-model-name"):
         argv, _ = command(["--model", str(model), flag, *(["other"] if flag == "--served-model-name" else [])],
                           monkeypatch=monkeypatch)
         assert argv.count(flag) == 1
-    argv, _ = command(["--model", str(model), "--enable-chunked-prefill"], monkeypatch=monkeypatch)
-    assert "--no-enable-chunked-prefill" not in argv  # chunked prefill asked for: served as asked
+    argv, _ = command(["--model", str(model), "--no-enable-chunked-prefill"], monkeypatch=monkeypatch)
+    assert argv.count("--no-enable-chunked-prefill") == 1  # chunked prefill turned off: served as asked
 
 
 @pytest.mark.parametrize("given", [["-O3"], ["-O", "2"], ["--optimization-level=3"], ["--compilation-config", "{}"],
@@ -101,12 +103,12 @@ def test_serve_runs_eager_on_cpu_unless_compilation_is_asked_for(tmp_path, monke
 
 
 def test_stock_vllm_is_served_under_the_same_flags(tmp_path, monkeypatch):
-    """--method full: no keepkv settings, every flag keepkv serve adds for a method, and what
-    keepkv.vllm refuses is vLLM's to serve."""
+    """--method full: stock vLLM with its defaults (no keepkv settings, prefix caching left on),
+    eager and named as a method is, and what keepkv.vllm refuses is vLLM's to serve."""
     keepkv_argv, _ = command(["--model", str(tmp_path), "--port", "8000"], monkeypatch=monkeypatch)
     stock_argv, _ = command(["--model", str(tmp_path), "--method", "full", "--port", "8000"], monkeypatch=monkeypatch)
     at = keepkv_argv.index("--additional-config")
-    assert stock_argv == keepkv_argv[:at] + keepkv_argv[at + 2 :]
+    assert stock_argv == [flag for flag in keepkv_argv[:at] + keepkv_argv[at + 2 :] if flag != "--no-enable-prefix-caching"]
     argv, _ = command(["--model", str(tmp_path), "--method", "full", "--enable-prefix-caching", "-tp", "2"],
                       monkeypatch=monkeypatch)
     assert "--enable-prefix-caching" in argv and "--no-enable-prefix-caching" not in argv
@@ -141,7 +143,6 @@ def test_a_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
     (["--enable-prefix-caching"], {}, "does not support prefix caching: a block shared"),
     (["--additional-config", "{}"], {}, "writes it from --method and --budget"),
     (["--method", "cam"], {}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keydiff, keepkv"),
-    (["--budget", "0"], {}, "budget"),
     (["--budget", "2"], {}, "budget 2 keeps 2 per layer and head, fewer than keepkv's 32 protected"),
     ([], {"VLLM_PLUGINS": ""}, "leaves out keepkv's plugin"),
     (["--speculative-config", '{"method": "ngram"}'], {}, "does not support speculative decoding"),
@@ -184,7 +185,7 @@ def test_a_budget_under_the_floor_warns_in_config():
     from keepkv.vllm import config
 
     with pytest.warns(keepkv.KeepKVWarning, match="budget 40 is under snapkv's budget floor of 64 entries"):
-        assert config("snapkv", 40) == {"keepkv": {"method": "snapkv", "budget": 40}}
+        assert config("snapkv", 40) == {"keepkv": {"method": "snapkv+interval=16", "budget": 40}}
     with pytest.raises(ValueError, match="budget 8 keeps 8 per layer and head, fewer than snapkv's 32"):
         config("snapkv", 8)
 
@@ -196,6 +197,19 @@ def test_a_budget_under_the_floor_warns_in_one_line_at_serve_start(tmp_path, mon
     assert serve.floor_warning(parse_arguments(["serve", "--budget", "64"])) is None
     assert serve.floor_warning(parse_arguments(["serve", "--budget", "0.05"])) is None  # a fraction has the floor
     assert serve.floor_warning(parse_arguments(["serve"])) is None
+
+
+@pytest.mark.parametrize("budget", ["0", "1.5", "-3", "2e60", "half"])
+def test_a_budget_out_of_range_is_refused_as_the_arguments_are_parsed(budget):
+    """Before torch is imported (a subprocess: this one has torch), in one line naming the range."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom keepkv.cli import parse_arguments\ntry:\n    parse_arguments(['serve', '--budget', "
+            f"{budget!r}])\nexcept SystemExit as stop:\n    print('torch' in sys.modules, stop.code)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "2"]
+    assert "budget must be a float in (0, 1]" in done.stderr.strip().splitlines()[-1]  # after the usage, one line
 
 
 def test_only_serve_takes_flags_it_does_not_know():
@@ -267,14 +281,14 @@ def test_serve_says_it_is_warming_up_until_the_server_is_ready(monkeypatch, caps
 
 
 def test_keep_prompt_serves_with_prefix_caching_and_counts_generated_entries(tmp_path, monkeypatch):
-    """--keep-prompt: the config says so, prefix caching is left on (and may be asked for), chunked
-    prefill is still turned off, and the budget is the generated entries kept (256 by default)."""
+    """--keep-prompt: the config says so, prefix caching and chunked prefill are left on (vLLM's
+    defaults; they may be asked for), and the budget is the generated entries kept (256 by default)."""
     model = tmp_path / "SmolLM2-135M-Instruct"
     model.mkdir()
     argv, _ = command(["--model", str(model), "--method", "snapkv", "--keep-prompt"], monkeypatch=monkeypatch)
     assert json.loads(argv[argv.index("--additional-config") + 1]) == {
-        "keepkv": {"method": "snapkv", "budget": 256, "keep_prompt": True}}
-    assert "--no-enable-prefix-caching" not in argv and "--no-enable-chunked-prefill" in argv
+        "keepkv": {"method": "snapkv+interval=16", "budget": 256, "keep_prompt": True}}
+    assert "--no-enable-prefix-caching" not in argv and "--no-enable-chunked-prefill" not in argv
     argv, _ = command(["--model", str(model), "--method", "keepkv", "--keep-prompt", "--budget", "64",
                        "--enable-prefix-caching"], monkeypatch=monkeypatch)
     assert json.loads(argv[argv.index("--additional-config") + 1])["keepkv"]["budget"] == 64
@@ -295,5 +309,7 @@ def test_keep_prompt_settings_are_checked(given, message):
     with pytest.raises(ValueError, match=message) as raised:
         check(given)
     assert "\n" not in str(raised.value)
-    assert check({"method": "keydiff", "keep_prompt": True}) == {"method": "keydiff", "budget": 256, "keep_prompt": True}
-    assert check({"method": "snapkv", "budget": 64, "keep_prompt": False}) == {"method": "snapkv", "budget": 64}
+    assert check({"method": "keydiff", "keep_prompt": True}) == {"method": "keydiff+interval=16", "budget": 256,
+                                                                  "keep_prompt": True}
+    assert check({"method": "snapkv+interval=1", "budget": 64, "keep_prompt": False}) == {"method": "snapkv+interval=1",
+                                                                                          "budget": 64}

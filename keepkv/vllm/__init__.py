@@ -24,6 +24,10 @@ import os
 BACKEND = "keepkv.vllm.backend.KeepKVBackend"
 PLUGIN = "keepkv"  # the entry point's name (pyproject.toml), as VLLM_PLUGINS lists it
 DEFAULT_GENERATED = 256  # generated entries a request keeps with keep_prompt, unless a budget is given
+# Served, a method compresses every SERVING_INTERVAL tokens unless its variant names an interval
+# (``snapkv+interval=1``): a request's slots are read once per compression, and between
+# compressions only the engine's kernel reads them (docs/serving.md has the measured choice).
+SERVING_INTERVAL = 16
 
 
 class SettingError(RuntimeError):
@@ -36,11 +40,15 @@ def check(given) -> dict:
     "keep_prompt": True when given so (prompts kept whole, ``budget`` generated entries kept: the
     mode that serves with prefix caching).
 
+    The method comes back as the variant served: one without an interval of its own compresses
+    every :data:`SERVING_INTERVAL` tokens (``"snapkv"`` -> ``"snapkv+interval=16"``).
+
     Raises ValueError in one line: unknown keys, a method the paged adapter does not serve (the
     message names those it serves), a bad budget, an entry budget that cannot hold the method's
     protected tokens (``keepkv.budgets.check_budget_holds``), a fraction with keep_prompt.
     """
     from ..budgets import check_budget_holds, check_keep_prompt, validate_budget
+    from ..methods.base import parse_method_spec
     from ..paged import servable_method
 
     if not isinstance(given, dict):
@@ -54,12 +62,16 @@ def check(given) -> dict:
     budget = validate_budget(given.get("budget", DEFAULT_GENERATED if keep_prompt else 0.1))
     if not isinstance(given["method"], str):
         raise ValueError(f'additional_config["keepkv"]["method"] must be a method name (str), got {given["method"]!r}')
-    method = servable_method(given["method"])
+    spec = str(given["method"])
+    method = servable_method(spec)
+    if "interval" not in parse_method_spec(spec)[1]:
+        spec += f"+interval={SERVING_INTERVAL}"
+        method = servable_method(spec)
     check_budget_holds(method, budget)
     if keep_prompt:
         check_keep_prompt(method, budget)
-        return {"method": str(given["method"]), "budget": budget, "keep_prompt": True}
-    return {"method": str(given["method"]), "budget": budget}
+        return {"method": spec, "budget": budget, "keep_prompt": True}
+    return {"method": spec, "budget": budget}
 
 
 def plugin_enabled(environ=None) -> bool:

@@ -16,12 +16,11 @@ adds, unless the flag is given either way:
 
 - ``--additional-config '{"keepkv": {...}}'`` from ``--method`` and ``--budget`` (none for
   ``--method full``);
-- ``--no-enable-prefix-caching`` (vLLM's default is on, and keepkv.vllm refuses it:
-  docs/serving.md), except with ``--keep-prompt``, which keeps prompts whole and compresses only
-  what each request generates, so that requests share prompt blocks;
-- ``--no-enable-chunked-prefill``: keepkv serves both, and without chunks each prompt is
-  compressed in the step that reads it and never holds blocks for all its tokens, which served
-  more requests at once under memory pressure (docs/serving.md, "Chunked prefill");
+- ``--no-enable-prefix-caching`` when a method compresses prompts (a block shared between
+  requests cannot be compacted per request: docs/serving.md); with ``--keep-prompt``, which keeps
+  prompts whole and compresses only what each request generates, prefix caching stays on, as
+  vLLM's default; ``--method full`` adds neither (stock vLLM with its defaults). Chunked prefill
+  stays vLLM's default (on);
 - ``--enforce-eager`` on vLLM's CPU build, unless compilation is asked for (``-O<n>``,
   ``--optimization-level``, ``--compilation-config``, ``--no-enforce-eager``): compiling the model
   makes the start several times longer on a CPU (docs/serving.md, "Start-up", has the figures);
@@ -62,7 +61,7 @@ SPECULATIVE = ("--speculative-config", "-sc", "--spec-method", "--spec-model", "
 PARALLEL = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp")
 # Flags that choose between eager and compiled, besides -O<n>.
 COMPILATION = ("--enforce-eager", "--no-enforce-eager", "--compilation-config", "-cc", "--optimization-level")
-OFF_BY_DEFAULT = ["--no-enable-prefix-caching", "--no-enable-chunked-prefill"]  # unless the flag is given either way
+OFF_BY_DEFAULT = ["--no-enable-prefix-caching"]  # a method that compresses prompts, unless the flag is given either way
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,7 +176,7 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
 
     source = embedded_gguf_path() if args.model is None else Path(args.model).expanduser()
     model = model_directory(source, convert=convert)
-    off = [flag for flag in OFF_BY_DEFAULT if not (keep_prompt and "prefix" in flag)]  # keep_prompt shares prompts
+    off = [] if args.method == "full" or keep_prompt else OFF_BY_DEFAULT  # keep_prompt shares prompts
     added_flags += [flag for flag in off if flag not in given and flag.replace("--no-", "--") not in given]
     if cpu and not any(name in given for name in COMPILATION) and not any(name.startswith("-O") for name in given):
         added_flags.append("--enforce-eager")
