@@ -197,6 +197,8 @@ class PagedCompression:
         # Query rows kept per request and layer between compressions: the attention every decoding
         # query gave (probabilities, logits), or the newest query a merge reads.
         self._query_rows = self.method.interval if (decode.probs or decode.logits or self.biased) else 0
+        # keep_prompt: a compression reads only the generated entries (see _compress).
+        self._generated_alone = keep_prompt and not self.method.reads_every_entry
         # The method's per-layer state and kept queries of each request, a row per request (its key)
         # in one slab per layer and name: a step files and reads a group's rows with one index_copy_
         # and one index_select each. A row goes to a new request when its key is reused, or once
@@ -416,7 +418,8 @@ class PagedCompression:
             with _threads(PROMPT_THREADS):
                 self._dense_prompt(planes, layout, batch, plan, rows, query, key, value, scaling, layer, output)
         if plan.attending:
-            self._write_new(planes, layout, batch, plan, key, value, layer)
+            with _threads(STEP_THREADS):  # a few small writes: the new tokens' slots and words
+                self._write_new(planes, layout, batch, plan, key, value, layer)
             self._attend(planes, layout, batch, plan, query, scaling, layer, output)
         for rows in plan.prompts_ending:  # a whole prompt within its budget, attended in place: its statistics
             with _threads(PROMPT_THREADS):
@@ -425,7 +428,8 @@ class PagedCompression:
             with _threads(PROMPT_THREADS):
                 self._file_chunk(planes, layout, batch, plan, row, query, key, value, scaling, layer)
         if plan.decoding:
-            self._keep_queries(plan, query, layer)
+            with _threads(STEP_THREADS):
+                self._keep_queries(plan, query, layer)
         for rows in plan.compressing:
             with _threads(STEP_THREADS):
                 self._compress(planes, layout, batch, plan, rows, query, scaling, layer)
@@ -621,24 +625,35 @@ class PagedCompression:
     def _compress(self, planes, layout, batch, plan, rows: list[int], query, scaling: float, layer: int) -> None:
         """Decoding rows whose ``interval`` came round (each holding as many entries): the method
         observes every query since its last compression, compresses, and the kept entries are
-        written back into the leading slots."""
+        written back into the leading slots. With ``keep_prompt`` the store holds only the generated
+        entries, past the prompt (a prompt's entries are never evicted, merged into or rescored:
+        the method sees them only through the probabilities' normalisation, which the prompt's
+        log-sum-exp carries), unless the method reads every entry (``reads_every_entry``)."""
         written = self._sizes(batch, rows, layer, "written")
-        store = self._gather(planes, layout, batch, plan, rows, written, layer,
-                             tuple(batch.computed[r] + 1 for r in rows))
-        budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
+        seen = tuple(batch.computed[r] + 1 for r in rows)
+        budget, mean, frozen = plan.budgets(self, batch, rows, layer, query.device)
+        first = 0
+        if self._generated_alone:
+            first = batch.prompt[rows[0]]  # the rows of a group share their prompt's length
+            written = tuple(size - first for size in written)
+            budget, frozen = budget - first, None
+        store = self._gather(planes, layout, batch, plan, rows, written, layer, seen, first)
         store.set_budget(budget, mean, frozen)
         store.resume(state=self._join_states(batch, rows, layer), pending=self.method.interval)
-        stats = self._decode_stats(batch, plan, rows, store, query, scaling, layer, layout)
+        stats = self._decode_stats(planes, batch, plan, rows, store, query, scaling, layer, layout, first)
         before = (store.positions.clone(), store.bias.clone())
         self.step.decode(store, stats)
-        self._write_back(planes, layout, batch, plan, rows, store, self._sizes(batch, rows, layer, "after"), before,
-                         layer, scaling)
+        after = tuple(size - first for size in self._sizes(batch, rows, layer, "after"))
+        self._write_back(planes, layout, batch, plan, rows, store, after, before, layer, scaling, first=first)
         self._file_states(store.state, batch, rows, layer)
 
-    def _decode_stats(self, batch, plan, rows, store: LayerStore, query, scaling, layer, layout) -> StepStats:
+    def _decode_stats(self, planes, batch, plan, rows, store: LayerStore, query, scaling, layer, layout,
+                      prompt: int = 0) -> StepStats:
         """What the attention of the ``interval`` decoding queries since the last compression gave,
         computed now over the store: each query sees the entries held at its position (the later
-        ones are masked), with their votes, exactly what it attended over."""
+        ones are masked), with their votes, exactly what it attended over. ``prompt``: the store
+        starts past a kept prompt of that many slots, which every query saw whole (its
+        log-sum-exp joins the probabilities' normalisation)."""
         tokens = torch.tensor([batch.query_start[r] for r in rows], device=query.device)
         if not self._query_rows:
             return StepStats(query=group_queries(query.index_select(0, tokens)[:, :, None], layout.kv_heads),
@@ -654,34 +669,32 @@ class PagedCompression:
             newest = torch.tensor([batch.computed[r] for r in rows], device=query.device)  # each row's last query position
             query_pos = newest[:, None] - torch.arange(count - 1, -1, -1, device=query.device)  # [R, N]
             visible = store.positions[:, :, None, :] <= query_pos[:, None, :, None]  # [R, H_kv, N, S]
-            biased = logits + store.bias[:, :, None, None, :]
-            probs = softmax_probs(biased.masked_fill(~visible[:, :, None], NEG_INF))
+            biased = (logits + store.bias[:, :, None, None, :]).masked_fill(~visible[:, :, None], NEG_INF)
+            if prompt:
+                keys, _ = self._read(planes, layout, batch, plan, rows, prompt, values=False)
+                total = torch.logaddexp(biased.logsumexp(-1), scaled_logits(query_g, keys, scaling).logsumexp(-1))
+                probs = (biased - total[..., None]).exp()
+            else:
+                probs = softmax_probs(biased)
         return StepStats(query=query_g, scaling=scaling, is_prefill=False, probs=probs,
                          logits=logits if needs.logits else None)
 
     # -- reading and writing a request's slots ----------------------------------------------------
     def _gather(self, planes, layout: PagedLayout, batch, plan, rows: list[int], sizes: tuple, layer: int,
-                seen: tuple) -> LayerStore:
-        """A store of each row's first ``sizes`` slots (rows of equal size, or one row), in slot
-        order, that has seen ``seen`` tokens per row: whole blocks read once, unpacked from the
-        kernel's order."""
+                seen: tuple, first: int = 0) -> LayerStore:
+        """A store of each row's ``sizes`` slots from slot ``first`` on (rows of equal size, or one
+        row), in slot order, that has seen ``seen`` tokens per row: whole blocks read once, unpacked
+        from the kernel's order."""
+        keys, values = self._read(planes, layout, batch, plan, rows, max(sizes), first)
         keys_plane, values_plane, words = planes
         size = max(sizes)
-        blocks = plan.blocks_of(batch, rows, size, layout.block_size)  # [R, n] int64
-        count, width = blocks.shape[1], layout.block_size
-        key_order, value_order = plan.orders(self.kernel, layout)
-        with torch.inference_mode(False):  # the store's buffers are normal tensors (LayerStore._new_buffer)
-            keys, values = (
-                plane.index_select(0, blocks.flatten())[..., order]  # [R·n, H_kv, bs, Dk]
-                .view(len(rows), count, layout.kv_heads, width, layout.key_dim)
-                .transpose(1, 2).reshape(len(rows), layout.kv_heads, count * width, layout.key_dim)[:, :, :size, : layout.head_dim]
-                for plane, order in ((keys_plane, key_order), (values_plane, value_order))
-            )
-        slot = torch.arange(size, device=blocks.device)
-        word_rows = layout.word_index(blocks.gather(1, (slot // width)[None].expand(len(rows), -1))[:, None, :],
-                                      torch.arange(layout.kv_heads, device=blocks.device)[None, :, None], slot % width)
+        slot = torch.arange(first, first + size, device=keys.device)
+        blocks = plan.blocks_of(batch, rows, first + size, layout.block_size)
+        word_rows = layout.word_index(blocks[:, slot // layout.block_size][:, None, :],
+                                      torch.arange(layout.kv_heads, device=blocks.device)[None, :, None],
+                                      slot % layout.block_size)
         meta = words[word_rows[..., None] + torch.arange(layout.words, device=blocks.device)]  # [R, H_kv, S, M]
-        empty = (slot[None, None, :] >= torch.tensor(sizes, device=blocks.device)[:, None, None]).expand(
+        empty = (slot[None, None, :] - first >= torch.tensor(sizes, device=blocks.device)[:, None, None]).expand(
             len(rows), layout.kv_heads, size)
         positions = meta[..., 0].long().masked_fill(empty, -1)
         bias = meta[..., 1] if layout.biased else torch.zeros_like(meta[..., 0])
@@ -699,15 +712,34 @@ class PagedCompression:
                                        binary=not layout.biased or bool((bias[~empty] == 0).all()),
                                        headroom=self.method.interval)
 
+    def _read(self, planes, layout: PagedLayout, batch, plan, rows: list[int], size: int, first: int = 0,
+              values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Keys (and values) [R, H_kv, size, D] of the rows' slots first..first+size-1: their blocks
+        read once (index_select), unpacked from the kernel's order."""
+        keys_plane, values_plane, _ = planes
+        blocks = plan.blocks_of(batch, rows, first + size, layout.block_size)[:, first // layout.block_size :]
+        count, width = blocks.shape[1], layout.block_size
+        key_order, value_order = plan.orders(self.kernel, layout)
+        read = []
+        with torch.inference_mode(False):  # the store's buffers are normal tensors (LayerStore._new_buffer)
+            for plane, order in ((keys_plane, key_order), *(((values_plane, value_order),) if values else ())):
+                entries = layout.unpack(plane.index_select(0, blocks.flatten()), order)  # [R·n, H_kv, bs, Dk]
+                entries = entries.view(len(rows), count, layout.kv_heads, width, layout.key_dim).transpose(1, 2)
+                entries = entries.reshape(len(rows), layout.kv_heads, count * width, layout.key_dim)
+                read.append(entries[:, :, first % width : first % width + size, : layout.head_dim])
+        return read[0], read[1] if values else None
+
     def _write_back(self, planes, layout: PagedLayout, batch, plan, rows, store: LayerStore, sizes: tuple,
-                    before: tuple[torch.Tensor, torch.Tensor], layer: int, scaling: float, everything: bool = False) -> None:
+                    before: tuple[torch.Tensor, torch.Tensor], layer: int, scaling: float, everything: bool = False,
+                    first: int = 0) -> None:
         """Each row's live entries of ``store`` into its first ``sizes`` slots. An entry held in a slot
         below its row's size stays in that slot; the entries past it fill the emptied slots, in slot
         order. Keys and values go through the engine's cache write for the slots whose entry or
         votes changed (a served method changes a slot's key or value only with its entry or its
         votes); the words of every slot a row may write. With ``keep_prompt`` a row writes only
         past its prompt (an engine may share those blocks). ``before``: ([R, H_kv, S] positions,
-        bias) of the slots as they were read; ``everything``: the slots held nothing yet."""
+        bias) of the slots as they were read; ``everything``: the slots held nothing yet; ``first``: the
+        slot of the store's first entry (``sizes`` count from it)."""
         keys_plane, values_plane, words = planes
         kv_heads = layout.kv_heads
         width = max(sizes)
@@ -725,9 +757,8 @@ class PagedCompression:
             mover, has_mover = slots_of(live & (slot >= after), min(spill, width))
             source = source.scatter(-1, hole, mover.where(has_hole & has_mover, hole))
         positions, bias = store.positions.gather(-1, source), store.bias.gather(-1, source)
-        starts = plan.starts(self, batch, rows)  # the first slot each row may write
-        writable = ((slot[:width] < after) & (slot[:width] >= torch.tensor(starts, device=live.device)[:, None, None])
-                    ).expand(len(rows), kv_heads, width)
+        starts = torch.tensor(plan.starts(self, batch, rows), device=live.device)[:, None, None] - first
+        writable = ((slot[:width] < after) & (slot[:width] >= starts)).expand(len(rows), kv_heads, width)
         if everything:
             changed = writable.any(1)
         else:
@@ -740,10 +771,11 @@ class PagedCompression:
             changed = (differs & writable).any(1)  # [R, W]: a slot written in every head, if in any
         # Host-side: which slots to write (a compression's few; none that would take a prompt's slot).
         row_index, slot_index = changed.nonzero(as_tuple=True)
+        blocks = plan.blocks_of(batch, rows, first + width, layout.block_size)
         if row_index.numel():
-            blocks = plan.blocks_of(batch, rows, width, layout.block_size)
+            slot_index = slot_index + first  # in the request's slots
             flat = blocks[row_index, slot_index // layout.block_size] * layout.block_size + slot_index % layout.block_size
-            take = source[row_index, :, slot_index]  # [N, H_kv]
+            take = source[row_index, :, slot_index - first]  # [N, H_kv]
             picked_keys = store.keys[row_index[:, None], torch.arange(kv_heads)[None, :], take]  # [N, H_kv, D]
             picked_values = store.values[row_index[:, None], torch.arange(kv_heads)[None, :], take]
             picked_bias = store.bias[row_index[:, None], torch.arange(kv_heads)[None, :], take] if layout.biased else None
@@ -752,10 +784,10 @@ class PagedCompression:
         # Words of every writable slot: position, bias, extras (scores change everywhere).
         row_index, head_index, slot_index = writable.nonzero(as_tuple=True)
         if row_index.numel():
-            blocks = plan.blocks_of(batch, rows, width, layout.block_size)
+            take = source[row_index, head_index, slot_index]
+            slot_index = slot_index + first
             block = blocks[row_index, slot_index // layout.block_size]
             index = layout.word_index(block, head_index, slot_index % layout.block_size)
-            take = source[row_index, head_index, slot_index]
             columns = [store.positions[row_index, head_index, take].float()[:, None]]
             if layout.biased:
                 columns.append(store.bias[row_index, head_index, take][:, None])
@@ -896,7 +928,7 @@ class _StepPlan:
         by_size: dict = {}
         for row in due:
             sizes = tuple(paged._sizes(batch, [row], layer, "written")[0] for layer in range(paged.config.num_hidden_layers))
-            by_size.setdefault(sizes, []).append(row)
+            by_size.setdefault((batch.prompt[row] if paged.keep_prompt else 0, sizes), []).append(row)
         tokens = torch.tensor([batch.query_start[r] for r in decoding], dtype=torch.long)
         slab_rows = torch.tensor([paged._slab_row(batch.first_block[r]) for r in decoding], dtype=torch.long)
         query_index = torch.tensor([(batch.computed[r] - (batch.computed[r] if batch.phases[r] == "close" else batch.prompt[r]))

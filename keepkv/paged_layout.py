@@ -152,6 +152,19 @@ class PagedLayout:
         plane_words = 2 * self.block_size * self.key_dim * self.itemsize // 4
         return (blocks * self.kv_heads + heads) * cell_words + plane_words + offsets * self.words
 
+    def unpack(self, cells: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """[N, H_kv, block_size * Dk] planes of N blocks -> [N, H_kv, block_size, Dk] entries, as ``order``
+        [block_size, Dk] packs them: a view where the packing is plain or each block transposed
+        (vLLM's "vec" keys), else one gather along the plane."""
+        count, heads = cells.shape[:2]
+        slot = torch.arange(self.block_size, device=order.device)[:, None]
+        dim = torch.arange(self.key_dim, device=order.device)[None, :]
+        if torch.equal(order, slot * self.key_dim + dim):
+            return cells.view(count, heads, self.block_size, self.key_dim)
+        if torch.equal(order, dim * self.block_size + slot):
+            return cells.view(count, heads, self.key_dim, self.block_size).transpose(-1, -2)
+        return cells.index_select(-1, order.flatten()).view(count, heads, self.block_size, self.key_dim)
+
     def key_rows(self, keys: torch.Tensor, bias: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """keys [..., D] as the key plane stores them [..., Dk]: a biased layout's bias [...] split into
         its two words (bias / scaling = high + low; -inf: -inf and 0), zeros past them."""

@@ -222,6 +222,15 @@ class LayerStore(CacheLayerMixin):
         if prefill_stats is not None:
             self.prefill_stats = prefill_stats
 
+    @property
+    def open_budget(self) -> torch.Tensor | None:
+        """[B, H_kv] entries each row and head keeps beyond a kept prompt's (``budget`` less the frozen
+        prompt, ``decoding="keep_prompt"``; ``budget`` itself when no prompt is kept): what a
+        selection's recent window and sinks are shares of."""
+        if self.budget is None or self.frozen is None:
+            return self.budget
+        return self.budget - self.frozen[:, None]
+
     def binary_bias(self) -> bool:
         """True if the bias holds only 0 and -inf: only appends, selections and drops wrote it."""
         return self._binary

@@ -359,6 +359,13 @@ class Selection:
         """Why this selection cannot run with ``merging`` (one line), or None."""
         return None
 
+    @property
+    def reads_every_entry(self) -> bool:
+        """Whether an entry's rank reads the layer's other entries (KeyDiff's mean key), beyond what
+        the attention's probabilities already weigh: a kept prompt's entries then change the ranks
+        of the generated ones, so the paged adapter compresses them with the prompt in the store."""
+        return False
+
 
 @dataclass(frozen=True)
 class Merge:
@@ -399,6 +406,12 @@ class Merge:
     def refusal(self, selection: Selection) -> str | None:
         """Why this merge cannot run with ``selection`` (one line), or None."""
         return None
+
+    @property
+    def reads_every_entry(self) -> bool:
+        """Whether what it keeps of an entry reads the layer's other entries beyond the attention's
+        probabilities (see ``Selection.reads_every_entry``)."""
+        return False
 
 
 register_merge(Merge)
@@ -500,6 +513,11 @@ class ComposedMethod(Method):
 
     def protected_entries(self) -> int:
         return self.selection.protected_entries()
+
+    @property
+    def reads_every_entry(self) -> bool:
+        """Whether either part reads the layer's other entries (``Selection.reads_every_entry``)."""
+        return self.selection.reads_every_entry or self.merging.reads_every_entry
 
     def setup_layer(self, layer) -> None:
         self.selection.setup_layer(layer)
@@ -645,8 +663,9 @@ def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:
     Sinks are capped by the budget, and recent by what the sinks leave, so protected entries
     never outnumber the budget.
     """
-    sink_count = layer.budget.clamp(max=sinks)
-    recent = torch.minimum(recent, layer.budget - sink_count)
+    budget = layer.open_budget  # a kept prompt's entries are kept anyway: the shares are of the rest
+    sink_count = budget.clamp(max=sinks)
+    recent = torch.minimum(recent, budget - sink_count)
     positions = layer.positions  # -1 exactly on empty slots, which the live mask takes out
     is_sink = positions < sink_count[..., None]
     is_recent = positions >= (layer.real_seen[:, None, None] - recent[..., None])
@@ -711,6 +730,6 @@ class ScoredSelection(Selection):
 
     def priority(self, layer) -> torch.Tensor:
         """[B, H_kv, S]: +inf for protected entries, else the score."""
-        is_protected = protected(layer, self.sinks, self.recent_count(layer.budget))
+        is_protected = protected(layer, self.sinks, self.recent_count(layer.open_budget))
         score = layer.extras["score"] if self.scored else torch.zeros_like(layer.bias)
         return score.masked_fill(is_protected, float("inf"))

@@ -225,6 +225,10 @@ class KeepKVMerge(ZipMerge):
         check_choice("prefill_scores", self.prefill_scores, SCORE_MODES)
         check_choice("prefill_order", self.prefill_order, PREFILL_ORDERS)
 
+    @property
+    def reads_every_entry(self) -> bool:
+        return self.score_norm == "row"  # each query's partition function, over every entry it sees
+
     def refusal(self, selection) -> str | None:
         if self.refresh_interval is not None and not isinstance(selection, EmaAttention):
             return "refresh_interval re-ranks entries by the EMA: use it with selection='ema'"
@@ -393,8 +397,13 @@ class KeepKVMerge(ZipMerge):
         return logits, pool_log_scores(logits, layer.bias)
 
     def _ema(self, layer, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-head [B, H_kv, g, S], pooled [B, H_kv, S]) EMA log-scores, see :func:`ema_log_scores`."""
+        """(per-head [B, H_kv, g, S], pooled [B, H_kv, S]) EMA log-scores, see :func:`ema_log_scores`. A
+        kept prompt's entries are unscored (their EMA stays at its fill): they carry no score, so
+        the pooled scores' normalisation covers the scored entries only."""
         live = layer.live() if live is None else live
+        frozen = layer.frozen_entries()
+        if frozen is not None:
+            live = live & ~frozen
         ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)
         return ema_log_scores(ema_s, layer.extras["ema_log_n"], layer.bias, live, self._log_scale(layer))
 

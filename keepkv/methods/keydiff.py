@@ -47,6 +47,10 @@ class KeyDeviation(ScoredSelection):
         if stats.is_prefill:
             note_prompt_end(layer)
 
+    @property
+    def reads_every_entry(self) -> bool:
+        return True  # the anchor is the mean unit key of every live entry
+
     def priority(self, layer) -> torch.Tensor:
         """[B, H_kv, S]: +inf for the sinks and the decoding window, else -cos(k, mean unit key of
         the live entries)."""

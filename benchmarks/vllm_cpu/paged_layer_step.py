@@ -1,0 +1,140 @@
+"""Time one attention layer's decode step of keepkv.paged against stock vLLM's, on vLLM's CPU kernel.
+
+Stock: vLLM's cache write and ``cpu_attention_with_kv_cache`` over every request's tokens.
+keepkv: ``PagedCompression.forward`` with ``VllmCpuKernel`` (the same write and kernel over the
+blocks' planes, in place), its compression every ``interval`` steps included: the mean over one
+whole interval is what a served step pays. SmolLM2-135M's attention shapes (9 heads, 3 KV heads,
+D = 64), blocks of 128, the served dtype. Run in the serving venv:
+
+    python benchmarks/vllm_cpu/paged_layer_step.py --mode keep_prompt --methods snapkv,keepkv
+    python benchmarks/vllm_cpu/paged_layer_step.py --mode compressed --methods snapkv,keepkv
+
+``keep_prompt``: 16 requests of 1,056 prompt tokens kept whole, 64 generated entries kept (the
+serving bench's shared-prefix shape, each request with its own blocks here). ``compressed``: 16
+requests of 2,048-token prompts at budget 0.1. Prints milliseconds per layer-step: stock's, and
+keepkv's mean, its steps without a compression, and its compressing steps.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig
+
+from keepkv.paged import PagedCompression
+from keepkv.vllm.backend import VllmCpuKernel
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 128
+CONFIG = LlamaConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                     num_hidden_layers=30, intermediate_size=16, vocab_size=32)
+MODES = {"keep_prompt": (16, 1056, 64), "compressed": (16, 2048, 0.1)}  # requests, prompt, budget
+
+
+def stock_steps(requests: int, prompt: int, steps: int, dtype, generator) -> list[float]:
+    """Seconds of each of ``steps`` stock decode layer-steps (cache write + kernel), past ``prompt``."""
+    kernel = VllmCpuKernel()
+    blocks = math.ceil((prompt + steps + 1) / BLOCK)
+    cache = torch.randn(1 + requests * blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=generator).to(dtype)
+    planes = cache.view(cache.shape[0], KV_HEADS, -1)
+    keys_plane, values_plane = planes[..., : BLOCK * HEAD_DIM], planes[..., BLOCK * HEAD_DIM :]
+    table = torch.tensor([[1 + r * blocks + j for j in range(blocks)] for r in range(requests)], dtype=torch.int32)
+    times = []
+    from keepkv.paged_layout import PagedLayout
+
+    layout = PagedLayout(BLOCK, KV_HEADS, HEAD_DIM, HEAD_DIM, 0, dtype, False)
+    for t in range(steps):
+        held = prompt + t + 1
+        query = torch.randn(requests, HEADS, HEAD_DIM, generator=generator).to(dtype)
+        key, value = (torch.randn(requests, KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+        slots = table[:, (held - 1) // BLOCK].long() * BLOCK + (held - 1) % BLOCK
+        output = torch.empty_like(query)
+        start = time.perf_counter()
+        starts = torch.arange(requests + 1, dtype=torch.int32)
+        lens = torch.full((requests,), held, dtype=torch.int32)
+        plan = kernel.plan(starts, lens, HEADS, layout)  # vLLM builds it once per step, for every layer
+        begin = time.perf_counter()
+        kernel.write(keys_plane, values_plane, key, value, slots)
+        kernel.attend(query, keys_plane, values_plane, table, starts, lens, plan, HEAD_DIM**-0.5, output)
+        times.append(time.perf_counter() - begin + (begin - start) / CONFIG.num_hidden_layers)
+    return times
+
+
+def keepkv_steps(method: str, requests: int, prompt: int, budget, steps: int, dtype, generator,
+                 keep_prompt: bool) -> tuple[list[float], list[bool]]:
+    """Seconds of each decode layer-step of ``method`` (the step's plan built at this layer, as at an
+    engine's first layer: its share is counted once per layer here, a bound), and whether it compressed."""
+    paged = PagedCompression(CONFIG, method, budget, chunked=True, keep_prompt=keep_prompt, kernel=VllmCpuKernel())
+    blocks = math.ceil(max(prompt, paged.capacity(prompt)) / BLOCK) + 1
+    cell = paged.content_bytes(HEAD_DIM, dtype, BLOCK) // torch.empty(0, dtype=dtype).element_size()
+    cache = torch.randn(1 + requests * blocks, KV_HEADS, BLOCK, cell, generator=generator).to(dtype)
+    table = torch.tensor([[1 + r * blocks + j for j in range(blocks)] for r in range(requests)], dtype=torch.int32)
+
+    def step(length: int, computed: int, prefilling: bool) -> float:
+        starts = list(range(0, requests * length + 1, length))
+        query = torch.randn(starts[-1], HEADS, HEAD_DIM, generator=generator).to(dtype)
+        key, value = (torch.randn(starts[-1], KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+        begin = time.perf_counter()
+        batch = paged.batch(starts, [computed + length] * requests, table, [prefilling] * requests, block_size=BLOCK)
+        paged.forward(cache, query, key, value, batch, HEAD_DIM**-0.5, 0)
+        return time.perf_counter() - begin
+
+    step(prompt, 0, True)
+    interval = paged.method.interval
+    done = prompt
+    warm = (budget if keep_prompt else 0) + 2 * interval  # past the budget: compressions evict
+    for _ in range(warm):
+        step(1, done, False)
+        done += 1
+    times, compressing = [], []
+    for _ in range(steps):
+        times.append(step(1, done, False))
+        done += 1
+        compressing.append((done - prompt) % interval == 0)
+    return times, compressing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=sorted(MODES), default="keep_prompt")
+    parser.add_argument("--methods", default="snapkv,keepkv")
+    parser.add_argument("--intervals", default="16", help="comma-separated intervals (default 16, the serving default)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    requests, prompt, budget = MODES[args.mode]
+    generator = torch.Generator().manual_seed(0)
+    intervals = [int(i) for i in args.intervals.split(",")]
+    steps = 2 * max(intervals)
+    rows = []
+    stock = stock_steps(requests, prompt + (budget if args.mode == "keep_prompt" else 0), steps, dtype, generator)
+    stock_ms = statistics.mean(stock) * 1000
+    print(f"stock vLLM: {stock_ms:.3f} ms per layer-step ({requests} requests)")
+    rows.append({"engine": "stock", "ms": stock_ms})
+    for method in args.methods.split(","):
+        for interval in intervals:
+            spec = f"{method}+interval={interval}"
+            times, compressing = keepkv_steps(spec, requests, prompt, budget, steps, dtype, generator,
+                                              args.mode == "keep_prompt")
+            plain = [t for t, c in zip(times, compressing) if not c]
+            squeezed = [t for t, c in zip(times, compressing) if c]
+            mean = statistics.mean(times) * 1000
+            row = {"engine": spec, "ms": mean, "vs_stock": mean / stock_ms,
+                   "ms_without_compression": statistics.mean(plain) * 1000,
+                   "ms_compressing": statistics.mean(squeezed) * 1000 if squeezed else None}
+            rows.append(row)
+            print(f"{spec}: {mean:.3f} ms per layer-step ({mean / stock_ms:.2f}x stock): "
+                  f"{row['ms_without_compression']:.3f} without a compression, "
+                  f"{row['ms_compressing'] or 0:.3f} compressing (1 step in {interval})")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"settings": vars(args), "rows": rows}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
