@@ -129,10 +129,7 @@ class PagedBatch:
             self.chunk_keys = [(block, block) for block in self.first_block]
         if self.phases is None:
             self.phases = ["prefill" if done == 0 else "decode" for done in self.computed]
-
-    @property
-    def query_lengths(self) -> list[int]:
-        return [end - start for start, end in zip(self.query_start, self.query_start[1:])]
+        self.query_lengths = [end - start for start, end in zip(self.query_start, self.query_start[1:])]
 
 
 @dataclass
@@ -443,7 +440,22 @@ class PagedCompression:
 
     def _sizes(self, batch: PagedBatch, rows, layer: int, when: str) -> tuple:
         """Entries each of ``rows`` holds in layer ``layer``: "before" the step; "written" once its
-        prompt closed (a close row's compressed prompt) and its new tokens are in; "after" the step."""
+        prompt closed (a close row's compressed prompt) and its new tokens are in; "after" the step
+        (computed once per step, rows and layer)."""
+        key = ("sizes", tuple(rows), layer if self._layered else 0, when)
+        if key not in batch.plans:
+            batch.plans[key] = self._held(batch, rows, layer, when)
+        return batch.plans[key]
+
+    @functools.cached_property
+    def _layered(self) -> bool:
+        """Whether the layers may keep budgets of their own: the selection allocates them (PyramidKV,
+        KeepKV's EMA selection); a kept prompt's budgets are the same in every layer."""
+        from .methods.base import Selection
+
+        return not self.keep_prompt and type(self.method.selection).allocate is not Selection.allocate
+
+    def _held(self, batch: PagedBatch, rows, layer: int, when: str) -> tuple:
         def held(row):
             phase, done, length = batch.phases[row], batch.computed[row], batch.query_lengths[row]
             if phase == "chunk":
@@ -626,9 +638,9 @@ class PagedCompression:
         """Decoding rows whose ``interval`` came round (each holding as many entries): the method
         observes every query since its last compression, compresses, and the kept entries are
         written back into the leading slots. With ``keep_prompt`` the store holds only the generated
-        entries, past the prompt (a prompt's entries are never evicted, merged into or rescored:
-        the method sees them only through the probabilities' normalisation, which the prompt's
-        log-sum-exp carries), unless the method reads every entry (``reads_every_entry``)."""
+        entries, past the prompt (a prompt's entries are never evicted, merged into or rescored, and
+        a query's probabilities are its attention among the generated entries:
+        :func:`keepkv.step.generated_share`), unless the method reads every entry (``reads_every_entry``)."""
         written = self._sizes(batch, rows, layer, "written")
         seen = tuple(batch.computed[r] + 1 for r in rows)
         budget, mean, frozen = plan.budgets(self, batch, rows, layer, query.device)
@@ -651,9 +663,9 @@ class PagedCompression:
                       prompt: int = 0) -> StepStats:
         """What the attention of the ``interval`` decoding queries since the last compression gave,
         computed now over the store: each query sees the entries held at its position (the later
-        ones are masked), with their votes, exactly what it attended over. ``prompt``: the store
-        starts past a kept prompt of that many slots, which every query saw whole (its
-        log-sum-exp joins the probabilities' normalisation)."""
+        ones are masked), with their votes, exactly what it attended over. A store past a kept
+        prompt (``prompt`` > 0) gives each query's attention among the generated entries, as the
+        Hugging Face path's keep_prompt counts it (:func:`keepkv.step.generated_share`)."""
         tokens = torch.tensor([batch.query_start[r] for r in rows], device=query.device)
         if not self._query_rows:
             return StepStats(query=group_queries(query.index_select(0, tokens)[:, :, None], layout.kv_heads),
@@ -670,12 +682,7 @@ class PagedCompression:
             query_pos = newest[:, None] - torch.arange(count - 1, -1, -1, device=query.device)  # [R, N]
             visible = store.positions[:, :, None, :] <= query_pos[:, None, :, None]  # [R, H_kv, N, S]
             biased = (logits + store.bias[:, :, None, None, :]).masked_fill(~visible[:, :, None], NEG_INF)
-            if prompt:
-                keys, _ = self._read(planes, layout, batch, plan, rows, prompt, values=False)
-                total = torch.logaddexp(biased.logsumexp(-1), scaled_logits(query_g, keys, scaling).logsumexp(-1))
-                probs = (biased - total[..., None]).exp()
-            else:
-                probs = softmax_probs(biased)
+            probs = softmax_probs(biased)  # a kept prompt's entries are not in the store: keepkv.step.generated_share
         return StepStats(query=query_g, scaling=scaling, is_prefill=False, probs=probs,
                          logits=logits if needs.logits else None)
 

@@ -23,6 +23,8 @@ Budgets come from :func:`keepkv.budgets.prompt_budgets`, the one rule of both ca
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .fused import CompiledStep, method_step
@@ -75,8 +77,23 @@ class LayerStep:
     def decode(self, layer, stats) -> None:
         """A decode step's method work: the step's statistics, then the compression if due
         (:meth:`compresses`). ``stats`` covers the rows appended since the last compression that
-        the method has not seen (one per step in the Hugging Face cache)."""
+        the method has not seen (one per step in the Hugging Face cache). With a kept prompt
+        (``decoding="keep_prompt"``) the probabilities are each query's attention among the
+        generated entries (:func:`generated_share`)."""
+        if layer.frozen is not None and stats.probs is not None:
+            stats = generated_share(layer, stats)
         compress = self.compresses(layer)
         self._method_step(self.method, layer, stats, compress)  # decode shapes are stable: compiled once
         if compress:
             layer.pending = 0
+
+
+def generated_share(layer, stats):
+    """``stats`` with each query's probabilities [B, H_kv, g, q, S] over the generated entries only,
+    renormalised among them: with a kept prompt (``decoding="keep_prompt"``) the prompt is outside
+    the compression, so what ranks a generated entry is its share of the attention the generated
+    entries received, not of a prompt's. (The paged adapter then scores a request's generated
+    entries without reading its prompt.) A query that saw none of them gives zeros."""
+    frozen = layer.frozen_entries()[:, :, None, None]  # [B, H_kv, 1, 1, S]
+    probs = stats.probs.masked_fill(frozen, 0.0)
+    return replace(stats, probs=probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny))

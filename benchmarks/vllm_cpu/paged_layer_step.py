@@ -2,8 +2,8 @@
 
 Stock: vLLM's cache write and ``cpu_attention_with_kv_cache`` over every request's tokens.
 keepkv: ``PagedCompression.forward`` with ``VllmCpuKernel`` (the same write and kernel over the
-blocks' planes, in place), its compression every ``interval`` steps included: the mean over one
-whole interval is what a served step pays. SmolLM2-135M's attention shapes (9 heads, 3 KV heads,
+blocks' planes, in place) over 4 layers per step (the step's batch built once), its compression
+every ``interval`` steps included: the mean over whole intervals is what a served step pays. SmolLM2-135M's attention shapes (9 heads, 3 KV heads,
 D = 64), blocks of 128, the served dtype. Run in the serving venv:
 
     python benchmarks/vllm_cpu/paged_layer_step.py --mode keep_prompt --methods snapkv,keepkv
@@ -30,6 +30,7 @@ from keepkv.vllm.backend import VllmCpuKernel
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 128
 CONFIG = LlamaConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                      num_hidden_layers=30, intermediate_size=16, vocab_size=32)
+LAYERS = 4  # layers per step: the step's host work is shared by every layer, as in an engine
 MODES = {"keep_prompt": (16, 1056, 64), "compressed": (16, 2048, 0.1)}  # requests, prompt, budget
 
 
@@ -37,9 +38,9 @@ def stock_steps(requests: int, prompt: int, steps: int, dtype, generator) -> lis
     """Seconds of each of ``steps`` stock decode layer-steps (cache write + kernel), past ``prompt``."""
     kernel = VllmCpuKernel()
     blocks = math.ceil((prompt + steps + 1) / BLOCK)
-    cache = torch.randn(1 + requests * blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=generator).to(dtype)
-    planes = cache.view(cache.shape[0], KV_HEADS, -1)
-    keys_plane, values_plane = planes[..., : BLOCK * HEAD_DIM], planes[..., BLOCK * HEAD_DIM :]
+    caches = [torch.randn(1 + requests * blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=generator).to(dtype)
+              for _ in range(LAYERS)]
+    planes = [cache.view(cache.shape[0], KV_HEADS, -1) for cache in caches]
     table = torch.tensor([[1 + r * blocks + j for j in range(blocks)] for r in range(requests)], dtype=torch.int32)
     times = []
     from keepkv.paged_layout import PagedLayout
@@ -56,30 +57,35 @@ def stock_steps(requests: int, prompt: int, steps: int, dtype, generator) -> lis
         lens = torch.full((requests,), held, dtype=torch.int32)
         plan = kernel.plan(starts, lens, HEADS, layout)  # vLLM builds it once per step, for every layer
         begin = time.perf_counter()
-        kernel.write(keys_plane, values_plane, key, value, slots)
-        kernel.attend(query, keys_plane, values_plane, table, starts, lens, plan, HEAD_DIM**-0.5, output)
-        times.append(time.perf_counter() - begin + (begin - start) / CONFIG.num_hidden_layers)
+        for plane in planes:  # as many layers as keepkv's steps run
+            keys_plane, values_plane = plane[..., : BLOCK * HEAD_DIM], plane[..., BLOCK * HEAD_DIM :]
+            kernel.write(keys_plane, values_plane, key, value, slots)
+            kernel.attend(query, keys_plane, values_plane, table, starts, lens, plan, HEAD_DIM**-0.5, output)
+        times.append((time.perf_counter() - begin) / LAYERS + (begin - start) / CONFIG.num_hidden_layers)
     return times
 
 
 def keepkv_steps(method: str, requests: int, prompt: int, budget, steps: int, dtype, generator,
                  keep_prompt: bool) -> tuple[list[float], list[bool]]:
-    """Seconds of each decode layer-step of ``method`` (the step's plan built at this layer, as at an
-    engine's first layer: its share is counted once per layer here, a bound), and whether it compressed."""
+    """Seconds per layer of each decode step of ``method`` over LAYERS layers, and whether it compressed."""
     paged = PagedCompression(CONFIG, method, budget, chunked=True, keep_prompt=keep_prompt, kernel=VllmCpuKernel())
     blocks = math.ceil(max(prompt, paged.capacity(prompt)) / BLOCK) + 1
     cell = paged.content_bytes(HEAD_DIM, dtype, BLOCK) // torch.empty(0, dtype=dtype).element_size()
-    cache = torch.randn(1 + requests * blocks, KV_HEADS, BLOCK, cell, generator=generator).to(dtype)
+    caches = [torch.randn(1 + requests * blocks, KV_HEADS, BLOCK, cell, generator=generator).to(dtype)
+              for _ in range(LAYERS)]
     table = torch.tensor([[1 + r * blocks + j for j in range(blocks)] for r in range(requests)], dtype=torch.int32)
 
     def step(length: int, computed: int, prefilling: bool) -> float:
+        """One engine step over LAYERS layers (the step's batch built once, as an engine builds it):
+        seconds per layer."""
         starts = list(range(0, requests * length + 1, length))
         query = torch.randn(starts[-1], HEADS, HEAD_DIM, generator=generator).to(dtype)
         key, value = (torch.randn(starts[-1], KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
         begin = time.perf_counter()
         batch = paged.batch(starts, [computed + length] * requests, table, [prefilling] * requests, block_size=BLOCK)
-        paged.forward(cache, query, key, value, batch, HEAD_DIM**-0.5, 0)
-        return time.perf_counter() - begin
+        for layer, cache in enumerate(caches):
+            paged.forward(cache, query, key, value, batch, HEAD_DIM**-0.5, layer)
+        return (time.perf_counter() - begin) / LAYERS
 
     step(prompt, 0, True)
     interval = paged.method.interval
