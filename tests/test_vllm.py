@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 import keepkv  # noqa: E402
 from keepkv.paged import PagedCompression  # noqa: E402
+from keepkv.vllm import SERVING_INTERVAL  # noqa: E402
 
 NEW_TOKENS = 24
 PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None"  # docs/keepkv.md
@@ -94,10 +95,18 @@ class Engine:
         gc.collect()
 
 
+def served(method: str) -> str:
+    """The variant an engine serves for ``method`` (its serving interval, unless it names one)."""
+    from keepkv.vllm import check
+
+    return check({"method": method, "budget": 100})["method"]
+
+
 def hf_greedy(model, prompt, method, budget, new_tokens=NEW_TOKENS, chunks=None, decoding="compress"):
-    """keepkv's Hugging Face path: greedy tokens of one prompt alone in a CompressedCache;
-    ``chunks``: the prompt's pieces, in tokens, fed as a chunked prefill (``start_prefill``)."""
-    cache = keepkv.CompressedCache(model.config, method, budget, decoding=decoding)
+    """keepkv's Hugging Face path: greedy tokens of one prompt alone in a CompressedCache of the
+    variant an engine serves for ``method``; ``chunks``: the prompt's pieces, in tokens, fed as a
+    chunked prefill (``start_prefill``)."""
+    cache = keepkv.CompressedCache(model.config, served(method), budget, decoding=decoding)
     tokens, step = [], torch.tensor([prompt])
     with torch.no_grad(), keepkv.enabled(model):
         if chunks:
@@ -209,7 +218,7 @@ def test_matches_hf_path_and_caps_blocks(model_dir, prompts, stock, hf_model, me
     block_size = engine.manager().block_size
     engine.close()
     assert tokens != stock[0]  # the compression is real: stock vLLM answers otherwise
-    paged = PagedCompression(hf_model.config, method, budget)
+    paged = PagedCompression(hf_model.config, served(method), budget)
     for prompt, got, held, stock_held in zip(prompts, tokens, blocks, stock[1]):
         assert got == hf_greedy(hf_model, prompt, method, budget)
         assert held <= math.ceil(paged.capacity(len(prompt)) / block_size)
@@ -242,7 +251,7 @@ def test_chunked_prefill_matches_hf_paths_chunked_prefill_and_frees_the_prompts_
     block_size = engine.manager().block_size
     engine.close()
     by_length = {sum(chunks): chunks for chunks in pieces.values()}
-    paged = PagedCompression(hf_model.config, method, budget, chunked=True)
+    paged = PagedCompression(hf_model.config, served(method), budget, chunked=True)
     for prompt, got, peak, last in zip(prompts, tokens, blocks, engine.last_blocks):
         chunks = by_length[len(prompt)]
         assert got == hf_greedy(hf_model, prompt, method, budget, chunks=chunks)
@@ -268,7 +277,7 @@ def test_keep_prompt_shares_prompt_blocks_and_matches_the_hf_path(model_dir, pro
     engine.close()
     for later_request in ("r0", "r1"):  # the second run's: on the first run's full prefix blocks
         assert hits[later_request] >= 512 // block_size * block_size
-    paged = PagedCompression(hf_model.config, method, 32, keep_prompt=True)
+    paged = PagedCompression(hf_model.config, served(method), 32, keep_prompt=True)
     for prompt, got, held in zip(asked, first + later, first_blocks + later_blocks):
         assert got == hf_greedy(hf_model, prompt, method, 32, new_tokens=80, decoding="keep_prompt")
         assert held <= math.ceil(paged.capacity(len(prompt)) / block_size)
@@ -293,7 +302,7 @@ def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monke
     engine.close()
     assert preemptions
     assert [len(answer) for answer in tokens] == [160] * 6
-    assert max(blocks) <= math.ceil((300 + 1) / block_size)
+    assert max(blocks) <= math.ceil((300 + SERVING_INTERVAL) / block_size)
 
 
 def test_preempted_requests_keeping_their_prompts_finish_within_their_blocks(model_dir, prompts, monkeypatch):
@@ -313,7 +322,7 @@ def test_preempted_requests_keeping_their_prompts_finish_within_their_blocks(mod
     engine.close()
     assert preemptions
     assert [len(answer) for answer in tokens] == [160] * 6
-    assert max(blocks) <= math.ceil((100 + 160 + 64 + 1) / block_size)
+    assert max(blocks) <= math.ceil((100 + 160 + 64 + SERVING_INTERVAL) / block_size)
 
 
 @pytest.fixture
@@ -365,26 +374,36 @@ def test_refuses_keepkv_settings_off_cpu(model_dir, no_engine_core, monkeypatch)
     assert engine_settings(type("Config", (), {"additional_config": {}})()) is None  # stock: untouched
 
 
-def test_the_start_up_line_counts_slots_and_requests_against_stock():
-    """What keepkv buys, from the spec vLLM builds: its slots, stock's tokens in the same bytes,
-    and requests that fit at once (each capped at its capacity, in whole blocks)."""
+@pytest.mark.parametrize("method, budget, keep_prompt", [("keepkv", 0.1, False), ("snapkv", 0.1, False),
+                                                        ("snapkv", 256, True), ("keepkv", 64, True)])
+def test_the_start_up_line_counts_slots_and_requests_against_stock(method, budget, keep_prompt):
+    """What keepkv buys, from the spec vLLM builds: its slots, stock's tokens in the same bytes, and
+    requests of each counted shape that fit at once (each capped at its capacity, in whole blocks),
+    against stock's; a shape that gains nothing is named."""
+    from keepkv.vllm.backend import VllmCpuKernel
     from keepkv.vllm.spec import KeepKVSpec
 
     from transformers import LlamaConfig
 
     smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
-    paged = PagedCompression(smollm2, "keepkv", 0.1)
+    method = served(method)
+    paged = PagedCompression(smollm2, method, budget, keep_prompt=keep_prompt, kernel=VllmCpuKernel())
     content = paged.content_bytes(64, torch.bfloat16)
     spec = KeepKVSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, state_content_bytes=content,
-                      method="keepkv", budget=0.1, num_layers=30, max_model_len=8192)
+                      method=method, budget=budget, num_layers=30, max_model_len=8192, keep_prompt=keep_prompt)
     line = spec.capacity_line(num_blocks=329)
     stock_tokens = 329 * 128 * content // 256  # vLLM's figures count its null block
-    context_blocks, prompt_blocks = (math.ceil(paged.capacity(p) / 128) for p in (8192, 1024))
-    assert line.startswith(f"keepkv: keepkv at budget 0.1: KV cache of {329 * 128:,} slots (stock vLLM would hold "
-                           f"{stock_tokens:,} tokens in the same memory: each slot also holds {content - 256} bytes")
-    assert (f"requests at once: {328 // context_blocks:,} of 8,192 tokens (stock {stock_tokens / 8192:.2f}), "
-            f"{328 // prompt_blocks:,} of a 1,024-token prompt (stock {stock_tokens / 1024:.2f})") in line
-    assert 328 // context_blocks > 8 * stock_tokens / 8192  # budget 0.1: about ten times as many
+    assert f"KV cache of {329 * 128:,} slots (stock vLLM would hold {stock_tokens:,} tokens" in line
+    assert f"each slot also holds {content - 256} bytes" in line and "\n" not in line
+    gains = []
+    for prompt, generated in ((7680, 512), (1024, 1024)):
+        held = min(prompt + generated, paged.capacity(prompt))
+        mine, theirs = 328 // math.ceil(held / 128), stock_tokens / (prompt + generated)
+        assert f"{mine:,} of a {prompt:,}-token prompt generating {generated:,} (stock {theirs:.2f})" in line
+        gains.append(mine > theirs)
+        assert (f"{prompt:,} + {generated:,}" in line.split("no gain for")[-1]) == (mine <= theirs)
+    assert gains[1]  # a chat turn: more requests at once than stock in every mode
+    assert gains[0] == (not keep_prompt)  # a long document's answer gains only when its prompt is compressed
 
 
 def test_keepkv_serve_knows_the_flags_it_reads():

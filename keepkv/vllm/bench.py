@@ -61,10 +61,10 @@ def stdlib_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 
 def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None,
-               chunked_prefill: bool = False, prefix_caching: bool = False) -> dict:
+               chunked_prefill: bool = True, prefix_caching: bool = False) -> dict:
     """Serve every prompt at once with ``blocks`` KV blocks; tokens/s and peak concurrency.
     ``progress(finished, total, generated, seconds)`` is called every few seconds while it runs.
-    ``chunked_prefill``: vLLM's chunked prefill, with its CPU default of tokens per step."""
+    ``chunked_prefill``: vLLM's chunked prefill (its default), with its CPU default of tokens per step."""
     import vllm
 
     args = dict(
@@ -126,8 +126,9 @@ def main(argv=None) -> None:
                         help="prompts of unequal lengths, spread over half to 1.5 times --prompt-len (the KV memory stays that of --full-requests of --prompt-len)")
     parser.add_argument("--gen-len", type=int, default=128, help="generated tokens per request (default 128)")
     parser.add_argument("--full-requests", type=int, default=4, help="full-cache requests the KV memory holds (default 4)")
-    parser.add_argument("--chunked-prefill", action="store_true",
-                        help="vLLM's chunked prefill on, for every engine (default: off, each prompt in one step)")
+    parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
+                        help="vLLM's chunked prefill off, for every engine (default: on, vLLM's default; each prompt "
+                        "then comes in one step)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     for name in ("requests", "prompt_len", "gen_len", "full_requests"):
@@ -148,6 +149,7 @@ def main(argv=None) -> None:
 
     import keepkv
     from keepkv.paged import PagedCompression
+    from keepkv.vllm.backend import VllmCpuKernel
 
     model, tokenizer = keepkv.load_model()
     model_dir = tempfile.mkdtemp(prefix="keepkv-vllm-")
@@ -167,8 +169,8 @@ def main(argv=None) -> None:
     full_blocks = args.full_requests * math.ceil((request_len + args.gen_len) / BLOCK_SIZE)
     engines = [(None, full_blocks)]
     for method in args.methods.split(","):
-        paged = PagedCompression(config, method, args.budget, keep_prompt=keep_prompt)
-        slot = paged.content_bytes(head_dim, model.dtype)
+        paged = PagedCompression(config, method, args.budget, keep_prompt=keep_prompt, kernel=VllmCpuKernel())
+        slot = paged.content_bytes(head_dim, model.dtype)  # as the engine lays it out (vLLM's kernel widths)
         settings = {"method": method, "budget": args.budget} | ({"keep_prompt": True} if keep_prompt else {})
         engines.append((settings, full_blocks * stock_slot // slot))  # same bytes
     run_all(engines, lambda keepkv, blocks, progress: run_engine(

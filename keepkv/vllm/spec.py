@@ -63,25 +63,38 @@ class KeepKVSpec(FullAttentionSpec):
         """Slots a request of ``prompt_length`` prompt tokens ever needs."""
         return _capacity(self.compression, prompt_length)
 
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (prompt, generated tokens) requests the start-up line counts: a long document with a
+        short answer (the context less 512 tokens, then 512) and a chat turn (1,024 and 1,024)."""
+        long = max(1, self.max_model_len - 512)
+        return [(long, min(512, self.max_model_len - long)), (1024, 1024)]
+
     def capacity_line(self, num_blocks: int) -> str:
-        """What keepkv buys, in one line, for a KV cache of ``num_blocks`` blocks (vLLM's null
-        block included): its slots, the tokens stock vLLM would hold in the same memory (a slot
-        also holds the metadata words), and how many requests fit at once, of the context length
-        and of a 1,024-token prompt, against stock's (whose requests hold every token)."""
+        """What keepkv buys, in one line, for a KV cache of ``num_blocks`` blocks (vLLM's null block
+        included): its slots, the tokens stock vLLM would hold in the same memory (a slot also holds
+        the method's words, and a merging method's wider keys), and how many requests of each of
+        :meth:`shapes` fit at once, each capped at its capacity in whole blocks, against stock's
+        (whose requests hold every token); and which shapes gain nothing."""
         usable = num_blocks - 1  # requests never get block 0, vLLM's null block (its own figures count it)
         slots = num_blocks * self.block_size
         stock_bytes = 2 * self.head_size * self.dtype.itemsize  # key and value, per token and KV head
-        stock_tokens = slots * self.state_content_bytes // stock_bytes  # state_content_bytes: key, value, metadata
-        # Requests held whole at once: keepkv's are capped at their capacity, in whole blocks.
-        fits = lambda prompt: usable // math.ceil(self.capacity_tokens(prompt) / self.block_size)  # noqa: E731
-        context = self.max_model_len
+        stock_tokens = slots * self.state_content_bytes // stock_bytes
+        counted, losing = [], []
+        for prompt, generated in self.shapes():
+            held = min(prompt + generated, self.capacity_tokens(prompt))
+            mine, theirs = usable // math.ceil(held / self.block_size), stock_tokens / (prompt + generated)
+            counted.append(f"{mine:,} of a {prompt:,}-token prompt generating {generated:,} (stock {theirs:.2f})")
+            if mine <= theirs:
+                losing.append(f"{prompt:,} + {generated:,}")
         budget = f"prompts kept whole, {self.budget} generated entries" if self.keep_prompt else f"budget {self.budget}"
-        return (
-            f"keepkv: {self.method} at {budget}: KV cache of {slots:,} slots (stock vLLM would hold "
-            f"{stock_tokens:,} tokens in the same memory: each slot also holds {self.state_content_bytes - stock_bytes} "
-            f"bytes of metadata per KV head); requests at once: {fits(context):,} of {context:,} tokens (stock "
-            f"{stock_tokens / context:.2f}), {fits(1024):,} of a 1,024-token prompt (stock {stock_tokens / 1024:.2f})"
-        )
+        line = (f"keepkv: {self.method} at {budget}: KV cache of {slots:,} slots (stock vLLM would hold "
+                f"{stock_tokens:,} tokens in the same memory: each slot also holds {self.state_content_bytes - stock_bytes} "
+                f"bytes of scores and votes per KV head); requests at once: {'; '.join(counted)}")
+        if losing:
+            gains = ("only requests that generate more than their budget plus interval" if self.keep_prompt else
+                     "only requests whose prompt is longer than their budget")
+            line += f"; no gain for {', '.join(losing)}: {gains} hold fewer slots than stock's tokens"
+        return line
 
 
 @functools.lru_cache(maxsize=4096)
