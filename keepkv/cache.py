@@ -349,24 +349,6 @@ class CompressedCache(Cache):
         mask cannot tell a block of padding from one real token (each query sees itself)."""
         self.prompt_mask = attention_mask.bool()
 
-    def adopt_layer(self, layer_idx: int, store: LayerStore) -> None:
-        """Put ``store`` in as layer ``layer_idx``: entries built outside the cache
-        (``LayerStore.from_entries``, a serving engine's gathered slots; ``LayerStore.resume`` for
-        what the sequence had besides its entries), which the next ``forward_layer`` appends to.
-        ValueError, nothing changed, for a store of another layer or one with no entries."""
-        if not isinstance(store, LayerStore) or not store.is_initialized or store.layer_idx != layer_idx:
-            got = (f"a store of layer {store.layer_idx}" + ("" if store.is_initialized else ", empty")
-                   if isinstance(store, LayerStore) else shown(store))
-            raise ValueError(f"adopt_layer({layer_idx}): needs a LayerStore of layer {layer_idx} holding entries, got {got}")
-        self.layers[layer_idx] = store
-
-    def adopt_prefix(self, layer_idx: int, store: LayerStore) -> None:
-        """:meth:`adopt_layer` for the first entries of a prompt whose statistics this cache never
-        saw (a serving engine's shared prefix, ``decoding="keep_prompt"``), which the prompt's next
-        block continues: the method registers its per-entry extras on it, as at a first token."""
-        self.adopt_layer(layer_idx, store)
-        self.step.start(store)
-
     @property
     def prefill_tokens(self) -> int:
         """Tokens of an announced chunked prompt (padding included); 0 when none was announced."""
@@ -492,17 +474,6 @@ class CompressedCache(Cache):
         known[pass_] = found if pass_ not in known else torch.maximum(known[pass_], found)
         layer.rewind(size, seen, real_seen)
         return output
-
-    def finish_prefill(self, layer_idx: int) -> None:
-        """Compress layer ``layer_idx`` of a prompt fed in chunks whose length was not announced
-        (a serving engine's chunked prefill: ``keepkv.paged``), once it is known to be whole: what
-        the last chunk does under ``start_prefill``, over the statistics its chunks summed
-        (``layer.prefill_stats``). Not for methods that allocate from all layers at once."""
-        layer = self.layers[layer_idx]
-        if layer.prefill_stats is None or self.method.allocates_from_all_layers:
-            raise ValueError("finish_prefill: the layer has no summed prefill, or the method allocates from all layers")
-        self.step.observe_prompt(layer, layer.prefill_stats)
-        self._end_prefill([layer])
 
     def _end_prefill(self, layers: list[LayerStore]) -> None:
         """Compress ``layers`` as their prefill ends (each layer at once, so the uncompressed prompt

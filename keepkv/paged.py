@@ -627,6 +627,8 @@ class PagedCompression:
     def _query_slab(self, layer: int, like: torch.Tensor) -> torch.Tensor:
         slab = self._queries.get(layer)
         rows = max(self._rows.values(), default=0) + 1
+        if slab is not None and (slab.dtype, slab.shape[2:]) != (like.dtype, like.shape[1:]):
+            slab = None  # another model's queries (an engine of another dtype)
         if slab is None or slab.shape[0] < rows:
             grown = like.new_zeros(max(2 * rows, 8), self._query_rows, *like.shape[1:])
             if slab is not None:

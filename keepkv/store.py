@@ -210,17 +210,14 @@ class LayerStore(CacheLayerMixin):
         else:
             self.capacity, self.min_budget = int(budget.max()), int(budget.min())
 
-    def resume(self, *, state: dict | None = None, pending: int | None = None, prefill_stats=None) -> None:
+    def resume(self, *, state: dict | None = None, pending: int | None = None) -> None:
         """Take up a sequence whose layer was rebuilt between steps (``from_entries``: a serving
-        engine's request): the method's per-layer ``state`` it had (added to ``self.state``), the
-        tokens ``pending`` since its last compression, and the ``prefill_stats`` (a
-        :class:`~keepkv.attention.StepStats`) its prompt's chunks summed so far. None leaves a field as it is."""
+        engine's request): the method's per-layer ``state`` it had (added to ``self.state``) and the
+        tokens ``pending`` since its last compression. None leaves a field as it is."""
         if state:
             self.state.update(state)
         if pending is not None:
             self.pending = pending
-        if prefill_stats is not None:
-            self.prefill_stats = prefill_stats
 
     @property
     def open_budget(self) -> torch.Tensor | None:

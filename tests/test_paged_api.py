@@ -161,18 +161,11 @@ def test_the_adapter_writes_no_field_of_a_cache_or_store(paged_writes, method, c
     assert not paged_writes, paged_writes
 
 
-def test_adopt_layer_takes_a_store_of_its_layer_only():
-    cache = CompressedCache(CONFIG, "snapkv", 4)
+def test_a_store_resumes_a_request_s_state_and_pending_count():
     keys = torch.randn(1, CONFIG.num_key_value_heads, 3, 8)
     core = {"keys": keys, "values": keys, "bias": torch.zeros(keys.shape[:3]),
             "positions": torch.arange(3).expand(keys.shape[:3])}
     store = LayerStore.from_entries(1, core, {}, seen=3, real_seen=torch.tensor([3]), binary=True)
-    with pytest.raises(ValueError, match="adopt_layer\\(0\\).*a store of layer 1"):
-        cache.adopt_layer(0, store)
-    with pytest.raises(ValueError, match="adopt_layer\\(1\\).*empty"):
-        cache.adopt_layer(1, LayerStore(1))
-    cache.adopt_layer(1, store)
-    assert cache.layers[1] is store
     store.resume(state={"steps": 2}, pending=1)
-    store.resume(prefill_stats=None)  # None leaves a field as it is
-    assert (store.state, store.pending, store.prefill_stats) == ({"steps": 2}, 1, None)
+    store.resume(state=None)  # None leaves a field as it is
+    assert (store.state, store.pending) == ({"steps": 2}, 1)

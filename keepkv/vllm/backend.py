@@ -123,7 +123,8 @@ def compression(vllm_config: VllmConfig) -> PagedCompression | None:
     if chosen is None:
         _WORKER.clear()  # a stock engine after a keepkv one in this process: its spec is stock's
         return None
-    key = (chosen["method"], chosen["budget"], chosen["chunked"], chosen.get("keep_prompt", False))
+    key = (chosen["method"], chosen["budget"], chosen["chunked"], chosen.get("keep_prompt", False),
+           str(vllm_config.model_config.dtype))
     if key not in _COMPRESSIONS:
         _COMPRESSIONS.clear()
         _COMPRESSIONS[key] = PagedCompression(vllm_config.model_config.hf_text_config, **chosen,
