@@ -99,7 +99,7 @@ def served(method: str) -> str:
     """The variant an engine serves for ``method`` (its serving interval, unless it names one)."""
     from keepkv.vllm import check
 
-    return check({"method": method, "budget": 100})["method"]
+    return method if method == "full" else check({"method": method, "budget": 100})["method"]
 
 
 def hf_greedy(model, prompt, method, budget, new_tokens=NEW_TOKENS, chunks=None, decoding="compress"):
@@ -486,7 +486,7 @@ def test_keepkv_serve_answers_a_chat_request_as_stock(model_dir, hf_model, tmp_p
         log.close()
     logged = (tmp_path / "server.log").read_text()
     assert "--enforce-eager" in logged.splitlines()[0]  # keepkv serve's command line
-    assert "keepkv: snapkv at budget 0.1: KV cache of " in logged and "requests at once: " in logged
+    assert "keepkv: snapkv+interval=16 at budget 0.1: KV cache of " in logged and "requests at once: " in logged
     assert "keepkv serve: ready after " in logged
     text = reply["choices"][0]["message"]["content"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
