@@ -113,13 +113,13 @@ def fit_to_prompt(budgets: torch.Tensor, mean_budget: torch.Tensor, prompt_lengt
 
 def layer_budgets(
     method, layers: int, kv_heads: int, budget: int | float, prompt_lengths: torch.Tensor,
-    states: list[dict] | None = None,
+    scores: list | None = None,
 ) -> torch.Tensor | None:
     """[L, B, H_kv] entries each layer, row and head keeps: the method's allocation, fitted to the
-    prompt; None when the method never compresses. ``states``: each layer's method state after its
-    prefill, for a method that allocates from them (D2O)."""
+    prompt; None when the method never compresses. ``scores``: each layer's
+    ``method.allocation_scores`` after its prefill, for a method that allocates from them (D2O, KVzip)."""
     per_row = row_budgets(budget, prompt_lengths, budget_floor(method))
-    budgets = method.allocate(layers, kv_heads, per_row, prompt_lengths, states)
+    budgets = method.allocate(layers, kv_heads, per_row, prompt_lengths, scores)
     if budgets is None:
         return None
     budgets = fit_to_prompt(budgets, per_row, prompt_lengths)
@@ -128,27 +128,16 @@ def layer_budgets(
     return torch.where(fits, per_row[None, :, None], budgets)
 
 
-# Merges that can keep a prompt whole (decoding="keep_prompt"): they merge an evicted entry into a
-# kept one that is not the prompt's (ZIP's target search skips frozen entries); the others would
-# have to be taught to.
-KEEP_PROMPT_MERGES = ("none", "zip", "keepkv")
-
-
 def check_keep_prompt(method, budget) -> None:
     """Raise ValueError, in one line, unless ``method`` can keep a prompt whole and keep ``budget``
-    generated entries (decoding="keep_prompt"): a selection with merge ``none``, ``zip`` or
-    ``keepkv`` (no periodic refresh, which rebuilds every entry), scored without a reconstruction
-    pass, and an int budget that holds its protected entries."""
-    name = getattr(method, "name", method)
-    merging = getattr(method, "merging", None)
-    if merging is None or merging.name not in KEEP_PROMPT_MERGES:
-        raise ValueError(f"decoding='keep_prompt' runs a selection that evicts or ZIP-merges (merge "
-                         f"{', '.join(KEEP_PROMPT_MERGES)}), got {name!r}")
-    if getattr(merging, "refresh_interval", None) is not None:
-        raise ValueError("decoding='keep_prompt' cannot keep a prompt through refresh_interval (it rebuilds every entry)")
-    if method.needs(True).reconstruct:
-        raise ValueError(f"decoding='keep_prompt' scores no prompt, and {name} scores only prompts (its "
-                         "reconstruction pass): use another selection")
+    generated entries (decoding="keep_prompt"): what its merge and selection declare
+    (:func:`keepkv.methods.base.keep_prompt_refusal`), and an int budget that holds its protected
+    entries."""
+    from .methods.base import keep_prompt_refusal
+
+    reason = keep_prompt_refusal(method)
+    if reason:
+        raise ValueError(reason)
     if not is_int(budget):
         raise ValueError(f"decoding='keep_prompt' keeps the prompt whole and `budget` generated entries per layer "
                          f"and head: give an int, got {shown(budget)}")

@@ -530,8 +530,9 @@ class CompressedCache(Cache):
         kv_heads = self.config.num_key_value_heads
         if self.decoding == "keep_prompt":
             return kept_prompt_budgets(self.num_layers, kv_heads, self.budget, self.prompt_lengths)
-        states = [layer.state for layer in self.layers]
-        budgets = layer_budgets(self.method, self.num_layers, kv_heads, self.budget, self.prompt_lengths, states)
+        scores = ([self.method.allocation_scores(layer) for layer in self.layers]
+                  if self.method.allocates_from_all_layers else None)
+        budgets = layer_budgets(self.method, self.num_layers, kv_heads, self.budget, self.prompt_lengths, scores)
         if budgets is not None:
             self._warn_budget(self.row_budgets)
         return budgets

@@ -1,4 +1,5 @@
-"""Merge arithmetic shared by the merging methods (KeepKV, D2O, KVMerger, ZeroMerge, CaM).
+"""Merge arithmetic shared by the merging methods (KeepKV, D2O, KVMerger, ZeroMerge, CaM), and the
+log-scores KeepKV's merges are weighed with (a GQA group's pooled score, the EMA's).
 
 Every function works on the cache's storage layout and is fully vectorised: all batch rows,
 KV heads and merge groups are handled by the same few gathers and scatters. The plan is first
@@ -36,20 +37,28 @@ from typing import NamedTuple
 
 import torch
 
+NEG_INF = float("-inf")
+
 
 __all__ = [
     "GROUP_RIDGE",
     "KEY_RULES",
     "PAPER_MAX_KEY_GAIN",
     "Groups",
+    "LogScores",
     "MergedRows",
     "convex_merge_rows",
     "cosine_nearest",
+    "ema_log_scores",
+    "gathers_candidates",
     "group_logsumexp",
     "mean_merge_rows",
+    "merged_ema_rows",
     "momentum_merge_rows",
+    "pool_log_scores",
     "spread_values_rows",
     "zip_merge_rows",
+    "zip_rows",
 ]
 
 PAPER_MAX_KEY_GAIN = 10.0
@@ -443,6 +452,110 @@ def zip_merge_rows(
     return MergedRows(groups, {"keys": merged_keys, "values": merged_values, "bias": merged_log_votes}, merge)
 
 
+# -- ZIP-merging with log-scores (KeepKV) -------------------------------------------------------
+class LogScores(NamedTuple):
+    """Per-entry log-scores ln ŝ a ZIP merge weighs with: per query head [B, H_kv, g, S] (-inf on
+    empty slots) and pooled over the GQA group [B, H_kv, S] (:func:`pool_log_scores`)."""
+
+    heads: torch.Tensor
+    pooled: torch.Tensor
+
+
+def pool_log_scores(head_scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Pool per-query-head log-scores of a GQA group into one log-score per entry.
+
+    head_scores [B, H_kv, g, S] (ln s^h, -inf on empty slots), bias [B, H_kv, S] (ln p)
+    -> [B, H_kv, S].
+
+    The pooled score is the mean over the group's heads of each entry's per-vote attention share
+    s_i^h / Z_h (Z_h = Σ_j p_j s_j^h), mapped back to the logit scale by the geometric mean of
+    the heads' partition functions:
+
+        ln ŝ_i = ln( (1/g) Σ_h s_i^h / Z_h ) + (1/g) Σ_h ln Z_h.
+
+    Weighting each head by its normalised attention makes the merge weights w_i = p_i ŝ_i
+    proportional to the attention mass the entry carries summed over the heads, which is the
+    weighting under which one merged value best serves all heads at once. With g = 1 it is the
+    identity (ln ŝ = ln s exactly, no rounding), so MHA keeps Theorem 3's exact logits.
+    """
+    if head_scores.shape[2] == 1:
+        return head_scores[:, :, 0]
+    log_z = torch.logsumexp(head_scores + bias[:, :, None], dim=-1)  # [B, H_kv, g]
+    log_z = log_z.where(torch.isfinite(log_z), 0.0)
+    shares = torch.logsumexp(head_scores - log_z[..., None], dim=2) - math.log(head_scores.shape[2])
+    return shares + log_z.mean(-1, keepdim=True)
+
+
+def zip_rows(
+    keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+    merge: torch.Tensor, head_log_scores: torch.Tensor, query: torch.Tensor, scaling: float, zip_key: str,
+    pooled: torch.Tensor, max_value_change: float = math.inf, max_share: float = 1.0,
+) -> MergedRows:
+    """The merged rows of ZIP-merging ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]) in a
+    layer's keys, values [B, H_kv, S, D] and bias [B, H_kv, S] (``LayerStore.merge_into`` writes
+    them), the groups that fail the gates (``max_value_change``, ``max_share``:
+    :func:`zip_merge_rows`) dropped whole.
+
+    head_log_scores [B, H_kv, g, S]: ln s^h per query head (-inf on empty slots); pooled
+    [B, H_kv, S]: their pool over the group (:func:`pool_log_scores`), the merge weights; query
+    [B, H_kv, g, D]: the queries the key rule moves the key along (their mean, or each of them for
+    ``zip_key="group"``).
+    """
+    group = zip_key == "group"
+    # Empty slots never take part in a merge; zero them so no 0·(-inf) can reach a scatter.
+    return zip_merge_rows(
+        keys,
+        values,
+        bias,
+        pooled.where(torch.isfinite(pooled), 0.0),
+        src,
+        dst,
+        merge,
+        key_rule=zip_key,
+        queries=query if group else query.mean(2),
+        scaling=scaling,
+        group_log_scores=head_log_scores.where(torch.isfinite(head_log_scores), 0.0) if group else None,
+        max_value_change=max_value_change,
+        max_share=max_share,
+    )
+
+
+def ema_log_scores(
+    ema_log_s: torch.Tensor, ema_log_n: torch.Tensor, bias: torch.Tensor, live: torch.Tensor,
+    log_scale: torch.Tensor | float,
+) -> LogScores:
+    """KeepKV's bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (+ ln Z with row-normalised
+    scores: ``log_scale``), per query head [B, H_kv, g, S] (-inf on empty slots) and pooled over
+    the group [B, H_kv, S].
+
+    ema_log_s [B, H_kv, g, S] (a view of the stored [B, H_kv, S, g]); ema_log_n, bias, live [B, H_kv, S].
+    """
+    empty = ~live
+    log_n = ema_log_n.masked_fill(empty, 0.0)[:, :, None]
+    heads = (ema_log_s - log_n + log_scale).masked_fill(empty[:, :, None], NEG_INF)
+    return LogScores(heads, pool_log_scores(heads, bias))
+
+
+def merged_ema_rows(
+    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: Groups, votes: torch.Tensor,
+    log_scale: torch.Tensor | float,
+) -> torch.Tensor:
+    """[B, H_kv, E, g]: the stored EMA row of each merge target (``groups``, the merge's group
+    space), the per-vote group mean Σ p ŝ^h / Σ p of its EMA log-scores, on the stored scale.
+
+    ema_log_n, bias [B, H_kv, S] and heads [B, H_kv, g, S] (EMA log-scores ln ŝ^h) from before the
+    merge; votes [B, H_kv, E]: each group's merged ln Σ p (the merged bias rows).
+    """
+    group = heads.shape[2]
+    log_w = bias[:, :, None] + heads  # ln(p ŝ^h)
+    own_w = log_w.gather(-1, groups.slot[:, :, None].expand(-1, -1, group, -1))  # [B, H_kv, g, E]
+    incoming_w = log_w.gather(-1, groups.src[:, :, None].expand(-1, -1, group, -1))
+    head_groups = groups.entry_group[:, :, None].expand(-1, -1, group, -1)
+    mean_score = group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
+    log_n = ema_log_n.gather(-1, groups.slot)[:, :, None]
+    return (mean_score - log_scale + log_n).transpose(-1, -2)
+
+
 def convex_merge_rows(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -564,7 +677,7 @@ def spread_values_rows(
     return MergedRows(groups, {"values": _group_sum(own, shares, groups.entry_group)})
 
 
-def compacts(candidates: int, slots: int) -> bool:
+def gathers_candidates(candidates: int, slots: int) -> bool:
     """Whether :func:`cosine_nearest` compares with ``candidates`` gathered keys rather than all
     ``slots``: when they are under half of them (a prefill compression)."""
     return 2 * candidates < slots
@@ -598,7 +711,7 @@ def cosine_nearest(
         no candidate.
     """
     keys = keys.float()
-    if candidate_idx is not None and compacts(candidate_idx.shape[-1], keys.shape[2]):
+    if candidate_idx is not None and gathers_candidates(candidate_idx.shape[-1], keys.shape[2]):
         targets, allowed = _gather_entries(keys, candidate_idx), candidates_mask.gather(-1, candidate_idx)
     else:
         targets, allowed, candidate_idx = keys, candidates_mask, None

@@ -54,7 +54,7 @@ def gate_merges(values, bias, log_scores, src, dst, merge, max_value_change=math
 def ema_scores(merging, layer) -> torch.Tensor:
     """[B, H_kv, g, S] KeepKV's bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N of a layer
     (-inf on empty slots); ``merging``: the method's KeepKVMerge."""
-    return merging._ema(layer)[0]
+    return merging.ranking_scores(layer).heads
 
 
 def offload_report(cache) -> dict:

@@ -95,7 +95,7 @@ def test_a_method_is_a_selection_plus_a_merge():
     from keepkv.methods import MERGES, SELECTIONS
     from keepkv.methods.base import ComposedMethod, Merge
     from keepkv.methods.keepkv import KeepKV, KeepKVMerge
-    from keepkv.methods.zip_merging import ZipMerge
+    from keepkv.methods.keepkv import ZipMerge
 
     assert keepkv.get_method("snapkv").merging == Merge()
     zipped = keepkv.get_method("snapkv+merge=zip+threshold=0.5+protect=0.25")

@@ -41,10 +41,10 @@ class ConvexMerge(KeepKVMerge):
 
     name = "convex-merge-test"
 
-    def merge_entries(self, layer, src, dst, merge, exact, ema=None, pooled=None, gated=False):
+    def merged_rows(self, layer, src, dst, merge, ema, stats, gated):
         weights = torch.ones(src.shape, device=src.device)
-        layer.merge_into(convex_merge_rows(layer.keys, layer.values, src, dst, merge, weights))
-        return merge  # no gates: every planned merge happens
+        # no gates: every planned merge happens
+        return convex_merge_rows(layer.keys, layer.values, src, dst, merge, weights)._replace(merge=merge)
 
 
 def keepkv_ema(**merge_params):
@@ -61,6 +61,14 @@ def votes(layer) -> tuple[torch.Tensor, torch.Tensor]:
 def prompt_ids(length=40, seed=3):
     ids, _ = random_batch(batch=1, length=length, pad=(0,), seed=seed)
     return ids
+
+
+def merge_entries(method, layer, src, dst, merge, queries, scaling, exact):
+    """ZIP-merge ``src`` into ``dst`` where ``merge`` in ``layer`` as KeepKV's merge does, ungated:
+    weighed with the newest of ``queries``' exact logits (as at a prompt's end), or with the EMA."""
+    stats = StepStats(query=queries, scaling=scaling, is_prefill=exact)
+    merging = method.merging
+    layer.merge_into(merging.merged_rows(layer, src, dst, merge, merging.ranking_scores(layer), stats, gated=False))
 
 
 def store_from(keys, values, queries, method, scaling):
@@ -204,7 +212,7 @@ def test_lemma6_identical_entries_merge_without_error(zip_key):
     layer = store_from(keys, values, window, method, 0.35)
     before = (layer.keys.clone(), layer.values.clone(), layer.bias.clone())
     src, dst = torch.full((batch, kv_heads, 1), 7), torch.full((batch, kv_heads, 1), 2)
-    method.merging.merge_entries(layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), exact=False)
+    merge_entries(method, layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), window, 0.35, exact=False)
     layer.drop(torch.zeros_like(layer.live()).index_fill(-1, torch.tensor([7]), True))
     assert torch.allclose(layer.bias[:, :, 2].exp(), torch.tensor(2.0))
     for seed in range(5):  # any later query
@@ -347,7 +355,7 @@ def test_opposite_sign_logits_give_finite_keys():
         layer.bias[0, 0, 5] = math.log(0.5 * math.exp(0.5) / (2 * math.exp(-2.0)))
         reference = _attend(query[:, :, :, 0].reshape(1, 1, dim), layer.keys, layer.values, layer.bias, scaling)
         src, dst = torch.tensor([[[4]]]), torch.tensor([[[5]]])
-        method.merging.merge_entries(layer, src, dst, torch.ones(1, 1, 1, dtype=torch.bool), exact=True)
+        merge_entries(method, layer, src, dst, torch.ones(1, 1, 1, dtype=torch.bool), query, scaling, exact=True)
         merged = layer.keys[0, 0, 5]
         assert torch.isfinite(merged).all() and merged.norm() < 10 * keys.norm(dim=-1).max(), (zip_key, merged)
         layer.bias[0, 0, 4] = float("-inf")

@@ -374,7 +374,7 @@ class KVReviver(Method):
         if isinstance(cache.budget, int):
             self._check_mean_budget(cache.budget)
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
         self._check_mean_budget(int(row_budget.min()))
         scores = None
         if self.allocation == "fisher":
