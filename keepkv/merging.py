@@ -59,6 +59,7 @@ __all__ = [
     "spread_values_rows",
     "zip_merge_rows",
     "zip_rows",
+    "zip_rows_with_ema",
 ]
 
 PAPER_MAX_KEY_GAIN = 10.0
@@ -147,39 +148,14 @@ def _merged_rows(
     return rows
 
 
-def _write_groups(x: torch.Tensor, groups: Groups, merged: torch.Tensor) -> torch.Tensor:
-    """x [B, H_kv, S(, D)] with each valid group's merged row [B, H_kv, E(, D)] at its slot,
-    written in place; returns x.
-
-    Invalid group ids rewrite a value that is written anyway (group 0's, or slot 0's own value
-    in a (row, head) without merges), so all writes to one slot agree and every slot that is no
-    target stays bit-identical.
-    """
-    merged = merged.to(x.dtype)
-    trailing = (1,) * (x.dim() - 3)  # the feature axis D, if any
-    valid = groups.valid.view(*groups.valid.shape, *trailing)
-    # group 0 is valid iff the (row, head) merges anything; else slot 0 gets its own value back
-    first = merged.narrow(2, 0, 1).where(valid.narrow(2, 0, 1), x.narrow(2, 0, 1))
-    if groups.valid.shape[-1] == 1:  # one group: its row is ``first``
-        rows, slot = first, groups.slot
-    else:
-        rows = merged.where(valid, first)
-        slot = groups.slot.where(groups.valid, groups.slot[..., :1])  # [B, H_kv, E]
-    index = slot.view(*slot.shape, *trailing).expand(rows.shape)
-    return x.scatter_(2, index, rows)
-
-
 class MergedRows(NamedTuple):
     """What a merge writes: for each named tensor (keys, values, bias, an extra), each valid group's
-    merged row [B, H_kv, E(, D)] at its target slot. ``LayerStore.merge_into`` writes them in place."""
+    merged row [B, H_kv, E(, D)] at its target slot. ``LayerStore.merge_into`` writes them in place
+    (:func:`keepkv.store.write_rows`)."""
 
     groups: Groups
     rows: dict[str, torch.Tensor]
     merge: torch.Tensor | None = None  # [B, H_kv, E] the plan entries that merged (after any gate)
-
-    def write_into(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """Write the merged rows of ``name`` into x [B, H_kv, S(, D)] in place; returns x."""
-        return _write_groups(x, self.groups, self.rows[name])
 
 
 def _group_weights(
@@ -281,7 +257,7 @@ def _gate_keep(
 
 def _gated(groups: Groups, merge: torch.Tensor, keep: torch.Tensor | None) -> tuple[Groups, torch.Tensor]:
     """The plan's groups and ``merge`` [..., E] with every group that fails ``keep`` [..., E]
-    dropped whole (an invalid group targets slot 0, as :func:`_write_groups` needs)."""
+    dropped whole (an invalid group targets slot 0, as :func:`keepkv.store.write_rows` needs)."""
     if keep is None:
         return groups, merge
     valid = groups.valid & keep
@@ -554,6 +530,21 @@ def merged_ema_rows(
     mean_score = group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
     log_n = ema_log_n.gather(-1, groups.slot)[:, :, None]
     return (mean_score - log_scale + log_n).transpose(-1, -2)
+
+
+def zip_rows_with_ema(
+    keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, ema_log_n: torch.Tensor, src: torch.Tensor,
+    dst: torch.Tensor, merge: torch.Tensor, weights: LogScores, ema_heads: torch.Tensor, query: torch.Tensor,
+    scaling: float, zip_key: str, log_scale: torch.Tensor | float, max_value_change: float = math.inf,
+    max_share: float = 1.0,
+) -> MergedRows:
+    """KeepKV's merge: :func:`zip_rows` weighed by ``weights`` (its EMA's or exact logits), with
+    each target's EMA row under "ema_log_s" (:func:`merged_ema_rows` of ``ema_heads`` [B, H_kv, g, S],
+    ``ema_log_n`` [B, H_kv, S] and ``log_scale``, from before the merge)."""
+    merged = zip_rows(keys, values, bias, src, dst, merge, weights.heads, query, scaling, zip_key, weights.pooled,
+                      max_value_change, max_share)
+    ema_rows = merged_ema_rows(ema_log_n, bias, ema_heads, merged.groups, merged.rows["bias"], log_scale)
+    return MergedRows(merged.groups, {**merged.rows, "ema_log_s": ema_rows}, merged.merge)
 
 
 def convex_merge_rows(

@@ -10,7 +10,7 @@ import torch
 import keepkv
 from keepkv.attention import StepStats
 from keepkv.store import LayerStore
-from keepkv.merging import convex_merge_rows
+from keepkv.merging import convex_merge_rows, cosine_nearest, zip_rows_with_ema
 
 from helpers import convex_merge, ema_scores, offload_report, zip_merge
 from reference import attention_mass
@@ -41,10 +41,12 @@ class ConvexMerge(KeepKVMerge):
 
     name = "convex-merge-test"
 
-    def merged_rows(self, layer, src, dst, merge, ema, stats, gated):
-        weights = torch.ones(src.shape, device=src.device)
-        # no gates: every planned merge happens
-        return convex_merge_rows(layer.keys, layer.values, src, dst, merge, weights)._replace(merge=merge)
+    def apply(self, layer, plan, stats):
+        dst, similarity = cosine_nearest(layer.keys, plan.evict_idx, self.merge_candidates(layer, plan))
+        merge = plan.evict_valid & (similarity >= self.threshold)  # no gates: every planned merge happens
+        weights = torch.ones(merge.shape, device=merge.device)
+        layer.merge_into(convex_merge_rows(layer.keys, layer.values, plan.evict_idx, dst, merge, weights))
+        layer.keep(plan.kept, plan.slots)
 
 
 def keepkv_ema(**merge_params):
@@ -68,7 +70,11 @@ def merge_entries(method, layer, src, dst, merge, queries, scaling, exact):
     weighed with the newest of ``queries``' exact logits (as at a prompt's end), or with the EMA."""
     stats = StepStats(query=queries, scaling=scaling, is_prefill=exact)
     merging = method.merging
-    layer.merge_into(merging.merged_rows(layer, src, dst, merge, merging.ranking_scores(layer), stats, gated=False))
+    ema = merging.ranking_scores(layer)
+    layer.merge_into(zip_rows_with_ema(
+        layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], src, dst, merge,
+        merging.merge_weights(layer, ema, stats), ema.heads, queries[:, :, :, -1].contiguous(), scaling, merging.zip_key, 0.0,
+    ))
 
 
 def store_from(keys, values, queries, method, scaling):

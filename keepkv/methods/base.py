@@ -629,8 +629,8 @@ class ComposedMethod(Method):
         """The selection's plan for ``layer``: its ranking, made from the merge's ``ranking_scores``
         where it reads them, which the plan hands back to the merge."""
         scores = self.merging.ranking_scores(layer)
-        return plan_eviction(layer, self.selection.priority(layer, scores), merge_scores=scores,
-                             keeps_order=self.selection.keeps_order)
+        ranking = self.selection.priority(layer, scores)
+        return plan_eviction(layer, ranking, merge_scores=scores, keeps_order=self.selection.keeps_order)
 
     def compress(self, layer, stats: StepStats) -> None:
         """The selection's plan, then the merge's rewrite of the store from it. A merge that merges

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
 from ..merging import (
-    KEY_RULES, LogScores, MergedRows, cosine_nearest, ema_log_scores, merged_ema_rows, pool_log_scores, zip_rows,
+    KEY_RULES, LogScores, cosine_nearest, ema_log_scores, pool_log_scores, zip_rows, zip_rows_with_ema,
 )
 from ..offload import FullKVCopy
 from ..store import NEG_INF, slots_of
@@ -36,6 +36,45 @@ from .snapkv import ObservationWindow
 SCORE_MODES = ("ema", "exact")
 SCORE_NORMS = ("none", "row")
 PREFILL_ORDERS = ("merge_first", "evict_first")
+
+
+def merge_first_targets(
+    keys: torch.Tensor, live: torch.Tensor, priority: torch.Tensor, protected: torch.Tensor, budget: torch.Tensor,
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KeepKV's merge-first plan (Appendix B, Table 3): (src, dst, merge) [B, H_kv, E] of the entries
+    that consolidate before any eviction.
+
+    A root is a live entry that is ``protected`` or has no higher-``priority`` live entry at least
+    ``threshold`` cosine-similar; every other live entry (a mover) may merge into its most similar
+    root if that one is at least ``threshold`` similar. At most the entries each row and head must
+    shed (live - ``budget`` [B, H_kv]) merge, the most similar first: merging never takes a row
+    below its budget, and a row that fits is untouched. keys [B, H_kv, S, D]; live, priority,
+    protected [B, H_kv, S]. One host sync (the most movers and roots of any row and head).
+    """
+    excess = (live.sum(-1) - budget).clamp(min=0)  # [B, H_kv]
+    order = priority.masked_fill(~live, NEG_INF).argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, ranks)
+    unit = F.normalize(keys.float(), dim=-1)
+    batch, kv_heads, size = live.shape
+    has_better = torch.zeros_like(live)
+    step = max(1, CHUNK_ELEMENTS // (batch * kv_heads * size))
+    for start in range(0, size, step):
+        stop = min(size, start + step)
+        sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)  # [B, H_kv, c, S]
+        better = (rank[:, :, None, :] < rank[:, :, start:stop, None]) & live[:, :, None, :]
+        has_better[:, :, start:stop] = ((sim >= threshold) & better).any(-1)
+    roots = live & (protected | ~has_better)
+    movers = live & ~roots
+    # Only movers look for a root: the second similarity pass is (movers x S), not S x S.
+    src, is_mover = slots_of(movers, int(movers.sum(-1).max()))
+    root_idx = slots_of(roots, int(roots.sum(-1).max()))[0]
+    dst, sim = cosine_nearest(keys, src, roots, root_idx)
+    merge = is_mover & (sim >= threshold)
+    by_similarity = sim.masked_fill(~merge, NEG_INF).argsort(dim=-1, descending=True, stable=True)
+    sim_rank = torch.empty_like(by_similarity).scatter_(-1, by_similarity, ranks[..., : src.shape[-1]])
+    return src, dst, merge & (sim_rank < excess[..., None])
 
 
 @register_merge
@@ -84,18 +123,14 @@ class ZipMerge(Merge):
         if self.max_value_change is not None:
             check_range("max_value_change", self.max_value_change, 0.0, math.inf)
 
-    def targets(self, layer, plan: EvictionPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dst, merge) [B, H_kv, E]: each evicted entry's most cosine-similar kept entry that may
-        take merges (``protect``: the share of the kept scored entries, the selection's
-        highest-ranked first, that take none; a kept prompt's entries take none either), and whether
-        it is at least ``threshold`` similar. The value gate and the weight cap apply where the rows
-        merge (:func:`keepkv.merging.zip_rows` with :meth:`gates`)."""
+    def merge_candidates(self, layer, plan: EvictionPlan) -> torch.Tensor:
+        """[B, H_kv, S] bool: the kept entries that may take merges: not the ``protect`` share of the
+        kept scored entries, the selection's highest-ranked first, nor a kept prompt's. An evicted
+        entry merges into the most cosine-similar of them if it is at least ``threshold`` similar;
+        the value gate and the weight cap apply where the rows merge (:meth:`gates`)."""
         allowed = plan.kept & ~plan.top_kept(self.protect) if self.protect > 0 else plan.kept
         frozen = layer.frozen_entries()
-        if frozen is not None:
-            allowed = allowed & ~frozen
-        dst, sim = cosine_nearest(layer.keys, plan.evict_idx, allowed, plan.candidate_idx())
-        return dst, plan.evict_valid & (sim >= self.threshold)
+        return allowed if frozen is None else allowed & ~frozen
 
     def gates(self) -> tuple[float, float]:
         """(ε, δ): the value gate and the weight cap as :func:`keepkv.merging.zip_rows` takes them."""
@@ -107,16 +142,19 @@ class ZipMerge(Merge):
 
     def apply(self, layer, plan: EvictionPlan, stats: StepStats) -> None:
         if plan.evict_idx.shape[-1] > 0:
+            candidates = self.merge_candidates(layer, plan)
             query = stats.query[:, :, :, -1]  # [B, H_kv, g, D]
             if stats.logits is None:  # prefill: only the last query's row is needed
                 logits = scaled_logits(query[:, :, :, None], layer.keys, stats.scaling)[:, :, :, 0]
             else:
                 logits = stats.logits[:, :, :, -1]
             logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
-            dst, merge = self.targets(layer, plan)
+            pooled = pool_log_scores(logits, layer.bias)
+            dst, similarity = cosine_nearest(layer.keys, plan.evict_idx, candidates, plan.candidate_idx())
+            merge = plan.evict_valid & (similarity >= self.threshold)
             layer.merge_into(zip_rows(
                 layer.keys, layer.values, layer.bias, plan.evict_idx, dst, merge, logits, query, stats.scaling,
-                self.zip_key, pool_log_scores(logits, layer.bias), *self.gates(),
+                self.zip_key, pooled, *self.gates(),
             ))
         layer.keep(plan.kept, plan.slots)
 
@@ -400,8 +438,9 @@ class KeepKVMerge(ZipMerge):
         """The EMA log-scores of the live entries, per query head and pooled over the group
         (:func:`keepkv.merging.ema_log_scores`): what selection ``ema`` ranks by and the merges
         weigh with."""
+        log_scale = self._log_scale(layer)
         ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)
-        return ema_log_scores(ema_s, layer.extras["ema_log_n"], layer.bias, layer.live(), self._log_scale(layer))
+        return ema_log_scores(ema_s, layer.extras["ema_log_n"], layer.bias, layer.live(), log_scale)
 
     # -- compression -------------------------------------------------------------------------
     def _exact(self, stats: StepStats) -> bool:
@@ -412,73 +451,37 @@ class KeepKVMerge(ZipMerge):
             return stats.logits is not None or self.prefill_scores == "exact"
         return self.scores == "exact"
 
-    def merged_rows(
-        self, layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, ema: LogScores, stats: StepStats,
-        gated: bool,
-    ) -> MergedRows:
-        """The rows of ZIP-merging ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]), with each
-        target's EMA row; the merge weighs with the EMA or the newest query's exact logits
-        (:meth:`_exact`); ``gated``: targets that fail the gates (``max_value_change``,
-        ``max_share``) take none. ``merge`` of the result: the entries that merged."""
-        query = stats.query[:, :, :, -1].contiguous()  # [B, H_kv, g, D]
-        heads, pooled = ema
-        if self._exact(stats):
-            if stats.logits is not None:
-                logits = stats.logits[:, :, :, -1]
-            else:  # a prompt's end: its last query's row of the logits the EMA started from
-                window = min(self.window, stats.query.shape[3])
-                logits = scaled_logits(stats.query[:, :, :, -window:], layer.keys, stats.scaling)[:, :, :, -1]
-            heads = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
-            pooled = pool_log_scores(heads, layer.bias)
-        gates = self.gates() if gated else (math.inf, 1.0)
-        merged = zip_rows(
-            layer.keys, layer.values, layer.bias, src, dst, merge, heads, query, stats.scaling, self.zip_key, pooled,
-            *gates,
-        )
-        # The targets' EMA, from the votes before the merge, written with the merged entries.
-        ema_rows = merged_ema_rows(
-            layer.extras["ema_log_n"], layer.bias, ema.heads, merged.groups, merged.rows["bias"], self._log_scale(layer)
-        )
-        return MergedRows(merged.groups, {**merged.rows, "ema_log_s": ema_rows}, merged.merge)
+    def merge_weights(self, layer, ema: LogScores, stats: StepStats) -> LogScores:
+        """The log-scores a merge weighs with (:meth:`_exact`): the EMA's ``ema``, or the newest
+        query's exact logits over the live entries, per query head and pooled over the group."""
+        if not self._exact(stats):
+            return ema
+        if stats.logits is not None:
+            logits = stats.logits[:, :, :, -1]
+        else:  # a prompt's end: its last query's row of the logits the EMA started from
+            window = min(self.window, stats.query.shape[3])
+            logits = scaled_logits(stats.query[:, :, :, -window:], layer.keys, stats.scaling)[:, :, :, -1]
+        heads = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
+        return LogScores(heads, pool_log_scores(heads, layer.bias))
 
     def merge_before_eviction(self, layer, plan: EvictionPlan, stats: StepStats) -> StepStats | None:
-        """The paper's merge-first prefill (``prefill_order="merge_first"``, Appendix B, Table 3):
-        similar entries consolidate before any eviction; returns the statistics of the changed layer
-        (None when nothing merged).
-
-        Every non-protected entry that has a more important entry at least T similar merges into its
-        most similar "root" (an entry with no more important entry at least T similar); at most the
-        entries each row and head must shed merge, the most similar to their root first: merging
-        never takes a row below its budget, and a row that fits is untouched.
-        """
+        """The paper's merge-first prefill (``prefill_order="merge_first"``): similar entries
+        consolidate into their roots before any eviction (:func:`keepkv.merging.merge_first_targets`);
+        returns the statistics of the changed layer, None when nothing merged."""
         if not stats.is_prefill or self.prefill_order != "merge_first":
             return None
         live = layer.live()
-        excess = (live.sum(-1) - layer.budget).clamp(min=0)  # [B, H_kv]
-        order = plan.priority.masked_fill(~live, NEG_INF).argsort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
-        rank = torch.empty_like(order).scatter_(-1, order, ranks)
-        unit = F.normalize(layer.keys.float(), dim=-1)
-        batch, kv_heads, size = live.shape
-        has_better = torch.zeros_like(live)
-        step = max(1, CHUNK_ELEMENTS // (batch * kv_heads * size))
-        for start in range(0, size, step):
-            stop = min(size, start + step)
-            sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)  # [B, H_kv, c, S]
-            better = (rank[:, :, None, :] < rank[:, :, start:stop, None]) & live[:, :, None, :]
-            has_better[:, :, start:stop] = ((sim >= self.threshold) & better).any(-1)
-        roots = live & (plan.protected | ~has_better)
-        movers = live & ~roots
-        # Only movers look for a root: the second similarity pass is (movers x S), not S x S.
-        src, is_mover = slots_of(movers, int(movers.sum(-1).max()))  # a host sync, once per prefill
-        dst, sim = cosine_nearest(layer.keys, src, roots, slots_of(roots, int(roots.sum(-1).max()))[0])
-        merge = is_mover & (sim >= self.threshold)
-        by_similarity = sim.masked_fill(~merge, NEG_INF).argsort(dim=-1, descending=True, stable=True)
-        sim_rank = torch.empty_like(by_similarity).scatter_(-1, by_similarity, ranks[..., : src.shape[-1]])
-        merge &= sim_rank < excess[..., None]
+        src, dst, merge = merge_first_targets(layer.keys, live, plan.priority, plan.protected, layer.budget,
+                                              self.threshold)
         if not bool(merge.any()):
             return None
-        layer.merge_into(self.merged_rows(layer, src, dst, merge, plan.merge_scores, stats, gated=False))
+        log_scale, ema = self._log_scale(layer), plan.merge_scores
+        weights = self.merge_weights(layer, ema, stats)
+        rows = zip_rows_with_ema(
+            layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], src, dst, merge, weights, ema.heads,
+            stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale,
+        )
+        layer.merge_into(rows)
         layer.drop(torch.zeros_like(live).scatter_(-1, src, merge))  # src slots are distinct
         query = stats.query[:, :, :, -1:]
         if not self._exact(stats):
@@ -494,8 +497,15 @@ class KeepKVMerge(ZipMerge):
             # Always run the merge, on every device: reading "does anything merge?" would be a
             # host sync, and an empty merge changes nothing, bit for bit. The gates weigh as
             # the merge does. An evicted slot is no merge's target: its votes read the same after.
-            dst, merge = self.targets(layer, plan)
-            rows = self.merged_rows(layer, plan.evict_idx, dst, merge, plan.merge_scores, stats, gated=True)
+            log_scale, ema = self._log_scale(layer), plan.merge_scores
+            candidates = self.merge_candidates(layer, plan)
+            weights = self.merge_weights(layer, ema, stats)
+            dst, similarity = cosine_nearest(layer.keys, plan.evict_idx, candidates, plan.candidate_idx())
+            merge = plan.evict_valid & (similarity >= self.threshold)
+            rows = zip_rows_with_ema(
+                layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], plan.evict_idx, dst, merge, weights,
+                ema.heads, stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale, *self.gates(),
+            )
             dropped = plan.evict_valid & ~rows.merge
             layer.state["lost_votes"] += (layer.bias.gather(-1, plan.evict_idx).exp() * dropped).sum(-1)
             layer.merge_into(rows)
