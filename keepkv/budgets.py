@@ -170,11 +170,11 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config, keep
     method: a Method or a registered name; config: the model's HF config (depth, KV heads);
     keep_prompt: decoding="keep_prompt" (the prompt plus ``budget`` generated entries).
     """
-    if isinstance(method, str):
-        from .methods import get_method  # the registry, imported when a name is given
+    from .methods import Method, get_method  # the registry, imported when budgets are asked
 
+    if isinstance(method, str):
         method = get_method(method)
-    if not hasattr(method, "allocate"):
+    if not isinstance(method, Method):
         raise ValueError(f"method must be a keepkv.Method or a registered name, got {shown(method)}")
     budget = validate_budget(budget)
     prompt_length = as_int("prompt_length", prompt_length, low=1)

@@ -21,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import keepkv
 import keepkv.reconstruction
 
+from keepkv.methods import MERGES, SELECTIONS
+
 from fixtures import contract_golden as golden
 
 
@@ -192,8 +194,6 @@ def test_a_method_is_a_selection_plus_a_merge():
 @pytest.mark.parametrize("selection", ["window", "streamingllm", "h2o", "snapkv", "pyramidkv", "kvzip", "keydiff", "d2o", "cam", "ema"])
 @pytest.mark.parametrize("merge", ["none", "zip", "keepkv", "d2o", "pivot", "spread"])
 def test_every_selection_pairs_with_every_merge_or_is_refused_in_one_line(selection, merge):
-    from keepkv.methods import MERGES, SELECTIONS
-
     try:
         method = keepkv.get_method(f"keepkv+selection={selection}+merge={merge}")
     except ValueError as error:
@@ -217,3 +217,148 @@ def test_every_selection_pairs_with_every_merge_or_is_refused_in_one_line(select
     for layer in cache.layers:
         assert bool((layer.live_counts() <= layer.budget).all()) and int(layer.live_counts().min()) >= 1
     assert torch.equal(cache.layer_budgets.double().mean((0, 2)), torch.full((2,), 24.0, dtype=torch.float64))
+
+
+# Each merge made to merge whatever it can, so that a decode step's compression exercises it.
+EAGER = {"zip": "+threshold=-1.0", "keepkv": "+threshold=-1.0+protect=0+max_value_change=None", "pivot": "+threshold=-1.0"}
+
+
+def serving_rule_breaks(spec: str) -> list[str]:
+    """Where decoding ``spec`` breaks the serving rule (``Merge``'s docstring): an entry that a
+    decode step's compression keeps in place (same row, head and position) but whose key or value
+    changed while its votes (bias) did not."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama-gqa", layers=2)
+    ids, mask = golden.prompts(model.config.vocab_size)
+    cache = keepkv.CompressedCache(model.config, spec, 24)
+    compress, breaks = cache.method.compress, []
+
+    def entries(layer) -> dict:
+        live = layer.live().nonzero().tolist()
+        return {(b, h, int(layer.positions[b, h, s])): (layer.keys[b, h, s].clone(), layer.values[b, h, s].clone(),
+                                                        float(layer.bias[b, h, s])) for b, h, s in live}
+
+    def checked(layer, stats):
+        if stats.is_prefill:
+            return compress(layer, stats)
+        before = entries(layer)
+        compress(layer, stats)
+        for entry, (key, value, bias) in entries(layer).items():
+            if entry in before and bias == before[entry][2] and not (
+                    torch.equal(key, before[entry][0]) and torch.equal(value, before[entry][1])):
+                breaks.append(f"layer {layer.layer_idx} entry {entry}")
+
+    cache.method.compress = checked
+    with keepkv.enabled(model), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, min_new_tokens=8,
+                       do_sample=False, pad_token_id=0)
+    return breaks
+
+
+def pairing_refusal(selection: str, merge: str) -> str | None:
+    """Why ``selection`` and ``merge`` cannot pair, or None."""
+    try:
+        keepkv.get_method(f"keepkv+selection={selection}+merge={merge}")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("merge", sorted(MERGES))
+def test_every_served_merge_keeps_the_serving_rule(merge):
+    """Every registered merge, after the first selection it takes (H2O's for those here): a merge
+    that breaks the serving rule is not served (a serving engine would keep stale keys and values
+    in its blocks)."""
+    selection = next(name for name in ("h2o", *SELECTIONS) if not pairing_refusal(name, merge))
+    breaks = serving_rule_breaks(f"keepkv+selection={selection}+merge={merge}{EAGER.get(merge, '')}")
+    assert not (MERGES[merge].served and breaks), breaks[:3]
+
+
+def test_the_serving_rule_check_sees_a_merge_without_votes():
+    """D2O's merge moves a kept entry's key and value and leaves its bias: the check sees it."""
+    assert serving_rule_breaks("h2o+merge=d2o")
+
+
+# keepkv/paged.py still reads two declared hooks with getattr and a default; their declared forms
+# are Merge.refresh_interval (serving_refusal) and Method.prefill_query_rows.
+GETATTR_READS_LEFT = {("keepkv/paged.py", "merge", "refresh_interval"), ("keepkv/paged.py", "merge", "window")}
+
+
+PARTS = {"method": "method", "selection": "selection", "merging": "merge"}  # a receiver's name -> what it is
+
+
+def framework_reads(source: str, file: str) -> list[tuple[str, str, str, int, str]]:
+    """(file, part, attribute, line, how) of every attribute ``source`` reads from a method, a
+    selection or a merge, found with ast: ``X.attr`` (how "attribute") where X is named ``method``,
+    ``selection`` or ``merging`` (``self.method``, ``cache.method.merging``, ...), and ``getattr`` or
+    ``hasattr`` of such an X with a literal name (how "getattr")."""
+    import ast
+
+    def part(node) -> str | None:
+        return PARTS.get(node.id if isinstance(node, ast.Name) else getattr(node, "attr", None))
+
+    reads = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and part(node.value):
+            reads.append((file, part(node.value), node.attr, node.lineno, "attribute"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and part(node.args[0])):
+            reads.append((file, part(node.args[0]), node.args[1].value, node.lineno, "getattr"))
+    return reads
+
+
+def unkept_reads(reads) -> list[str]:
+    """The reads of a hook no part declares, and the reads with getattr beyond GETATTR_READS_LEFT."""
+    from keepkv.methods.base import Merge, Method, Selection
+
+    declared_on = {"method": Method, "selection": Selection, "merge": Merge}
+    return [f"{file}:{line} reads {part}.{attr}" + (" with getattr" if how == "getattr" else "")
+            for file, part, attr, line, how in reads
+            if not hasattr(declared_on[part], attr) or (how == "getattr" and (file, part, attr) not in GETATTR_READS_LEFT)]
+
+
+def test_every_hook_the_library_reads_is_declared():
+    """What the library reads of a method, a selection or a merge is declared on Method, Selection or
+    Merge (a hook, a ClassVar or a field, with its default), never a name no class declares; and it
+    is read as an attribute, not with getattr's default."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    reads = [read for path in sorted((root / "keepkv").rglob("*.py"))
+             for read in framework_reads(path.read_text(), path.relative_to(root).as_posix())]
+    assert len({(part, attr) for _, part, attr, _, _ in reads}) > 40  # the scan sees the library's reads
+    assert not unkept_reads(reads), unkept_reads(reads)
+
+
+def test_the_hook_scan_sees_an_undeclared_read_and_a_getattr():
+    source = "def f(cache, merging):\n    cache.method.slack\n    getattr(merging, 'window', 0)\n"
+    assert unkept_reads(framework_reads(source, "x.py")) == ["x.py:2 reads method.slack", "x.py:3 reads merge.window with getattr"]
+
+
+def test_no_dispatch_on_a_method_class_outside_the_registry():
+    """No isinstance or issubclass against a particular method, selection or merge class: what a
+    part can do is declared on it. The contract's own classes (Method, Selection, Merge,
+    ComposedMethod) may be checked, as the registry and the cache check their input."""
+    import ast
+    from pathlib import Path
+
+    from keepkv.methods import METHODS
+    from keepkv.methods.base import ComposedMethod, Merge, Method, Selection
+
+    def subclasses(cls):
+        return {cls, *(sub for child in cls.__subclasses__() for sub in subclasses(child))}
+
+    particular = {cls.__name__ for base in (Method, Selection, Merge) for cls in subclasses(base)}
+    particular -= {"Method", "Selection", "Merge", "ComposedMethod"}
+    assert {"KeepKVMerge", "EmaAttention", "ScoredSelection"} <= particular and METHODS
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in sorted((root / "keepkv").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass"):
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} if len(node.args) > 1 else set()
+                if names & particular:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.func.id}(..., {', '.join(sorted(names))})")
+    assert not found, found
