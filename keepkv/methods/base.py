@@ -269,10 +269,11 @@ class Method:
     def observe(self, layer, stats: StepStats) -> None:
         """Update scores after every attention call."""
 
-    def refresh(self, layer, stats: StepStats) -> bool:
-        """After ``observe`` at every decode step: rebuild the layer when a refresh is due (KeepKV's
-        ``refresh_interval``), compressing it; True when it did (the step's compression is done)."""
-        return False
+    def refresh(self, layer, stats: StepStats) -> StepStats | None:
+        """After ``observe`` at every decode step: when a refresh is due (KeepKV's
+        ``refresh_interval``), rebuild the layer's entries and return the statistics its compression
+        reads, which takes the place of the step's; else None."""
+        return None
 
     def allocation_scores(self, layer) -> torch.Tensor | None:
         """What ``allocate`` reads of one layer once its prefill is observed (KVzip's scores
@@ -612,12 +613,8 @@ class ComposedMethod(Method):
         self.selection.observe(layer, stats)
         self.merging.observe(layer, stats)
 
-    def refresh(self, layer, stats: StepStats) -> bool:
-        rebuilt = self.merging.refresh(layer, stats)
-        if rebuilt is None:
-            return False
-        self.compress(layer, rebuilt)
-        return True
+    def refresh(self, layer, stats: StepStats) -> StepStats | None:
+        return self.merging.refresh(layer, stats)
 
     def allocation_scores(self, layer) -> torch.Tensor | None:
         return self.selection.allocation_scores(layer)
