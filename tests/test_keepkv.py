@@ -491,8 +491,9 @@ def test_perturbation_bad_input():
 @pytest.mark.parametrize("spec", ["keepkv", "keepkv+scores=exact", "keepkv+selection=ema+interval=2"])
 @torch.no_grad()
 def test_the_state_carries_no_step_scratch_after_a_compression(gqa_model, spec):
-    """The newest query and its exact logits ([B, H_kv, g, S] over one step's slots) are not kept
-    in the layer's state after a compression: no stale [.., S_prompt] tensor counted as method state."""
+    """The newest query and its exact logits ([B, H_kv, g, S] over one step's slots) are read from
+    the step's statistics, never kept in the layer's state: no stale [.., S_prompt] tensor counted
+    as method state."""
     cache = keepkv.CompressedCache(gqa_model.config, spec, 0.25)
     ids = torch.randint(3, 100, (2, 120))
     with keepkv.enabled(gqa_model):
