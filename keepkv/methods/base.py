@@ -863,23 +863,29 @@ def keep_prompt_refusal(method: Method) -> str | None:
 
 
 def serving_refusal(method: Method, keep_prompt: bool = False) -> str | None:
-    """Why the paged adapter (``keepkv.paged``) cannot serve ``method`` (with ``keep_prompt``: its
-    prompts kept whole), in one line, or None; read from what the method and its parts declare.
+    """Why the paged adapter (``keepkv.paged``) cannot serve ``method``, in one line that reads after
+    "does not serve ", or None; with ``keep_prompt`` (prompts kept whole), also
+    :func:`keep_prompt_refusal`'s sentence. Read from what the method and its parts declare.
 
     A method is served when it is (``Method.served``: for a selection and a merge, the pair it is
     registered with) and, for a variant, when the selection and merge it runs are too; not when its
     merge rebuilds layers from a full copy (``refresh_interval``). A method that says why it is not
     served (``not_served``) is refused in its own words."""
+    name = method.name or type(method).__name__
     if method.not_served:
-        return f"{method.name}: {method.not_served}"
+        return f"{name}: {method.not_served}"
     if not method.served:
-        return f"{method.name or type(method).__name__} is not served"
-    for part in (method.selection, method.merging):
+        if method.merging is None:
+            return f"{name}: it is no selection with a merge"
+        kind, part = next((kind, part) for kind, part in (("selection", type(method).default_part("selection")),
+                                                            ("merge", type(method).default_part("merging")))
+                          if not part.served)
+        return f"{name}: the {kind} it is registered with, {part.name!r}, is not served"
+    for kind, part in (("selection", method.selection), ("merge", method.merging)):
         if not part.served:
-            kind = "selection" if part is method.selection else "merge"
-            return f"{method.name}'s {kind} {part.name!r} is not served"
+            return f"{name}: its {kind} {part.name!r} is not served"
     if method.merging.refresh_interval is not None:
-        return "refresh_interval keeps a full copy of the cache"
+        return "refresh_interval (it keeps a full copy of the cache)"
     return keep_prompt_refusal(method) if keep_prompt else None
 
 
