@@ -384,3 +384,29 @@ def test_what_is_served_is_declared_on_the_parts():
     assert serving_refusal(keepkv.get_method("kvzip")).startswith("kvzip: its reconstruction pass is a second prefill")
     assert serving_refusal(keepkv.get_method("keepkv+selection=ema+refresh_interval=4")) == (
         "refresh_interval (it keeps a full copy of the cache)")
+
+
+def test_a_selection_keeps_a_score_only_when_it_declares_one(gqa_model):
+    """``scored`` is False unless a selection says so: one that writes a score without declaring it
+    fails at its first write, and one that declares none adds no per-entry word."""
+    from dataclasses import dataclass
+
+    from keepkv.methods.base import ComposedMethod, ScoredSelection
+    from keepkv.methods.h2o import AccumulatedAttention
+
+    @dataclass(frozen=True)
+    class Undeclared(ScoredSelection):
+        name = "_undeclared"
+
+        def observe(self, layer, stats):
+            layer.add_to("score", torch.ones_like(layer.bias))
+
+    @dataclass
+    class Pair(ComposedMethod):
+        name = "_undeclared"
+
+    assert not ScoredSelection.scored and AccumulatedAttention.scored
+    assert Pair(selection=Undeclared()).entry_extras(2) == {}
+    cache = keepkv.CompressedCache(gqa_model.config, Pair(selection=Undeclared()), 8)
+    with keepkv.enabled(gqa_model), torch.no_grad(), pytest.raises(KeyError, match="no tensor 'score'"):
+        gqa_model(torch.randint(3, 100, (1, 20)), past_key_values=cache)
