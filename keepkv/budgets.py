@@ -113,13 +113,13 @@ def fit_to_prompt(budgets: torch.Tensor, mean_budget: torch.Tensor, prompt_lengt
 
 def layer_budgets(
     method, layers: int, kv_heads: int, budget: int | float, prompt_lengths: torch.Tensor,
-    states: list[dict] | None = None,
+    scores: list | None = None,
 ) -> torch.Tensor | None:
     """[L, B, H_kv] entries each layer, row and head keeps: the method's allocation, fitted to the
-    prompt; None when the method never compresses. ``states``: each layer's method state after its
-    prefill, for a method that allocates from them (D2O)."""
+    prompt; None when the method never compresses. ``scores``: each layer's
+    ``method.allocation_scores`` after its prefill, for a method that allocates from them (D2O, KVzip)."""
     per_row = row_budgets(budget, prompt_lengths, budget_floor(method))
-    budgets = method.allocate(layers, kv_heads, per_row, prompt_lengths, states)
+    budgets = method.allocate(layers, kv_heads, per_row, prompt_lengths, scores)
     if budgets is None:
         return None
     budgets = fit_to_prompt(budgets, per_row, prompt_lengths)
@@ -128,27 +128,16 @@ def layer_budgets(
     return torch.where(fits, per_row[None, :, None], budgets)
 
 
-# Merges that can keep a prompt whole (decoding="keep_prompt"): they merge an evicted entry into a
-# kept one that is not the prompt's (ZIP's target search skips frozen entries); the others would
-# have to be taught to.
-KEEP_PROMPT_MERGES = ("none", "zip", "keepkv")
-
-
 def check_keep_prompt(method, budget) -> None:
     """Raise ValueError, in one line, unless ``method`` can keep a prompt whole and keep ``budget``
-    generated entries (decoding="keep_prompt"): a selection with merge ``none``, ``zip`` or
-    ``keepkv`` (no periodic refresh, which rebuilds every entry), scored without a reconstruction
-    pass, and an int budget that holds its protected entries."""
-    name = getattr(method, "name", method)
-    merging = getattr(method, "merging", None)
-    if merging is None or merging.name not in KEEP_PROMPT_MERGES:
-        raise ValueError(f"decoding='keep_prompt' runs a selection that evicts or ZIP-merges (merge "
-                         f"{', '.join(KEEP_PROMPT_MERGES)}), got {name!r}")
-    if getattr(merging, "refresh_interval", None) is not None:
-        raise ValueError("decoding='keep_prompt' cannot keep a prompt through refresh_interval (it rebuilds every entry)")
-    if method.needs(True).reconstruct:
-        raise ValueError(f"decoding='keep_prompt' scores no prompt, and {name} scores only prompts (its "
-                         "reconstruction pass): use another selection")
+    generated entries (decoding="keep_prompt"): what its merge and selection declare
+    (:func:`keepkv.methods.base.keep_prompt_refusal`), and an int budget that holds its protected
+    entries."""
+    from .methods.base import keep_prompt_refusal
+
+    reason = keep_prompt_refusal(method)
+    if reason:
+        raise ValueError(reason)
     if not is_int(budget):
         raise ValueError(f"decoding='keep_prompt' keeps the prompt whole and `budget` generated entries per layer "
                          f"and head: give an int, got {shown(budget)}")
@@ -162,19 +151,19 @@ def kept_prompt_budgets(layers: int, kv_heads: int, generated: int, prompt_lengt
 
 def prompt_budgets(
     method, budget: int | float, decoding: str, layers: int, kv_heads: int, prompt_lengths: torch.Tensor,
-    states: list[dict] | None = None,
+    scores: list | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The budgets a cache sets when its rows' prompts end, the one rule of both caches
     (``keepkv.cache`` and ``keepkv.paged``): ([L, B, H_kv] entries each layer, row and head keeps,
     or None when the method never compresses; [B] each row's mean budget, what a recent window is
     a share of). ``decoding``: as ``CompressedCache(decoding=...)``; with "keep_prompt" each row
     keeps its prompt plus ``budget`` generated entries, and its mean budget is ``budget``.
-    ``states``: each layer's method state after its prefill (D2O allocates from them)."""
+    ``scores``: each layer's ``method.allocation_scores`` after its prefill (D2O, KVzip allocate from them)."""
     if decoding == "keep_prompt":
         return (kept_prompt_budgets(layers, kv_heads, budget, prompt_lengths),
                 torch.full_like(prompt_lengths, budget))
     per_row = row_budgets(budget, prompt_lengths, budget_floor(method))
-    return layer_budgets(method, layers, kv_heads, budget, prompt_lengths, states), per_row
+    return layer_budgets(method, layers, kv_heads, budget, prompt_lengths, scores), per_row
 
 
 def held_entries(kept: int, prompt_length: int, computed: int, interval: int) -> int:
@@ -198,11 +187,11 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config, keep
     method: a Method or a registered name; config: the model's HF config (depth, KV heads);
     keep_prompt: decoding="keep_prompt" (the prompt plus ``budget`` generated entries).
     """
-    if isinstance(method, str):
-        from .methods import get_method  # the registry, imported when a name is given
+    from .methods import Method, get_method  # the registry, imported when budgets are asked
 
+    if isinstance(method, str):
         method = get_method(method)
-    if not hasattr(method, "allocate"):
+    if not isinstance(method, Method):
         raise ValueError(f"method must be a keepkv.Method or a registered name, got {shown(method)}")
     budget = validate_budget(budget)
     prompt_length = as_int("prompt_length", prompt_length, low=1)

@@ -481,10 +481,11 @@ class CompressedCache(Cache):
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
         if self.prompt_lengths is None:
             self.prompt_lengths = layers[0].real_seen.clone()
-            states = [layer.state for layer in self.layers]
+            scores = ([self.method.allocation_scores(layer) for layer in self.layers]
+                      if self.method.allocates_from_all_layers else None)
             self.layer_budgets, self.row_budgets = prompt_budgets(
                 self.method, self.budget, self.decoding, self.num_layers, self.config.num_key_value_heads,
-                self.prompt_lengths, states,
+                self.prompt_lengths, scores,
             )
             if self.layer_budgets is not None and self.decoding != "keep_prompt":
                 self._warn_budget(self.row_budgets)

@@ -3,7 +3,7 @@
 Eager, a method's decode step is hundreds of small tensor operations per layer (KeepKV's EMA
 update, selection, similarity search, gates, the ZIP merge of key, value, votes and EMA, the
 in-place move of the kept entries); on a GPU each is a kernel launch (docs/performance.md has
-the counts). :func:`method_step` (``observe`` then, when due, ``compress``) traces into one
+the counts). :func:`method_step` (``observe``, ``refresh``, ``compress`` when due) traces into one
 ``torch.compile`` graph per layer shape: the store's in-place writes become the graph's input
 mutations, and the fused kernels plus the library calls inductor keeps (sort, top-k, cumsum,
 scatter-reduce) are what a step launches (``keepkv bench --ops --compile`` counts them).
@@ -27,9 +27,13 @@ import torch
 
 
 def method_step(method, layer, stats, compress: bool) -> None:
-    """One layer's decode-time method work: fold the step's statistics in, then compress if due."""
+    """One layer's decode-time method work: fold the step's statistics in; the method's refresh, when
+    one is due, then the compression of the rebuilt layer; else the step's compression, if due."""
     method.observe(layer, stats)
-    if compress:
+    rebuilt = method.refresh(layer, stats)
+    if rebuilt is not None:
+        method.compress(layer, rebuilt)
+    elif compress:
         method.compress(layer, stats)
 
 

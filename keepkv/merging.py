@@ -1,4 +1,5 @@
-"""Merge arithmetic shared by the merging methods (KeepKV, D2O, KVMerger, ZeroMerge, CaM).
+"""Merge arithmetic shared by the merging methods (KeepKV, D2O, KVMerger, ZeroMerge, CaM), and the
+log-scores KeepKV's merges are weighed with (a GQA group's pooled score, the EMA's).
 
 Every function works on the cache's storage layout and is fully vectorised: all batch rows,
 KV heads and merge groups are handled by the same few gathers and scatters. The plan is first
@@ -36,20 +37,29 @@ from typing import NamedTuple
 
 import torch
 
+NEG_INF = float("-inf")
+
 
 __all__ = [
     "GROUP_RIDGE",
     "KEY_RULES",
     "PAPER_MAX_KEY_GAIN",
     "Groups",
+    "LogScores",
     "MergedRows",
     "convex_merge_rows",
     "cosine_nearest",
+    "ema_log_scores",
+    "gathers_candidates",
     "group_logsumexp",
     "mean_merge_rows",
+    "merged_ema_rows",
     "momentum_merge_rows",
+    "pool_log_scores",
     "spread_values_rows",
     "zip_merge_rows",
+    "zip_rows",
+    "zip_rows_with_ema",
 ]
 
 PAPER_MAX_KEY_GAIN = 10.0
@@ -138,39 +148,14 @@ def _merged_rows(
     return rows
 
 
-def _write_groups(x: torch.Tensor, groups: Groups, merged: torch.Tensor) -> torch.Tensor:
-    """x [B, H_kv, S(, D)] with each valid group's merged row [B, H_kv, E(, D)] at its slot,
-    written in place; returns x.
-
-    Invalid group ids rewrite a value that is written anyway (group 0's, or slot 0's own value
-    in a (row, head) without merges), so all writes to one slot agree and every slot that is no
-    target stays bit-identical.
-    """
-    merged = merged.to(x.dtype)
-    trailing = (1,) * (x.dim() - 3)  # the feature axis D, if any
-    valid = groups.valid.view(*groups.valid.shape, *trailing)
-    # group 0 is valid iff the (row, head) merges anything; else slot 0 gets its own value back
-    first = merged.narrow(2, 0, 1).where(valid.narrow(2, 0, 1), x.narrow(2, 0, 1))
-    if groups.valid.shape[-1] == 1:  # one group: its row is ``first``
-        rows, slot = first, groups.slot
-    else:
-        rows = merged.where(valid, first)
-        slot = groups.slot.where(groups.valid, groups.slot[..., :1])  # [B, H_kv, E]
-    index = slot.view(*slot.shape, *trailing).expand(rows.shape)
-    return x.scatter_(2, index, rows)
-
-
 class MergedRows(NamedTuple):
     """What a merge writes: for each named tensor (keys, values, bias, an extra), each valid group's
-    merged row [B, H_kv, E(, D)] at its target slot. ``LayerStore.merge_into`` writes them in place."""
+    merged row [B, H_kv, E(, D)] at its target slot. ``LayerStore.merge_into`` writes them in place
+    (:func:`keepkv.store.write_rows`)."""
 
     groups: Groups
     rows: dict[str, torch.Tensor]
     merge: torch.Tensor | None = None  # [B, H_kv, E] the plan entries that merged (after any gate)
-
-    def write_into(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """Write the merged rows of ``name`` into x [B, H_kv, S(, D)] in place; returns x."""
-        return _write_groups(x, self.groups, self.rows[name])
 
 
 def _group_weights(
@@ -272,7 +257,7 @@ def _gate_keep(
 
 def _gated(groups: Groups, merge: torch.Tensor, keep: torch.Tensor | None) -> tuple[Groups, torch.Tensor]:
     """The plan's groups and ``merge`` [..., E] with every group that fails ``keep`` [..., E]
-    dropped whole (an invalid group targets slot 0, as :func:`_write_groups` needs)."""
+    dropped whole (an invalid group targets slot 0, as :func:`keepkv.store.write_rows` needs)."""
     if keep is None:
         return groups, merge
     valid = groups.valid & keep
@@ -443,6 +428,125 @@ def zip_merge_rows(
     return MergedRows(groups, {"keys": merged_keys, "values": merged_values, "bias": merged_log_votes}, merge)
 
 
+# -- ZIP-merging with log-scores (KeepKV) -------------------------------------------------------
+class LogScores(NamedTuple):
+    """Per-entry log-scores ln ŝ a ZIP merge weighs with: per query head [B, H_kv, g, S] (-inf on
+    empty slots) and pooled over the GQA group [B, H_kv, S] (:func:`pool_log_scores`)."""
+
+    heads: torch.Tensor
+    pooled: torch.Tensor
+
+
+def pool_log_scores(head_scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Pool per-query-head log-scores of a GQA group into one log-score per entry.
+
+    head_scores [B, H_kv, g, S] (ln s^h, -inf on empty slots), bias [B, H_kv, S] (ln p)
+    -> [B, H_kv, S].
+
+    The pooled score is the mean over the group's heads of each entry's per-vote attention share
+    s_i^h / Z_h (Z_h = Σ_j p_j s_j^h), mapped back to the logit scale by the geometric mean of
+    the heads' partition functions:
+
+        ln ŝ_i = ln( (1/g) Σ_h s_i^h / Z_h ) + (1/g) Σ_h ln Z_h.
+
+    Weighting each head by its normalised attention makes the merge weights w_i = p_i ŝ_i
+    proportional to the attention mass the entry carries summed over the heads, which is the
+    weighting under which one merged value best serves all heads at once. With g = 1 it is the
+    identity (ln ŝ = ln s exactly, no rounding), so MHA keeps Theorem 3's exact logits.
+    """
+    if head_scores.shape[2] == 1:
+        return head_scores[:, :, 0]
+    log_z = torch.logsumexp(head_scores + bias[:, :, None], dim=-1)  # [B, H_kv, g]
+    log_z = log_z.where(torch.isfinite(log_z), 0.0)
+    shares = torch.logsumexp(head_scores - log_z[..., None], dim=2) - math.log(head_scores.shape[2])
+    return shares + log_z.mean(-1, keepdim=True)
+
+
+def zip_rows(
+    keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+    merge: torch.Tensor, head_log_scores: torch.Tensor, query: torch.Tensor, scaling: float, zip_key: str,
+    pooled: torch.Tensor, max_value_change: float = math.inf, max_share: float = 1.0,
+) -> MergedRows:
+    """The merged rows of ZIP-merging ``src`` into ``dst`` where ``merge`` (all [B, H_kv, E]) in a
+    layer's keys, values [B, H_kv, S, D] and bias [B, H_kv, S] (``LayerStore.merge_into`` writes
+    them), the groups that fail the gates (``max_value_change``, ``max_share``:
+    :func:`zip_merge_rows`) dropped whole.
+
+    head_log_scores [B, H_kv, g, S]: ln s^h per query head (-inf on empty slots); pooled
+    [B, H_kv, S]: their pool over the group (:func:`pool_log_scores`), the merge weights; query
+    [B, H_kv, g, D]: the queries the key rule moves the key along (their mean, or each of them for
+    ``zip_key="group"``).
+    """
+    group = zip_key == "group"
+    # Empty slots never take part in a merge; zero them so no 0·(-inf) can reach a scatter.
+    return zip_merge_rows(
+        keys,
+        values,
+        bias,
+        pooled.where(torch.isfinite(pooled), 0.0),
+        src,
+        dst,
+        merge,
+        key_rule=zip_key,
+        queries=query if group else query.mean(2),
+        scaling=scaling,
+        group_log_scores=head_log_scores.where(torch.isfinite(head_log_scores), 0.0) if group else None,
+        max_value_change=max_value_change,
+        max_share=max_share,
+    )
+
+
+def ema_log_scores(
+    ema_log_s: torch.Tensor, ema_log_n: torch.Tensor, bias: torch.Tensor, live: torch.Tensor,
+    log_scale: torch.Tensor | float,
+) -> LogScores:
+    """KeepKV's bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (+ ln Z with row-normalised
+    scores: ``log_scale``), per query head [B, H_kv, g, S] (-inf on empty slots) and pooled over
+    the group [B, H_kv, S].
+
+    ema_log_s [B, H_kv, g, S] (a view of the stored [B, H_kv, S, g]); ema_log_n, bias, live [B, H_kv, S].
+    """
+    empty = ~live
+    log_n = ema_log_n.masked_fill(empty, 0.0)[:, :, None]
+    heads = (ema_log_s - log_n + log_scale).masked_fill(empty[:, :, None], NEG_INF)
+    return LogScores(heads, pool_log_scores(heads, bias))
+
+
+def merged_ema_rows(
+    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: Groups, votes: torch.Tensor,
+    log_scale: torch.Tensor | float,
+) -> torch.Tensor:
+    """[B, H_kv, E, g]: the stored EMA row of each merge target (``groups``, the merge's group
+    space), the per-vote group mean Σ p ŝ^h / Σ p of its EMA log-scores, on the stored scale.
+
+    ema_log_n, bias [B, H_kv, S] and heads [B, H_kv, g, S] (EMA log-scores ln ŝ^h) from before the
+    merge; votes [B, H_kv, E]: each group's merged ln Σ p (the merged bias rows).
+    """
+    group = heads.shape[2]
+    log_w = bias[:, :, None] + heads  # ln(p ŝ^h)
+    own_w = log_w.gather(-1, groups.slot[:, :, None].expand(-1, -1, group, -1))  # [B, H_kv, g, E]
+    incoming_w = log_w.gather(-1, groups.src[:, :, None].expand(-1, -1, group, -1))
+    head_groups = groups.entry_group[:, :, None].expand(-1, -1, group, -1)
+    mean_score = group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
+    log_n = ema_log_n.gather(-1, groups.slot)[:, :, None]
+    return (mean_score - log_scale + log_n).transpose(-1, -2)
+
+
+def zip_rows_with_ema(
+    keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, ema_log_n: torch.Tensor, src: torch.Tensor,
+    dst: torch.Tensor, merge: torch.Tensor, weights: LogScores, ema_heads: torch.Tensor, query: torch.Tensor,
+    scaling: float, zip_key: str, log_scale: torch.Tensor | float, max_value_change: float = math.inf,
+    max_share: float = 1.0,
+) -> MergedRows:
+    """KeepKV's merge: :func:`zip_rows` weighed by ``weights`` (its EMA's or exact logits), with
+    each target's EMA row under "ema_log_s" (:func:`merged_ema_rows` of ``ema_heads`` [B, H_kv, g, S],
+    ``ema_log_n`` [B, H_kv, S] and ``log_scale``, from before the merge)."""
+    merged = zip_rows(keys, values, bias, src, dst, merge, weights.heads, query, scaling, zip_key, weights.pooled,
+                      max_value_change, max_share)
+    ema_rows = merged_ema_rows(ema_log_n, bias, ema_heads, merged.groups, merged.rows["bias"], log_scale)
+    return MergedRows(merged.groups, {**merged.rows, "ema_log_s": ema_rows}, merged.merge)
+
+
 def convex_merge_rows(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -564,7 +668,7 @@ def spread_values_rows(
     return MergedRows(groups, {"values": _group_sum(own, shares, groups.entry_group)})
 
 
-def compacts(candidates: int, slots: int) -> bool:
+def gathers_candidates(candidates: int, slots: int) -> bool:
     """Whether :func:`cosine_nearest` compares with ``candidates`` gathered keys rather than all
     ``slots``: when they are under half of them (a prefill compression)."""
     return 2 * candidates < slots
@@ -598,7 +702,7 @@ def cosine_nearest(
         no candidate.
     """
     keys = keys.float()
-    if candidate_idx is not None and compacts(candidate_idx.shape[-1], keys.shape[2]):
+    if candidate_idx is not None and gathers_candidates(candidate_idx.shape[-1], keys.shape[2]):
         targets, allowed = _gather_entries(keys, candidate_idx), candidates_mask.gather(-1, candidate_idx)
     else:
         targets, allowed, candidate_idx = keys, candidates_mask, None

@@ -40,39 +40,30 @@ import torch
 
 from .attention import Needs, StepStats, attend, group_queries, join_prefill_stats, scaled_logits, softmax_probs
 from .budgets import capacity_bound, check_keep_prompt, held_entries, prompt_budgets, validate_budget
-from .methods import get_method
-from .methods.base import ComposedMethod
+from .methods import METHODS, get_method
+from .methods.base import ComposedMethod, serving_refusal, served_names
 from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
 from .step import LayerStep
 from .store import LayerStore
 
-# Methods the paged adapter serves: selections whose scores need no pass beyond the prompt's own
-# attention and whose layer budgets are drawn from the prompt's length alone (PyramidKV's and
-# KeepKV's EMA selection differ by layer, never by head), with eviction or KeepKV's merge (its
-# votes are the bias; its EMA, per-entry extras in the slots' words, plus a little per-layer state
-# per request, filed apart per request).
-SERVED_METHODS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keydiff", "keepkv")
-SERVED_SELECTIONS = ("window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keydiff", "ema")
-SERVED_MERGES = ("none", "keepkv")
-
-
 def servable_method(spec: str) -> ComposedMethod:
     """The method of ``spec`` (a name or variant, ``"snapkv+window=16"``) if the paged adapter
-    serves it; otherwise ValueError, in one line naming what it serves."""
-    served = (f"keepkv.vllm serves {', '.join(SERVED_METHODS)} (selections {', '.join(SERVED_SELECTIONS)}; "
-              f"merge {' or '.join(SERVED_MERGES)})")
-    if not isinstance(spec, str) or spec.split("+")[0] not in SERVED_METHODS:
-        if isinstance(spec, str) and spec.split("+")[0] == "kvzip":
-            raise ValueError(f"keepkv.vllm does not serve kvzip: its reconstruction pass is a second prefill the engine "
-                             f"does not schedule (docs/serving.md, 'KVzip'); serve keydiff for a context compressed "
-                             f"before its questions; got {spec!r}")
+    serves it (what the method and its parts declare: ``keepkv.methods.base.serving_refusal``);
+    otherwise ValueError, in one line naming what it serves."""
+    methods, selections, merges = served_names()
+    served = (f"keepkv.vllm serves {', '.join(sorted(methods))} (selections {', '.join(sorted(selections))}; "
+              f"merge {' or '.join(sorted(merges))})")
+    if not isinstance(spec, str) or spec.split("+")[0] not in METHODS:
         raise ValueError(f"{served}; got {spec!r}")
     method = get_method(spec)
-    if method.selection.name not in SERVED_SELECTIONS or method.merging.name not in SERVED_MERGES:
-        raise ValueError(f"{served}; got {spec!r}")
-    if getattr(method.merging, "refresh_interval", None) is not None:  # a full copy of every entry, per request
-        raise ValueError(f"keepkv.vllm does not serve refresh_interval (it keeps a full copy of the cache); got {spec!r}")
+    reason = serving_refusal(method)
+    if reason is not None:
+        in_its_words = method.not_served or (method.merging is not None and method.merging.refresh_interval is not None)
+        raise ValueError(f"keepkv.vllm does not serve {reason}; got {spec!r}" if in_its_words else f"{served}; got {spec!r}")
     return method
+
+
+SERVED_METHODS = tuple(sorted(served_names()[0]))  # what the refusal names, for callers that list them
 
 
 # Intra-op threads of a compression's method work: hundreds of small tensor ops over [R, H_kv, S];
@@ -184,12 +175,12 @@ class PagedCompression:
         self.spec = method
         self.kernel = kernel if kernel is not None else TorchPagedKernel()
         self.step = LayerStep(self.method, self.decoding)
-        self.biased = self.method.merging.name != "none"  # a merge writes votes: the bias words
+        self.biased = self.method.merging.writes_bias  # votes: a bias word, and keys wide enough to carry it
         # What a method reads of a prompt: "summed" statistics of every chunk's query rows (H2O's
         # column sums), or only its newest rows, computed once the prompt is whole.
         needs = self.method.needs(True)
         self._sums_prompt = bool(needs.probs or needs.colsum or needs.decays or needs.logits or needs.colmax)
-        self._prompt_rows = max(1, needs.window, getattr(self.method.merging, "window", 0) or 0)
+        self._prompt_rows = self.method.prefill_query_rows()
         decode = self.method.needs(False)
         # Query rows kept per request and layer between compressions: the attention every decoding
         # query gave (probabilities, logits), or the newest query a merge reads.

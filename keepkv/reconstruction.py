@@ -36,7 +36,7 @@ CARRY = 8  # the previous block's last tokens, quoted in the next block's instru
 PICK_RUN = 16  # tokens per run of a cheaper pass
 
 
-def repeated(ids: list[int], share: float) -> list[int]:
+def tokens_to_repeat(ids: list[int], share: float) -> list[int]:
     """The tokens of ``ids`` a pass repeats: all of them, or (``share`` < 1) runs of ``PICK_RUN``
     tokens at an even stride, about that share of them, in the prompt's order."""
     if share >= 1.0 or not ids:
@@ -56,7 +56,7 @@ def pass_blocks(tokenizer, contexts: list[list[int]], reconstruction: Reconstruc
     chunk = reconstruction.chunk
     per_row = []
     for ids in contexts:
-        parts = repeated(ids, reconstruction.share)
+        parts = tokens_to_repeat(ids, reconstruction.share)
         pieces = [parts[start : start + chunk] for start in range(0, len(parts), chunk)] or [[]]
         per_row.append(
             [(first if k == 0 else later + pieces[k - 1][-CARRY:]) + tail + piece for k, piece in enumerate(pieces)]

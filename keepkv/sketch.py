@@ -1,7 +1,7 @@
 """KVReviver's "Vague" store: a batched Count-Sketch variant, plus Fisher layer budgets.
 
 Source: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based
-Token Reconstruction" (paper 004), section "Vague Sketch" (Algorithms 1 and 2),
+Token Reconstruction" (2025), section "Vague Sketch" (Algorithms 1 and 2),
 Algorithm 3 (query → delete → re-insert swap), the appendix "Parameter Settings"
 (r = 3) and the appendix "Fisher Information".
 

@@ -63,6 +63,28 @@ def slots_of(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor
     return index, mask.gather(-1, index)
 
 
+def write_rows(x: torch.Tensor, groups, merged: torch.Tensor) -> torch.Tensor:
+    """x [B, H_kv, S(, D)] with each valid group's merged row [B, H_kv, E(, D)] at its slot
+    (``groups``: a merge's :class:`keepkv.merging.Groups`), written in place; returns x.
+
+    Invalid group ids rewrite a value that is written anyway (group 0's, or slot 0's own value
+    in a (row, head) without merges), so all writes to one slot agree and every slot that is no
+    target stays bit-identical.
+    """
+    merged = merged.to(x.dtype)
+    trailing = (1,) * (x.dim() - 3)  # the feature axis D, if any
+    valid = groups.valid.view(*groups.valid.shape, *trailing)
+    # group 0 is valid iff the (row, head) merges anything; else slot 0 gets its own value back
+    first = merged.narrow(2, 0, 1).where(valid.narrow(2, 0, 1), x.narrow(2, 0, 1))
+    if groups.valid.shape[-1] == 1:  # one group: its row is ``first``
+        rows, slot = first, groups.slot
+    else:
+        rows = merged.where(valid, first)
+        slot = groups.slot.where(groups.valid, groups.slot[..., :1])  # [B, H_kv, E]
+    index = slot.view(*slot.shape, *trailing).expand(rows.shape)
+    return x.scatter_(2, index, rows)
+
+
 def split_evenly(total: int, rows: int) -> torch.Tensor:
     """[rows] int64 shares of ``total`` that differ by at most 1 and add up to it."""
     share, left = divmod(total, rows)
@@ -371,8 +393,8 @@ class LayerStore(CacheLayerMixin):
     def merge_into(self, merged) -> None:
         """Write a merge's rows (:class:`keepkv.merging.MergedRows`: each target slot's merged row per
         tensor name) into the store, in place; every slot that is no target stays bit-identical."""
-        for name in merged.rows:
-            merged.write_into(self._tensors[self._name(name)], name)
+        for name, rows in merged.rows.items():
+            write_rows(self._tensors[self._name(name)], merged.groups, rows)
         self._binary &= "bias" not in merged.rows
 
     def overwrite(self, **tensors: torch.Tensor) -> None:

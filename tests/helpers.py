@@ -8,13 +8,14 @@ import torch
 
 from keepkv.merging import MergedRows, convex_merge_rows, momentum_merge_rows, spread_values_rows, zip_merge_rows
 from keepkv.methods.kvreviver import KVReviver
+from keepkv.store import write_rows
 
 
 # -- merges, applied -------------------------------------------------------------------------
 def applied(rows: MergedRows, **tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Copies of ``tensors`` (name -> [B, H_kv, S(, D)]) with ``rows``' merged rows written, in order;
     slots that receive no merge are bit-identical to the input."""
-    return tuple(rows.write_into(x.clone(), name) for name, x in tensors.items())
+    return tuple(write_rows(x.clone(), rows.groups, rows.rows[name]) for name, x in tensors.items())
 
 
 def zip_merge(keys, values, bias, log_scores, src, dst, merge, **options) -> tuple[torch.Tensor, ...]:
@@ -54,7 +55,7 @@ def gate_merges(values, bias, log_scores, src, dst, merge, max_value_change=math
 def ema_scores(merging, layer) -> torch.Tensor:
     """[B, H_kv, g, S] KeepKV's bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N of a layer
     (-inf on empty slots); ``merging``: the method's KeepKVMerge."""
-    return merging._ema(layer)[0]
+    return merging.ranking_scores(layer).heads
 
 
 def offload_report(cache) -> dict:

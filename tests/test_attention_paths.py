@@ -267,7 +267,7 @@ def test_decode_logits_are_the_ones_the_probabilities_come_from():
 @torch.no_grad()
 def test_merging_methods_compute_no_logits_of_their_own_while_decoding(method, monkeypatch):
     """The decode step's q·K is computed once, by the attention, and shared with the method."""
-    from keepkv.methods import keepkv as keepkv_module, zip_merging
+    from keepkv.methods import keepkv as keepkv_module
 
     model = tiny_model("llama-gqa", layers=2)
     input_ids, attention_mask = random_batch(batch=2, length=30, pad=(0, 7))
@@ -279,7 +279,6 @@ def test_merging_methods_compute_no_logits_of_their_own_while_decoding(method, m
         raise AssertionError("a method computed its own decode logits")
 
     monkeypatch.setattr(keepkv_module, "scaled_logits", refuse)
-    monkeypatch.setattr(zip_merging, "scaled_logits", refuse)
     mask = attention_mask
     for _ in range(4):
         token = logits.argmax(-1, keepdim=True)

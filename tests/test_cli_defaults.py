@@ -1,4 +1,4 @@
-"""The command line shows its defaults, and a fractional budget has a floor (issue 30)."""
+"""The command line shows its defaults, and a fractional budget has a floor."""
 
 import argparse
 import inspect

@@ -53,8 +53,9 @@ class _HeadSplitSelection(ScoredSelection):
     """Test selection: head h of layer l keeps budget·(1 + h)/H_kv + l entries (ragged), the newest."""
 
     name = "_head_split"
+    scored = True
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
         heads = torch.arange(1, kv_heads + 1)
         per_head = row_budget[None, :, None] * heads[None, None, :] // kv_heads
         return per_head + torch.arange(layers)[:, None, None]

@@ -142,8 +142,8 @@ FOUND = [
     # ZeroMerge opened a merge slot in a row that fitted its budget when a shorter row of the batch
     # was compressed: the row then merged differently from its prompt alone.
     {"method": "zeromerge", "lengths": [1, 1, 17], "budget": 1.0, "interval": 1, "chunk": None, "steps": 2, "seed": 0},
-    # A KVReviver row that fitted its budget at its last compression holds every token since,
-    # not its exact share (the invariant's formula was wrong, the method right).
+    # A KVReviver row that fitted its budget at its last compression holds every token since, not
+    # its exact share.
     {"method": "kvreviver", "lengths": [2], "budget": 4, "interval": 2, "chunk": None, "steps": 3, "seed": 0},
 ]
 
@@ -154,8 +154,8 @@ def test_found_by_the_fuzz(case):
 
 
 def test_kvreviver_refuses_a_budget_too_small_for_its_sketch_in_one_line():
-    """Found by the fuzz: a 1-token prompt at budget 1.0 left one entry, less than the sketch needs
-    (now the budget floor keeps a fractional budget above it: an entry count still can be too small)."""
+    """Found by the fuzz: an entry budget of 1 leaves less than the sketch needs (a fractional budget
+    has the budget floor above it)."""
     case = {"method": "kvreviver", "lengths": [1], "budget": 1, "interval": 1, "chunk": None, "steps": 0, "seed": 0}
     assert check_case(case) is False
     with pytest.raises(ValueError, match="needs a budget of at least 4 entries") as error:

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import keepkv
 from keepkv import CompressedCache
-from keepkv.budgets import capacity_bound, check_keep_prompt, KEEP_PROMPT_MERGES
+from keepkv.budgets import capacity_bound, check_keep_prompt
 from keepkv.methods import get_method
 
 from conftest import prefill, random_batch, run_generate, tiny_model
@@ -124,8 +124,14 @@ def test_capacity_bound_is_prompt_plus_budget_plus_interval(prompt, generated, m
 
 def test_every_kept_prompt_method_is_accepted():
     for method in KEEP_PROMPT_METHODS:
-        assert get_method(method).merging.name in KEEP_PROMPT_MERGES
+        assert get_method(method).merging.keeps_prompt
         check_keep_prompt(get_method(method), 40)
+
+
+def test_the_merges_that_keep_a_prompt_are_declared_on_them():
+    from keepkv.methods import MERGES
+
+    assert [name for name, merge in MERGES.items() if merge.keeps_prompt] == ["none", "zip", "keepkv"]
 
 
 def test_compress_refuses_keep_prompt():

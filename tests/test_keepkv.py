@@ -10,7 +10,7 @@ import torch
 import keepkv
 from keepkv.attention import StepStats
 from keepkv.store import LayerStore
-from keepkv.merging import convex_merge_rows
+from keepkv.merging import convex_merge_rows, cosine_nearest, zip_rows_with_ema
 
 from helpers import convex_merge, ema_scores, offload_report, zip_merge
 from reference import attention_mass
@@ -41,10 +41,12 @@ class ConvexMerge(KeepKVMerge):
 
     name = "convex-merge-test"
 
-    def merge_entries(self, layer, src, dst, merge, exact, ema=None, pooled=None, gated=False):
-        weights = torch.ones(src.shape, device=src.device)
-        layer.merge_into(convex_merge_rows(layer.keys, layer.values, src, dst, merge, weights))
-        return merge  # no gates: every planned merge happens
+    def apply(self, layer, plan, stats):
+        dst, similarity = cosine_nearest(layer.keys, plan.evict_idx, self.merge_candidates(layer, plan))
+        merge = plan.evict_valid & (similarity >= self.threshold)  # no gates: every planned merge happens
+        weights = torch.ones(merge.shape, device=merge.device)
+        layer.merge_into(convex_merge_rows(layer.keys, layer.values, plan.evict_idx, dst, merge, weights))
+        layer.keep(plan.kept, plan.slots)
 
 
 def keepkv_ema(**merge_params):
@@ -61,6 +63,18 @@ def votes(layer) -> tuple[torch.Tensor, torch.Tensor]:
 def prompt_ids(length=40, seed=3):
     ids, _ = random_batch(batch=1, length=length, pad=(0,), seed=seed)
     return ids
+
+
+def merge_entries(method, layer, src, dst, merge, queries, scaling, exact):
+    """ZIP-merge ``src`` into ``dst`` where ``merge`` in ``layer`` as KeepKV's merge does, ungated:
+    weighed with the newest of ``queries``' exact logits (as at a prompt's end), or with the EMA."""
+    stats = StepStats(query=queries, scaling=scaling, is_prefill=exact)
+    merging = method.merging
+    ema = merging.ranking_scores(layer)
+    layer.merge_into(zip_rows_with_ema(
+        layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], src, dst, merge,
+        merging.merge_weights(layer, ema, stats), ema.heads, queries[:, :, :, -1].contiguous(), scaling, merging.zip_key, 0.0,
+    ))
 
 
 def store_from(keys, values, queries, method, scaling):
@@ -204,7 +218,7 @@ def test_lemma6_identical_entries_merge_without_error(zip_key):
     layer = store_from(keys, values, window, method, 0.35)
     before = (layer.keys.clone(), layer.values.clone(), layer.bias.clone())
     src, dst = torch.full((batch, kv_heads, 1), 7), torch.full((batch, kv_heads, 1), 2)
-    method.merging.merge_entries(layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), exact=False)
+    merge_entries(method, layer, src, dst, torch.ones(batch, kv_heads, 1, dtype=torch.bool), window, 0.35, exact=False)
     layer.drop(torch.zeros_like(layer.live()).index_fill(-1, torch.tensor([7]), True))
     assert torch.allclose(layer.bias[:, :, 2].exp(), torch.tensor(2.0))
     for seed in range(5):  # any later query
@@ -347,7 +361,7 @@ def test_opposite_sign_logits_give_finite_keys():
         layer.bias[0, 0, 5] = math.log(0.5 * math.exp(0.5) / (2 * math.exp(-2.0)))
         reference = _attend(query[:, :, :, 0].reshape(1, 1, dim), layer.keys, layer.values, layer.bias, scaling)
         src, dst = torch.tensor([[[4]]]), torch.tensor([[[5]]])
-        method.merging.merge_entries(layer, src, dst, torch.ones(1, 1, 1, dtype=torch.bool), exact=True)
+        merge_entries(method, layer, src, dst, torch.ones(1, 1, 1, dtype=torch.bool), query, scaling, exact=True)
         merged = layer.keys[0, 0, 5]
         assert torch.isfinite(merged).all() and merged.norm() < 10 * keys.norm(dim=-1).max(), (zip_key, merged)
         layer.bias[0, 0, 4] = float("-inf")
@@ -477,8 +491,9 @@ def test_perturbation_bad_input():
 @pytest.mark.parametrize("spec", ["keepkv", "keepkv+scores=exact", "keepkv+selection=ema+interval=2"])
 @torch.no_grad()
 def test_the_state_carries_no_step_scratch_after_a_compression(gqa_model, spec):
-    """The newest query and its exact logits ([B, H_kv, g, S] over one step's slots) are not kept
-    in the layer's state after a compression: no stale [.., S_prompt] tensor counted as method state."""
+    """The newest query and its exact logits ([B, H_kv, g, S] over one step's slots) are read from
+    the step's statistics, never kept in the layer's state: no stale [.., S_prompt] tensor counted
+    as method state."""
     cache = keepkv.CompressedCache(gqa_model.config, spec, 0.25)
     ids = torch.randint(3, 100, (2, 120))
     with keepkv.enabled(gqa_model):

@@ -179,7 +179,7 @@ def test_bad_gate_parameters_raise_one_line(params):
 
 
 def _top_kept_by_sort(kept, priority, share):
-    """The stable-sort definition of ``EvictionPlan.top_kept`` (the implementation before the top-k)."""
+    """The stable-sort definition of ``EvictionPlan.top_kept``, which its top-k must equal."""
     scored = kept & torch.isfinite(priority)
     order = priority.masked_fill(~scored, float("-inf")).argsort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))

@@ -39,9 +39,9 @@ def _one_line_refusal(error) -> str:
 @pytest.mark.parametrize("method, budget", [("snapkv", 40), ("full", 1.0), ("h2o", 8)])
 @pytest.mark.parametrize("longer", [True, False])
 def test_a_new_unpadded_prompt_on_a_used_cache_is_refused_and_changes_nothing(method, budget, longer):
-    """The issue's script on a tiny model: one cache, model.generate on a prompt, then on another
-    prompt without padding. A longer one used to be answered as a continuation of the old
-    conversation (its first tokens sliced off unseen), a shorter one raised torch's reshape error."""
+    """One cache, model.generate on a prompt, then on another prompt without padding, longer or
+    shorter: refused in one line, not answered as a continuation of the first conversation (its
+    first tokens sliced off unseen) nor failing in a torch reshape."""
     model = tiny_model("llama-gqa", layers=2)
     keepkv.enable(model)
     cache = keepkv.CompressedCache(model.config, method, budget)
@@ -109,7 +109,7 @@ def test_the_record_follows_rows_that_num_return_sequences_repeats_and_select_ro
 
 def test_a_beam_search_cache_is_refused_for_the_sequence_it_returns():
     """Beam search leaves num_beams rows in the cache, of the beams still running: continuing it
-    with the returned sequence is refused in one line (it used to fail in a torch reshape)."""
+    with the returned sequence is refused in one line, not left to fail in a torch reshape."""
     model = tiny_model("llama-gqa", layers=2)
     keepkv.enable(model)
     cache = keepkv.CompressedCache(model.config, "h2o", 12)

@@ -127,8 +127,8 @@ def test_cli_ops_refuses_bad_input_in_one_line(flags, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-# No method's decode step waits for the device, on any device (KeepKV and KVReviver included:
-# they once read a count back on CPU to skip empty merges and swaps).
+# No method's decode step waits for the device, on any device (KeepKV and KVReviver included: they
+# merge and swap without reading back whether anything merges or swaps).
 NO_SYNC = sorted(__import__("keepkv").methods.METHODS)
 
 

@@ -368,7 +368,7 @@ def test_kept_is_the_caches_row_budget(budget):
 
 def test_rejects_what_it_cannot_serve():
     for method in ("cam", "d2o", "kvmerger", "snapkv+merge=zip", "keepkv+selection=kvzip"):
-        with pytest.raises(ValueError, match=f"serves {', '.join(SERVED_METHODS)} .*merge none or keepkv"):
+        with pytest.raises(ValueError, match=f"serves {', '.join(SERVED_METHODS)} .*merge keepkv or none"):
             PagedCompression(CONFIG, method, 0.5)
     with pytest.raises(ValueError, match="does not serve kvzip: its reconstruction pass"):
         PagedCompression(CONFIG, "kvzip", 0.5)

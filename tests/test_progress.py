@@ -1,4 +1,4 @@
-"""Warnings and progress that do not collide (issue 30): every warning is its own line, long
+"""Warnings and progress that do not collide: every warning is its own line, long
 commands show progress, and `keepkv bench` with no options is a quick run that names the grid."""
 
 import warnings

@@ -31,7 +31,7 @@ def test_only_servable_methods_pass_and_the_refusal_names_them(method):
     ({"method": "snapkv", "budget": 0.0}, "budget"),
     ({"method": "snapkv", "budget": 1.5}, "budget"),
     ({"method": "snapkv+bogus=1", "budget": 0.1}, "unknown parameter"),
-    ({"method": "snapkv+merge=zip", "budget": 0.1}, "merge none or keepkv"),
+    ({"method": "snapkv+merge=zip", "budget": 0.1}, "merge keepkv or none"),
     ({"budget": 0.1}, 'takes "method", "budget" and "keep_prompt"'),
     ({"method": "snapkv", "window": 3}, 'takes "method", "budget" and "keep_prompt"'),
     ("snapkv", "is a dict"),
@@ -142,7 +142,7 @@ def test_a_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("argv, environ, message", [
     (["--enable-prefix-caching"], {}, "does not support prefix caching: a block shared"),
     (["--additional-config", "{}"], {}, "writes it from --method and --budget"),
-    (["--method", "cam"], {}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keydiff, keepkv"),
+    (["--method", "cam"], {}, "serves h2o, keepkv, keydiff, pyramidkv, snapkv, streamingllm, window"),
     (["--budget", "2"], {}, "budget 2 keeps 2 per layer and head, fewer than keepkv's 32 protected"),
     ([], {"VLLM_PLUGINS": ""}, "leaves out keepkv's plugin"),
     (["--speculative-config", '{"method": "ngram"}'], {}, "does not support speculative decoding"),

@@ -338,7 +338,7 @@ def no_engine_core(monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"enable_prefix_caching": True}, r"does not support prefix caching: a block shared .* \(--no-enable-prefix-caching"),
-    ({"config": {"method": "cam", "budget": 0.3}}, "serves window, streamingllm, snapkv, h2o, pyramidkv, keydiff, keepkv"),
+    ({"config": {"method": "cam", "budget": 0.3}}, "serves h2o, keepkv, keydiff, pyramidkv, snapkv, streamingllm, window"),
     ({"config": {"method": "snapkv", "budget": 0.0}}, "budget"),
     ({"config": {"method": "keepkv", "budget": 2}}, "budget 2 keeps 2 per layer and head, fewer than keepkv's 32"),
     ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method", "budget" and "keep_prompt"'),

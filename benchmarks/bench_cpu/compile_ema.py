@@ -1,7 +1,7 @@
 """Eager vs torch.compile of KeepKV's per-layer decode-step score math (EMA update of eq. 8 and the
 GQA pooling of pool_log_scores), at B=4, H_kv=3, g=3, S=410 (10% of 4k), one thread."""
 import math, time, torch
-from keepkv.methods.zip_merging import pool_log_scores
+from keepkv.merging import pool_log_scores
 torch.set_num_threads(1)
 NEG_INF = float("-inf")
 alpha = 0.94

@@ -30,10 +30,9 @@ class SmallKeyNorm(ScoredSelection):
     """
 
     name = "knorm"
-    scored = False  # the score is read from the keys: no per-entry state to keep
     sinks: int = 4
 
-    def priority(self, layer) -> torch.Tensor:
+    def priority(self, layer, merge_scores=None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for the sinks, else minus the key's norm (a higher priority stays)."""
         is_protected = protected(layer, self.sinks, torch.zeros_like(layer.budget))
         return (-layer.keys.float().norm(dim=-1)).masked_fill(is_protected, float("inf"))

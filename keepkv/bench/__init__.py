@@ -138,11 +138,12 @@ One field per line as ``path : type : meaning``; ``[]`` stands for every element
     overhead[].batch : int : rows
     overhead[].steps : int : decode steps averaged
     overhead[].step_ms : float : mean step time with the proxies installed
-    overhead[].method_ms : float : observe + compress + attention_entries per step
+    overhead[].method_ms : float : observe + refresh + compress + attention_entries per step
     overhead[].method_share : float : method_ms / step_ms
     overhead[].rest_ms : float : step_ms - method_ms
     overhead[].observe_ms : float : method.observe per step (all layers)
-    overhead[].compress_ms : float : method.compress per step (all layers); with ``compile=True`` the whole compiled step (observe + compress), observe_ms then 0
+    overhead[].refresh_ms : float : method.refresh per step (KeepKV's rebuild from its full copy; the compression that follows is compress_ms)
+    overhead[].compress_ms : float : method.compress per step (all layers); with ``compile=True`` the whole compiled step (observe + refresh + compress), observe_ms and refresh_ms then 0
     overhead[].attention_entries_ms : float : method.attention_entries per step
     overhead[].append_ms : float : LayerStore.append per step (core, not the method)
     overhead[].attend_ms : float : rest of cache.forward_layer: the attention itself

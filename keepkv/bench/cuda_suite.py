@@ -6,7 +6,7 @@ the time budget (default 570 s, under the 10 minutes of one H100 session):
 1. ``tests``: the CUDA tests from a checkout (``tests/test_cuda.py``: bf16 batch row = prompt
    alone for every method, bf16 compressed = masked full, Theorem 3 in fp32;
    ``tests/test_decode_kernel.py``: the Triton kernel natively against the torch path;
-   ``tests/test_gpu_path_fixes.py`` and ``tests/test_sketch.py``: the fp32-output GEMM, the
+   ``tests/test_gpu_path_on_cpu.py`` and ``tests/test_sketch.py``: the fp32-output GEMM, the
    deterministic sketch). Counts from pytest's JUnit XML.
 2. ``ops``: ``keepkv bench --ops`` on the device (operation and sync counts per layer-step; the
    operation counts should equal the CPU's, and a ``.cpu()`` is a real sync there).
@@ -42,7 +42,7 @@ import xml.etree.ElementTree as ET
 
 import torch
 
-CUDA_TESTS = ["tests/test_cuda.py", "tests/test_decode_kernel.py", "tests/test_gpu_path_fixes.py", "tests/test_sketch.py"]
+CUDA_TESTS = ["tests/test_cuda.py", "tests/test_decode_kernel.py", "tests/test_gpu_path_on_cpu.py", "tests/test_sketch.py"]
 BENCH = [
     "--config", "llama2-7b", "--dtype", "bfloat16", "--methods", "full,h2o,keepkv", "--budget", "0.2",
     "--prompt-len", "4096", "--gen-len", "1024", "--batch", "8", "--repeats", "1", "--warmup", "1",

@@ -54,7 +54,7 @@ from .setup import stand_in_tokenizer
 
 PARTS = ("method", "append", "attention", "model")
 # With compile=True these run inside the compiled step, counted from its profile.
-COMPILED_PARTS = ("observe", "compress")
+COMPILED_PARTS = ("observe", "refresh", "compress")
 CUDA_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
 COMPILED_SYNCS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item"}
 # Python-level tensor methods that copy to the host (not seen by the dispatcher on a CPU tensor).

@@ -82,7 +82,7 @@ def format_table(result: dict) -> str:
                     "tok/s vs full", "batch vs full"], rows)
         )
     if result.get("overhead"):
-        out += ["", "Overhead per decode step (ms; method = observe + compress + attention_entries)"]
+        out += ["", "Overhead per decode step (ms; method = observe + refresh + compress + attention_entries)"]
         rows = [
             [
                 r["method"],

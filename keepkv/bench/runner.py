@@ -31,7 +31,7 @@ from ..models import CACHE_KWARG
 from .setup import stand_in_tokenizer
 
 # Method code timed by the overhead proxies (bound methods of the method instance).
-METHOD_PARTS = ("observe", "compress", "attention_entries")
+METHOD_PARTS = ("observe", "refresh", "compress", "attention_entries")
 
 
 # -- devices and memory ---------------------------------------------------------------------
@@ -207,11 +207,11 @@ class MethodTimer:
 
     def install(self, cache) -> None:
         for part in METHOD_PARTS:
-            if cache.compile and part in ("observe", "compress"):
+            if cache.compile and part in ("observe", "refresh", "compress"):
                 continue  # traced into the compiled step: a timer there would stop it compiling
             self._shadow(cache.method, part, part)
         if cache.compile:
-            self._shadow(cache.step, "_method_step", "compress")  # observe + compress: one compiled graph
+            self._shadow(cache.step, "_method_step", "compress")  # observe, refresh and compress: one compiled graph
         for layer in cache.layers:
             self._shadow(layer, "append", "append")
         self._shadow(cache, "forward_layer", "forward_layer")
@@ -483,7 +483,7 @@ def run_once(
 
 
 def summarise_overhead(steps: list[dict]) -> dict:
-    """Mean ms per step of each part; ``method_ms`` = observe + compress + attention_entries.
+    """Mean ms per step of each part; ``method_ms`` = observe + refresh + compress + attention_entries.
 
     ``attend_ms`` is the rest of ``forward_layer`` (the attention itself), ``model_ms`` the
     rest of the step (projections, MLP, norms, logits, argmax).
@@ -503,6 +503,7 @@ def summarise_overhead(steps: list[dict]) -> dict:
         "method_share": method_ms / step_ms if step_ms else 0.0,
         "rest_ms": step_ms - method_ms,
         "observe_ms": parts["observe_ms"],
+        "refresh_ms": parts["refresh_ms"],
         "compress_ms": parts["compress_ms"],
         "attention_entries_ms": parts["attention_entries_ms"],
         "append_ms": parts["append_ms"],

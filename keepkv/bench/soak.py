@@ -40,9 +40,10 @@ from .runner import current_rss
 CHECKPOINTS = (100, 1_000, 10_000, 20_000)
 
 
-def documented_growth(method: str, config) -> int | None:
-    """Bytes per decoded token a method's cache may grow by, once it compresses (None: unbounded)."""
-    name = method.split("+")[0]
+def documented_growth(spec: str, config) -> int | None:
+    """Bytes per decoded token the cache of a method (a name or variant) may grow by, once it
+    compresses (None: unbounded)."""
+    name = spec.split("+")[0]
     if name == "full":
         return None
     if name == "kvreviver":

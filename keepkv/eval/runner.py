@@ -420,10 +420,10 @@ def _rouge_vs(prediction: str, reference: str) -> float:
     return metrics.rouge_l(prediction, reference)
 
 
-# ---------------------------------------------------------------- one group
+# ---------------------------------------------------------------- one suite at one length
 
 
-class _Group:
+class _SuiteAtLength:
     """One suite at one length: samples, cells, batches."""
 
     def __init__(self, runner: "_Runner", spec: SuiteSpec, length: int):
@@ -1062,7 +1062,7 @@ def run_eval(
     with tqdm(total=total_cells, desc="eval cells", unit="cell", disable=not progress) as bar:
         for spec, length in plan:
             bar.set_postfix_str(f"{spec.label} {length}")
-            group = _Group(runner, spec, length)
+            group = _SuiteAtLength(runner, spec, length)
             group.load_finished()
             group.run(bar)
             groups.append(group)

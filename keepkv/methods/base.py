@@ -29,7 +29,7 @@ import torch
 
 from ..attention import Needs, StepStats
 from ..checks import MAX_COUNT, is_int, shown
-from ..merging import compacts
+from ..merging import gathers_candidates
 from ..store import slots_of
 
 METHODS: dict[str, type["Method"]] = {}
@@ -193,16 +193,24 @@ class Method:
     ----------
     interval : int
         During decoding, compress once every ``interval`` new tokens; between compressions a
-        layer holds up to ``budget + interval - 1`` entries (the method's declared slack).
+        layer holds up to ``budget + interval - 1`` entries.
     """
 
     name: ClassVar[str] = ""
+    """The registered name (``get_method(name)``)."""
     paper: ClassVar[str] = ""
-    # True when allocate() reads statistics of every layer's prefill (D2O): then no layer is
-    # compressed before the last one has seen the prompt, so the whole prompt cache peaks at once.
+    """The paper it follows, for ``keepkv methods``."""
     allocates_from_all_layers: ClassVar[bool] = False
-    selection: ClassVar[None] = None  # a ComposedMethod's parts; none for a method of its own
+    """True when ``allocate`` reads every layer's prefill (D2O): no layer is then compressed before
+    the last one has seen the prompt, so the whole prompt cache peaks at once."""
+    served: ClassVar[bool] = False
+    """Whether a serving engine's paged adapter (``keepkv.paged``) runs it (:func:`serving_refusal`)."""
+    not_served: ClassVar[str] = ""
+    """Why a serving engine cannot run it, in its own words (KVzip: its reconstruction pass), or ""."""
+    selection: ClassVar[None] = None
+    """A ComposedMethod's selection; none for a method of its own."""
     merging: ClassVar[None] = None
+    """A ComposedMethod's merge; none for a method of its own."""
     interval: int = 1
 
     def __post_init__(self):
@@ -222,6 +230,18 @@ class Method:
     def needs(self, is_prefill: bool) -> Needs:
         """Statistics the attention path must compute for this method."""
         return Needs()
+
+    def prefill_query_rows(self) -> int:
+        """The newest query rows of a prompt that ``observe`` and ``compress`` read at its end: what
+        a prompt read in chunks keeps of its queries until then."""
+        return max(1, self.needs(True).window)
+
+    @property
+    def reads_every_entry(self) -> bool:
+        """Whether what it computes for an entry reads the layer's other entries beyond the
+        attention's probabilities (``Selection.reads_every_entry``): a kept prompt's entries then
+        change the generated ones', so the paged adapter compresses them with the prompt in the store."""
+        return True
 
     def prepare(self, model) -> None:
         """Derive model-specific constants once, before generation (KVReviver's Fisher layer
@@ -256,14 +276,26 @@ class Method:
     def observe(self, layer, stats: StepStats) -> None:
         """Update scores after every attention call."""
 
+    def refresh(self, layer, stats: StepStats) -> StepStats | None:
+        """After ``observe`` at every decode step: when a refresh is due (KeepKV's
+        ``refresh_interval``), rebuild the layer's entries and return the statistics its compression
+        reads, which takes the place of the step's; else None."""
+        return None
+
+    def allocation_scores(self, layer) -> torch.Tensor | None:
+        """What ``allocate`` reads of one layer once its prefill is observed (KVzip's scores
+        [B, H_kv, S], D2O's attention variance [B]), or None. Asked of every layer when the method
+        ``allocates_from_all_layers``."""
+        return None
+
     def allocate(
         self, layers: int, kv_heads: int, row_budget: torch.Tensor, prompt_lengths: torch.Tensor,
-        states: list[dict] | None = None,
+        scores: list | None = None,
     ) -> torch.Tensor | None:
         """Budgets [L, B, H_kv] from each row's mean per-layer budget [B]; None = never compress.
 
-        Pure: it reads its arguments only (``states``: each layer's method state after its prefill,
-        None when budgets are asked before the model runs, as ``capacity_bound`` does)."""
+        Pure: it reads its arguments only (``scores``: each layer's ``allocation_scores``, None
+        when budgets are asked before the model runs, as ``capacity_bound`` does)."""
         return uniform_budgets(layers, kv_heads, row_budget)
 
     def compress(self, layer, stats: StepStats) -> None:
@@ -311,6 +343,14 @@ def select_state_rows(state: dict, index: torch.Tensor, rows: int, owner: str) -
     return picked
 
 
+def _declared_per_class(cls, flags: tuple[str, ...]) -> None:
+    """Set each of ``flags`` that the class body of ``cls`` does not declare to False: what a part
+    can do is declared by each part itself, never inherited from the one it extends."""
+    for flag in flags:
+        if flag not in cls.__dict__:
+            setattr(cls, flag, False)
+
+
 @dataclass(frozen=True)
 class Selection:
     """Which entries a compression keeps: each entry's score, the ranking made from it
@@ -322,12 +362,32 @@ class Selection:
     """
 
     name: ClassVar[str] = ""
-    # True when allocate() reads every layer's prefill statistics (``states``): no layer is then
-    # compressed before the last one has seen the prompt.
+    """The registered name (``selection=NAME``)."""
     allocates_from_all_layers: ClassVar[bool] = False
+    """True when ``allocate`` reads every layer's prefill (``allocation_scores``): no layer is then
+    compressed before the last one has seen the prompt."""
+    scored: ClassVar[bool] = False
+    """Whether it keeps a per-entry ``"score"`` extra, accumulated in ``observe`` (a selection that
+    writes one without declaring it fails at its first write)."""
+    served: ClassVar[bool] = False
+    """Whether the paged adapter runs it: its scores need no pass beyond the prompt's own attention
+    and its layer budgets follow from the prompt's length alone. Declared by each class itself."""
+    ranks_by_merge_scores: ClassVar[bool] = False
+    """Whether ``priority`` ranks by the merge's ``ranking_scores`` (KeepKV's ``ema``): it then pairs
+    only with a merge that ``keeps_scores``."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _declared_per_class(cls, ("served",))
 
     def __post_init__(self):
         check_field_types(self)
+
+    @property
+    def keeps_order(self) -> bool:
+        """Whether the ranking compares neighbouring slots, so the kept entries must stay in position
+        order (a plan then keeps them with ``layer.select``, not by moving the newest into freed slots)."""
+        return False
 
     def needs(self, is_prefill: bool) -> Needs:
         """Statistics the scores read."""
@@ -347,12 +407,18 @@ class Selection:
         """Entries a compressed row keeps whatever their scores, per layer and head."""
         return 0
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None) -> torch.Tensor:
+    def allocation_scores(self, layer) -> torch.Tensor | None:
+        """What ``allocate`` reads of one layer (see ``Method.allocation_scores``)."""
+        return None
+
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None) -> torch.Tensor:
         """Budgets [L, B, H_kv] from each row's mean budget [B] (see ``Method.allocate``)."""
         return uniform_budgets(layers, kv_heads, row_budget)
 
-    def priority(self, layer) -> torch.Tensor:
-        """[B, H_kv, S] the ranking: the lowest-ranked entries leave (+inf: always kept)."""
+    def priority(self, layer, merge_scores=None) -> torch.Tensor:
+        """[B, H_kv, S] the ranking: the lowest-ranked entries leave (+inf: always kept).
+        ``merge_scores``: the merge's ``ranking_scores`` of this plan (None when it keeps none),
+        which a selection that ``ranks_by_merge_scores`` ranks by."""
         raise NotImplementedError
 
     def refusal(self, merging: "Merge") -> str | None:
@@ -371,9 +437,36 @@ class Selection:
 class Merge:
     """What becomes of the entries a selection's plan evicts. This base evicts them: it keeps the
     plan's entries and nothing else (``layer.keep``). A merging rule (``ZipMerge``) first folds
-    the evicted entries into kept ones through ``layer.merge_into``."""
+    the evicted entries into kept ones through ``layer.merge_into``.
+
+    A merge never calls its selection: it is handed the plan (:class:`EvictionPlan`: the kept and
+    evicted entries, the ranking, the protected entries). **The serving rule:** a merge that a
+    serving engine runs (``served``) changes a slot's key or value only together with its entry
+    (position) or its votes (bias), since the engine rewrites the key and value only of such slots
+    (``tests/test_contract.py`` checks every registered merge).
+    """
 
     name: ClassVar[str] = "none"
+    """The registered name (``merge=NAME``)."""
+    served: ClassVar[bool] = True
+    """Whether the paged adapter runs it (it keeps the serving rule). Declared by each class itself."""
+    keeps_prompt: ClassVar[bool] = True
+    """Whether it can keep a prompt whole (``decoding="keep_prompt"``): it merges nothing into a kept
+    prompt's entries. Declared by each class itself."""
+    keeps_scores: ClassVar[bool] = False
+    """Whether ``ranking_scores`` gives per-entry scores a selection may rank by (KeepKV's EMA)."""
+    window: ClassVar[int] = 0
+    """Query rows of a prompt's end the merge reads (KeepKV: those its EMA starts from)."""
+    refresh_interval: ClassVar[int | None] = None
+    """Decode steps between two rebuilds of a layer from a full copy of its entries (KeepKV's
+    periodic refresh: a kept prompt cannot stay whole through one); None: never."""
+    writes_bias: ClassVar[bool] = False
+    """Whether it writes entries' bias (votes, ln p): a store's bias is then no longer 0 or -inf, and
+    the paged adapter gives each slot a bias word and keys wide enough to carry it to the kernel."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _declared_per_class(cls, ("served", "keeps_prompt"))
 
     def __post_init__(self):
         check_field_types(self)
@@ -389,15 +482,24 @@ class Merge:
         """The extras the merge adds, after the selection's (see ``Method.entry_extras``)."""
         return {}
 
-    def observe(self, layer, stats: StepStats, selection: Selection) -> None:
+    def observe(self, layer, stats: StepStats) -> None:
         """Fold one attention call's statistics into what the merge keeps (KeepKV's EMA), after
         the selection observed it."""
 
-    def compress(self, layer, selection: Selection, stats: StepStats) -> None:
-        """Bring every row and head of ``layer`` to at most its budget: ``selection``'s plan, then
-        :meth:`apply`. A merge that acts before the plan (KeepKV's merge-first prefill) overrides this."""
-        if layer.size > layer.min_budget:
-            self.apply(layer, plan_eviction(layer, selection.priority(layer)), stats)
+    def refresh(self, layer, stats: StepStats) -> StepStats | None:
+        """When a refresh is due (``refresh_interval``), rebuild the layer's entries from the merge's
+        full copy and return the statistics its compression reads (as a prompt's end); else None."""
+        return None
+
+    def ranking_scores(self, layer):
+        """The per-entry scores this merge keeps, computed once per plan: handed to the selection's
+        ``priority`` and back to ``apply`` in the plan (``EvictionPlan.merge_scores``); None."""
+        return None
+
+    def merge_before_eviction(self, layer, plan: "EvictionPlan", stats: StepStats) -> StepStats | None:
+        """Merges made before any eviction (KeepKV's merge-first prefill), from ``plan``'s ranking;
+        when they changed the layer, the statistics its eviction reads (it is planned anew), else None."""
+        return None
 
     def apply(self, layer, plan: "EvictionPlan", stats: StepStats) -> None:
         """Rewrite the layer's store from ``plan``."""
@@ -508,6 +610,12 @@ class ComposedMethod(Method):
     def allocates_from_all_layers(self) -> bool:
         return self.selection.allocates_from_all_layers
 
+    @property
+    def served(self) -> bool:
+        """Whether the paged adapter runs the parts this method is registered with (a variant that
+        swaps in others is served only when they are too: :func:`serving_refusal`)."""
+        return self.default_part("selection").served and self.default_part("merging").served
+
     def needs(self, is_prefill: bool) -> Needs:
         return Needs.union([self.selection.needs(is_prefill), self.merging.needs(is_prefill)])
 
@@ -526,19 +634,40 @@ class ComposedMethod(Method):
     def entry_extras(self, group: int) -> dict[str, Extra]:
         return {**self.selection.entry_extras(group), **self.merging.entry_extras(group)}
 
+    def prefill_query_rows(self) -> int:
+        return max(1, self.needs(True).window, self.merging.window)
+
     def observe(self, layer, stats: StepStats) -> None:
         self.selection.observe(layer, stats)
-        self.merging.observe(layer, stats, self.selection)
+        self.merging.observe(layer, stats)
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
-        return self.selection.allocate(layers, kv_heads, row_budget, prompt_lengths, states)
+    def refresh(self, layer, stats: StepStats) -> StepStats | None:
+        return self.merging.refresh(layer, stats)
 
-    def priority(self, layer) -> torch.Tensor:
-        """[B, H_kv, S] the selection's ranking."""
-        return self.selection.priority(layer)
+    def allocation_scores(self, layer) -> torch.Tensor | None:
+        return self.selection.allocation_scores(layer)
+
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
+        return self.selection.allocate(layers, kv_heads, row_budget, prompt_lengths, scores)
+
+    def plan(self, layer) -> "EvictionPlan":
+        """The selection's plan for ``layer``: its ranking, made from the merge's ``ranking_scores``
+        where it reads them, which the plan hands back to the merge."""
+        scores = self.merging.ranking_scores(layer)
+        ranking = self.selection.priority(layer, scores)
+        return plan_eviction(layer, ranking, merge_scores=scores, keeps_order=self.selection.keeps_order)
 
     def compress(self, layer, stats: StepStats) -> None:
-        self.merging.compress(layer, self.selection, stats)
+        """The selection's plan, then the merge's rewrite of the store from it. A merge that merges
+        before it evicts (KeepKV's merge-first prefill) hands on the statistics of the layer it
+        changed, which is then planned anew."""
+        if layer.size <= layer.min_budget:
+            return
+        plan = self.plan(layer)
+        changed = self.merging.merge_before_eviction(layer, plan, stats)
+        if changed is not None:
+            plan, stats = self.plan(layer), changed
+        self.merging.apply(layer, plan, stats)
 
 
 @dataclass
@@ -549,7 +678,9 @@ class EvictionPlan:
     and head keeps); evict_idx [B, H_kv, E]: the evicted slots in position order, then others
     (evict_valid False). keep_idx [B, H_kv, slots]: the kept slots in position order, then others
     (keep_valid False); computed only when asked for (a sort over every slot). priority
-    [B, H_kv, S]: the ranking the plan was made from (+inf: protected by the selection).
+    [B, H_kv, S]: the ranking the plan was made from (+inf: protected by the selection, see
+    ``protected``). merge_scores: the merge's ``ranking_scores`` the ranking read, handed back to
+    the merge; keeps_order: the kept entries must stay in position order (``Selection.keeps_order``).
     """
 
     kept: torch.Tensor
@@ -557,6 +688,13 @@ class EvictionPlan:
     evict_idx: torch.Tensor
     evict_valid: torch.Tensor
     priority: torch.Tensor | None = None
+    merge_scores: object = None
+    keeps_order: bool = False
+
+    @property
+    def protected(self) -> torch.Tensor:
+        """[B, H_kv, S] bool: the entries the selection keeps whatever their scores (priority +inf)."""
+        return self.priority == math.inf
 
     def top_kept(self, share: float) -> torch.Tensor:
         """[B, H_kv, S] bool: the ceil(share · n) highest-ranked of the n kept entries that the
@@ -588,10 +726,11 @@ class EvictionPlan:
     def keep_valid(self) -> torch.Tensor:
         return self._keep_slots[1]
 
-    def candidate_idx(self, size: int) -> torch.Tensor | None:
+    def candidate_idx(self) -> torch.Tensor | None:
         """``keep_idx`` where :func:`keepkv.merging.cosine_nearest` would search only the kept slots of
-        a layer of ``size`` slots (a prefill compression), else None: a decode step skips the sort."""
-        return self.keep_idx if compacts(self.slots, size) else None
+        the planned layer (a prefill compression), else None: a decode step skips the sort."""
+        return self.keep_idx if gathers_candidates(self.slots, self.kept.shape[-1]) else None
+
 
 
 def rank_keys(priority: torch.Tensor) -> torch.Tensor:
@@ -609,7 +748,8 @@ def rank_keys(priority: torch.Tensor) -> torch.Tensor:
 
 
 def plan_eviction(
-    layer, priority: torch.Tensor, budget: tuple[torch.Tensor, int, int] | None = None
+    layer, priority: torch.Tensor, budget: tuple[torch.Tensor, int, int] | None = None, *, merge_scores=None,
+    keeps_order: bool = False,
 ) -> EvictionPlan:
     """Keep the ``layer.budget`` live entries of highest ``priority`` [B, H_kv, S] per row and head.
 
@@ -625,7 +765,8 @@ def plan_eviction(
     That keeps a ragged batch's decode step (rows of unequal budgets) at the one entry a step
     adds instead of S - min(budget). A kept prompt's entries (``layer.frozen_entries()``) rank
     +inf: they always stay. ``budget``: (budget [B, H_kv], its max, its min) to use
-    instead of the layer's (KVReviver's exact share).
+    instead of the layer's (KVReviver's exact share). ``merge_scores`` and ``keeps_order`` go into
+    the plan as they are (:class:`EvictionPlan`).
     """
     own = budget is None
     budget, capacity, min_budget = budget or (layer.budget, layer.capacity, layer.min_budget)
@@ -654,7 +795,7 @@ def plan_eviction(
         evicted = drops & live.gather(-1, lowest)
         order = (lowest + (~evicted).long() * size).argsort(dim=-1)  # position order, evicted first
         evict_idx, evict_valid = lowest.gather(-1, order), evicted.gather(-1, order)
-    return EvictionPlan(kept, min(size, capacity), evict_idx, evict_valid, priority)
+    return EvictionPlan(kept, min(size, capacity), evict_idx, evict_valid, priority, merge_scores, keeps_order)
 
 
 def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:
@@ -674,13 +815,13 @@ def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:
 
 def note_prompt_end(layer) -> None:
     """Record the tokens each row has seen as its prompt ends (``layer.state["prompt_seen"]`` [B]):
-    what :func:`decoded_window` counts generated tokens from. Call it from ``observe`` at the
+    what :func:`generated_recent_count` counts generated tokens from. Call it from ``observe`` at the
     prefill."""
     layer.state["prompt_seen"] = layer.real_seen.clone()
 
 
-def decoded_window(layer, window: int) -> torch.Tensor:
-    """[B, H_kv] the newest ``window`` tokens to protect, counting only those that followed the
+def generated_recent_count(layer, window: int) -> torch.Tensor:
+    """[B, H_kv] how many of the newest tokens to protect: up to ``window``, counting only those that followed the
     prompt (:func:`note_prompt_end`): 0 at the prompt's own compression, then up to ``window`` as
     tokens are generated. A layer with no prompt recorded protects the newest ``window``."""
     prompt_seen = layer.state.get("prompt_seen")
@@ -700,14 +841,13 @@ def pool_group(probs: torch.Tensor, row_dim: int | None = None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ScoredSelection(Selection):
-    """A selection that keeps sinks, a recent window and the highest-scoring of the rest.
+    """A selection that keeps sinks, a recent window and the highest-ranked of the rest.
 
     Subclasses say how many recent tokens to protect (``recent_count``) and, if they rank by
-    score (``scored``), how scores are accumulated (``observe``, into the per-entry extra
+    score (``scored = True``), how scores are accumulated (``observe``, into the per-entry extra
     ``"score"``); an unscored one (window, StreamingLLM) ranks every unprotected entry alike.
     """
 
-    scored: ClassVar[bool] = True
     sinks: int = 0
 
     def __post_init__(self):
@@ -728,8 +868,58 @@ class ScoredSelection(Selection):
         """[B, H_kv] recent tokens always kept."""
         return torch.zeros_like(budget)
 
-    def priority(self, layer) -> torch.Tensor:
+    def priority(self, layer, merge_scores=None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for protected entries, else the score."""
         is_protected = protected(layer, self.sinks, self.recent_count(layer.open_budget))
         score = layer.extras["score"] if self.scored else torch.zeros_like(layer.bias)
         return score.masked_fill(is_protected, float("inf"))
+
+
+def keep_prompt_refusal(method: Method) -> str | None:
+    """Why ``method`` cannot keep a prompt whole (``decoding="keep_prompt"``), in one line, or None:
+    it needs a selection with a merge that ``keeps_prompt``, no periodic refresh (which rebuilds
+    every entry) and a selection scored without a reconstruction pass (it would score no prompt)."""
+    merging = method.merging
+    if merging is None or not merging.keeps_prompt:
+        kept = ", ".join(name for name, merge in MERGES.items() if merge.keeps_prompt)
+        return f"decoding='keep_prompt' runs a selection that evicts or ZIP-merges (merge {kept}), got {method.name!r}"
+    if merging.refresh_interval is not None:
+        return "decoding='keep_prompt' cannot keep a prompt through refresh_interval (it rebuilds every entry)"
+    if method.needs(True).reconstruct:
+        return (f"decoding='keep_prompt' scores no prompt, and {method.name} scores only prompts (its "
+                "reconstruction pass): use another selection")
+    return None
+
+
+def serving_refusal(method: Method, keep_prompt: bool = False) -> str | None:
+    """Why the paged adapter (``keepkv.paged``) cannot serve ``method``, in one line that reads after
+    "does not serve ", or None; with ``keep_prompt`` (prompts kept whole), also
+    :func:`keep_prompt_refusal`'s sentence. Read from what the method and its parts declare.
+
+    A method is served when it is (``Method.served``: for a selection and a merge, the pair it is
+    registered with) and, for a variant, when the selection and merge it runs are too; not when its
+    merge rebuilds layers from a full copy (``refresh_interval``). A method that says why it is not
+    served (``not_served``) is refused in its own words."""
+    name = method.name or type(method).__name__
+    if method.not_served:
+        return f"{name}: {method.not_served}"
+    if not method.served:
+        if method.merging is None:
+            return f"{name}: it is no selection with a merge"
+        kind, part = next((kind, part) for kind, part in (("selection", type(method).default_part("selection")),
+                                                            ("merge", type(method).default_part("merging")))
+                          if not part.served)
+        return f"{name}: the {kind} it is registered with, {part.name!r}, is not served"
+    for kind, part in (("selection", method.selection), ("merge", method.merging)):
+        if not part.served:
+            return f"{name}: its {kind} {part.name!r} is not served"
+    if method.merging.refresh_interval is not None:
+        return "refresh_interval (it keeps a full copy of the cache)"
+    return keep_prompt_refusal(method) if keep_prompt else None
+
+
+def served_names() -> tuple[list[str], list[str], list[str]]:
+    """(methods, selections, merges) registered and served, in the order they were registered."""
+    return ([name for name, cls in METHODS.items() if issubclass(cls, ComposedMethod) and cls().served],
+            [name for name, cls in SELECTIONS.items() if cls.served],
+            [name for name, cls in MERGES.items() if cls.served])

@@ -59,7 +59,7 @@ class StartAndRecent(Selection):
         super().__post_init__()
         check_range("start_ratio", self.start_ratio, 0.0, 1.0)
 
-    def priority(self, layer) -> torch.Tensor:
+    def priority(self, layer, merge_scores=None) -> torch.Tensor:
         """[B, H_kv, S]: the leading ``start_ratio`` of the budget (+inf), then the newest."""
         start = (layer.budget.double() * self.start_ratio).round().long()  # [B, H_kv]
         positions = layer.positions

@@ -113,11 +113,14 @@ class VarianceBudgets(AccumulatedAttention):
             low, high = per_head.amin(-1, keepdim=True), per_head.amax(-1, keepdim=True)
             layer.state["variance_code"] = ((per_head - low) / (high - low + 1e-6)).mean(-1)  # [B]
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
-        if states is None:
-            raise ValueError("d2o allocates from every layer's prefill statistics: pass the layers' states")
-        key = "variance_paper" if self.allocation == "paper" else "variance_code"
-        variance = torch.stack([state[key] for state in states]).double()  # [L, B]
+    def allocation_scores(self, layer) -> torch.Tensor:
+        """[B] the variance of the layer's prompt attention that ``allocation`` reads."""
+        return layer.state["variance_paper" if self.allocation == "paper" else "variance_code"]
+
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
+        if scores is None:
+            raise ValueError("d2o allocates from every layer's prefill statistics: pass their allocation_scores")
+        variance = torch.stack(scores).double()  # [L, B]
         total = row_budget.double() * layers  # [B]
         if self.allocation == "paper":
             high = variance > self.gate
@@ -165,12 +168,12 @@ class D2OMerge(Merge):
         check_range("beta", self.beta, 0.0, 1.0)
         check_choice("merge_rule", self.merge_rule, MERGE_RULES)
 
-    def observe(self, layer, stats, selection) -> None:
+    def observe(self, layer, stats) -> None:
         if stats.is_prefill:
             layer.state["tau"] = None  # a new sequence: forget any earlier threshold
 
     def apply(self, layer, plan, stats) -> None:
-        target, similarity = cosine_nearest(layer.keys, plan.evict_idx, plan.kept, plan.candidate_idx(layer.size))
+        target, similarity = cosine_nearest(layer.keys, plan.evict_idx, plan.kept, plan.candidate_idx())
         candidate = plan.evict_valid & torch.isfinite(similarity)
         tau = self.update_threshold(layer, similarity, candidate)
         merge = candidate & (similarity >= tau.unsqueeze(-1))

@@ -13,5 +13,5 @@ class Full(Method):
     name = "full"
     paper = "-"
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
         return None

@@ -22,6 +22,8 @@ class AccumulatedAttention(ScoredSelection):
     """
 
     name = "h2o"
+    scored = True
+    served = True
     recent_ratio: float = 0.5
 
     def __post_init__(self):

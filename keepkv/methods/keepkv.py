@@ -1,9 +1,16 @@
-"""KeepKV: Electoral Votes, ZIP-Merging, EMA attention scores and periodic lossless refresh.
+"""KeepKV: ZIP-merging with Electoral Votes, EMA attention scores and periodic lossless refresh.
 
-KeepKV is a selection plus KeepKV's merge (:class:`KeepKVMerge`): ZIP-merging with Electoral
-Votes whose decode-time weights are EMA-predicted attention scores (eq. 8), with merge gates, the
-paper's merge-first prefill as an option and the periodic lossless refresh. The merge keeps the
-EMA; KeepKV's own ranking by it is the selection ``ema`` (:class:`EmaAttention`).
+Two merges any selection can take and one selection, from KeepKV's paper:
+
+- merge ``zip`` (:class:`ZipMerge`): every evicted entry ZIP-merged into its most similar kept
+  entry, weighed by the current query's exact logits;
+- merge ``keepkv`` (:class:`KeepKVMerge`): ZIP-merging whose decode-time weights are
+  EMA-predicted attention scores (eq. 8), which it keeps per entry, with merge gates, the paper's
+  merge-first prefill as an option and the periodic lossless refresh;
+- selection ``ema`` (:class:`EmaAttention`): KeepKV's own ranking, by the EMA that merge
+  ``keepkv`` keeps;
+
+and the method ``keepkv`` (:class:`KeepKV`). The arithmetic is :mod:`keepkv.merging`'s.
 """
 
 from __future__ import annotations
@@ -15,54 +22,142 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
-from ..merging import Groups, MergedRows, cosine_nearest, group_logsumexp
+from ..merging import (
+    KEY_RULES, LogScores, cosine_nearest, ema_log_scores, pool_log_scores, zip_rows, zip_rows_with_ema,
+)
 from ..offload import FullKVCopy
 from ..store import NEG_INF, slots_of
 from .base import (
-    ComposedMethod, Extra, Merge, ScoredSelection, Selection, check_choice, check_range, plan_eviction, protected,
+    ComposedMethod, EvictionPlan, Extra, Merge, ScoredSelection, Selection, check_choice, check_range, protected,
     register, register_merge, register_selection,
 )
 from .snapkv import ObservationWindow
-from .zip_merging import ZipMerge, pool_log_scores, zip_rows
 
 SCORE_MODES = ("ema", "exact")
 SCORE_NORMS = ("none", "row")
 PREFILL_ORDERS = ("merge_first", "evict_first")
 
 
-def ema_log_scores(
-    ema_log_s: torch.Tensor, ema_log_n: torch.Tensor, bias: torch.Tensor, live: torch.Tensor,
-    log_scale: torch.Tensor | float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bias-corrected EMA log-scores ln ŝ^h = ln S^h - ln N (+ ln Z, see ``score_norm``), per
-    query head [B, H_kv, g, S] (-inf on empty slots) and pooled over the group [B, H_kv, S].
+def merge_first_targets(
+    keys: torch.Tensor, live: torch.Tensor, priority: torch.Tensor, protected: torch.Tensor, budget: torch.Tensor,
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KeepKV's merge-first plan (Appendix B, Table 3): (src, dst, merge) [B, H_kv, E] of the entries
+    that consolidate before any eviction.
 
-    ema_log_s [B, H_kv, g, S] (a view of the stored [B, H_kv, S, g]); ema_log_n, bias, live [B, H_kv, S].
+    A root is a live entry that is ``protected`` or has no higher-``priority`` live entry at least
+    ``threshold`` cosine-similar; every other live entry (a mover) may merge into its most similar
+    root if that one is at least ``threshold`` similar. At most the entries each row and head must
+    shed (live - ``budget`` [B, H_kv]) merge, the most similar first: merging never takes a row
+    below its budget, and a row that fits is untouched. keys [B, H_kv, S, D]; live, priority,
+    protected [B, H_kv, S]. One host sync (the most movers and roots of any row and head).
     """
-    empty = ~live
-    log_n = ema_log_n.masked_fill(empty, 0.0)[:, :, None]
-    heads = (ema_log_s - log_n + log_scale).masked_fill(empty[:, :, None], NEG_INF)
-    return heads, pool_log_scores(heads, bias)
+    excess = (live.sum(-1) - budget).clamp(min=0)  # [B, H_kv]
+    order = priority.masked_fill(~live, NEG_INF).argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, ranks)
+    unit = F.normalize(keys.float(), dim=-1)
+    batch, kv_heads, size = live.shape
+    has_better = torch.zeros_like(live)
+    step = max(1, CHUNK_ELEMENTS // (batch * kv_heads * size))
+    for start in range(0, size, step):
+        stop = min(size, start + step)
+        sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)  # [B, H_kv, c, S]
+        better = (rank[:, :, None, :] < rank[:, :, start:stop, None]) & live[:, :, None, :]
+        has_better[:, :, start:stop] = ((sim >= threshold) & better).any(-1)
+    roots = live & (protected | ~has_better)
+    movers = live & ~roots
+    # Only movers look for a root: the second similarity pass is (movers x S), not S x S.
+    src, is_mover = slots_of(movers, int(movers.sum(-1).max()))
+    root_idx = slots_of(roots, int(roots.sum(-1).max()))[0]
+    dst, sim = cosine_nearest(keys, src, roots, root_idx)
+    merge = is_mover & (sim >= threshold)
+    by_similarity = sim.masked_fill(~merge, NEG_INF).argsort(dim=-1, descending=True, stable=True)
+    sim_rank = torch.empty_like(by_similarity).scatter_(-1, by_similarity, ranks[..., : src.shape[-1]])
+    return src, dst, merge & (sim_rank < excess[..., None])
 
 
-def merged_ema_rows(
-    ema_log_n: torch.Tensor, bias: torch.Tensor, heads: torch.Tensor, groups: Groups, votes: torch.Tensor,
-    log_scale: torch.Tensor | float,
-) -> torch.Tensor:
-    """[B, H_kv, E, g]: the stored EMA row of each merge target (``groups``, the merge's group
-    space), the per-vote group mean Σ p ŝ^h / Σ p of its EMA log-scores, on the stored scale.
+@register_merge
+@dataclass(frozen=True)
+class ZipMerge(Merge):
+    """ZIP-merging with Electoral Votes (KeepKV eq. 7 / 25) of what a plan evicts, with the exact
+    logits of the current query (the last prompt query at a prompt's end, the newest query while
+    decoding), so each merge leaves that query's attention output unchanged on an MHA model
+    (Theorem 3); then the plan's entries kept. KeepKV's paper says its merging "imposes no specific
+    constraints on cache allocation or token selection" and combines it with H2O and PyramidInfer
+    (its Figure 5): any selection takes it.
 
-    ema_log_n, bias [B, H_kv, S] and heads [B, H_kv, g, S] (EMA log-scores ln ŝ^h) from before the
-    merge; votes [B, H_kv, E]: each group's merged ln Σ p (the merged bias rows).
+    Parameters
+    ----------
+    threshold : float
+        Merge only into a kept entry whose key cosine similarity is at least this, in [-1, 1]
+        (KeepKV's T, paper 0.8); -1 merges every evicted entry.
+    zip_key : str
+        Key rule of :func:`keepkv.merging.zip_merge_rows`: "projection", "group", "paper" or "mean".
+    protect : float
+        Share in [0, 1] of the kept entries, the selection's highest-ranked first, that take no
+        merges (its own protected sinks and window not counted). 0: every kept entry may.
+    max_value_change : float or None
+        Value gate ε >= 0: a target takes its merges only if they move its value by at most ε
+        relative, ‖v_r - v_t‖ <= ε ‖v_t‖ (else they are evicted). None: no gate.
+    max_share : float
+        Weight cap δ in [0, 1]: a target takes its merges only if they bring at most δ of the
+        merged weight, Σ w_e / Σ w <= δ (else they are evicted). 1: no cap.
     """
-    group = heads.shape[2]
-    log_w = bias[:, :, None] + heads  # ln(p ŝ^h)
-    own_w = log_w.gather(-1, groups.slot[:, :, None].expand(-1, -1, group, -1))  # [B, H_kv, g, E]
-    incoming_w = log_w.gather(-1, groups.src[:, :, None].expand(-1, -1, group, -1))
-    head_groups = groups.entry_group[:, :, None].expand(-1, -1, group, -1)
-    mean_score = group_logsumexp(own_w, incoming_w, head_groups) - votes[:, :, None]
-    log_n = ema_log_n.gather(-1, groups.slot)[:, :, None]
-    return (mean_score - log_scale + log_n).transpose(-1, -2)
+
+    name = "zip"
+    keeps_prompt = True
+    writes_bias = True  # Electoral Votes: ln p of each merged entry
+    threshold: float = 0.8
+    zip_key: str = "projection"
+    protect: float = 0.0
+    max_value_change: float | None = None
+    max_share: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("threshold", self.threshold, -1.0, 1.0)
+        if self.zip_key not in KEY_RULES:
+            raise ValueError(f"zip_key must be one of {', '.join(map(repr, KEY_RULES))}, got {self.zip_key!r}")
+        check_range("protect", self.protect, 0.0, 1.0)
+        check_range("max_share", self.max_share, 0.0, 1.0)
+        if self.max_value_change is not None:
+            check_range("max_value_change", self.max_value_change, 0.0, math.inf)
+
+    def merge_candidates(self, layer, plan: EvictionPlan) -> torch.Tensor:
+        """[B, H_kv, S] bool: the kept entries that may take merges: not the ``protect`` share of the
+        kept scored entries, the selection's highest-ranked first, nor a kept prompt's. An evicted
+        entry merges into the most cosine-similar of them if it is at least ``threshold`` similar;
+        the value gate and the weight cap apply where the rows merge (:meth:`gates`)."""
+        allowed = plan.kept & ~plan.top_kept(self.protect) if self.protect > 0 else plan.kept
+        frozen = layer.frozen_entries()
+        return allowed if frozen is None else allowed & ~frozen
+
+    def gates(self) -> tuple[float, float]:
+        """(ε, δ): the value gate and the weight cap as :func:`keepkv.merging.zip_rows` takes them."""
+        return math.inf if self.max_value_change is None else self.max_value_change, self.max_share
+
+    def needs(self, is_prefill: bool) -> Needs:
+        # While decoding, the merges read the logits the attention computed.
+        return Needs(logits=not is_prefill)
+
+    def apply(self, layer, plan: EvictionPlan, stats: StepStats) -> None:
+        if plan.evict_idx.shape[-1] > 0:
+            candidates = self.merge_candidates(layer, plan)
+            query = stats.query[:, :, :, -1]  # [B, H_kv, g, D]
+            if stats.logits is None:  # prefill: only the last query's row is needed
+                logits = scaled_logits(query[:, :, :, None], layer.keys, stats.scaling)[:, :, :, 0]
+            else:
+                logits = stats.logits[:, :, :, -1]
+            logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
+            pooled = pool_log_scores(logits, layer.bias)
+            dst, similarity = cosine_nearest(layer.keys, plan.evict_idx, candidates, plan.candidate_idx())
+            merge = plan.evict_valid & (similarity >= self.threshold)
+            layer.merge_into(zip_rows(
+                layer.keys, layer.values, layer.bias, plan.evict_idx, dst, merge, logits, query, stats.scaling,
+                self.zip_key, pooled, *self.gates(),
+            ))
+        layer.keep(plan.kept, plan.slots)
 
 
 @register_selection
@@ -92,7 +187,8 @@ class EmaAttention(ScoredSelection):
     """
 
     name = "ema"
-    scored = False  # it ranks by the merge's EMA extras, not by a "score" of its own
+    served = True
+    ranks_by_merge_scores = True
     sinks: int = 4
     kernel: int = 1
     recent_ratio: float = 0.2
@@ -106,7 +202,7 @@ class EmaAttention(ScoredSelection):
             raise ValueError(f"kernel must be an odd int >= 1, got {self.kernel!r}")
 
     def refusal(self, merging) -> str | None:
-        if not isinstance(merging, KeepKVMerge):
+        if not merging.keeps_scores:
             return f"selection 'ema' ranks by the EMA that merge 'keepkv' keeps; merge {merging.name!r} keeps none"
         return None
 
@@ -119,7 +215,7 @@ class EmaAttention(ScoredSelection):
         sinks = budget.clamp(max=self.sinks)
         return ((budget - sinks).double() * self.recent_ratio).round().long()
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None) -> torch.Tensor:
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None) -> torch.Tensor:
         """PyramidInfer cosine decay of the heavy share; sinks and recent equal in every layer.
 
         Per row with mean budget b: heavy_l = (b - sinks - recent) · f_l / mean(f), with
@@ -138,15 +234,15 @@ class EmaAttention(ScoredSelection):
         budgets = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1])).long().clamp(min=1)
         return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
 
-    def priority(self, layer, pooled: torch.Tensor | None = None) -> torch.Tensor:
+    def priority(self, layer, merge_scores: LogScores | None = None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for sinks and recent, else the predicted attention mass ln p + ln ŝ,
-        max-pooled over ``kernel`` neighbouring slots. ``pooled`` [B, H_kv, S]: the pooled EMA
-        log-scores (:meth:`KeepKVMerge.ema`), which KeepKV's merge computes once per compression."""
-        if pooled is None:
-            raise ValueError("selection 'ema' ranks by the EMA that merge 'keepkv' computes (pass pooled)")
+        max-pooled over ``kernel`` neighbouring slots; ln ŝ: the EMA log-scores pooled over the
+        group, as KeepKV's merge hands them (``merge_scores``, :meth:`KeepKVMerge.ranking_scores`)."""
+        if merge_scores is None:
+            raise ValueError("selection 'ema' ranks by the EMA that merge 'keepkv' keeps (pass its ranking_scores)")
         # Recent tokens are a share of the row's mean budget, alike in every layer (see allocate).
         recent = self.recent_count(layer.row_budget)[:, None].expand_as(layer.budget)
-        mass = layer.bias + pooled
+        mass = layer.bias + merge_scores.pooled
         if self.kernel > 1:  # slots are in position order: neighbours are neighbouring tokens
             batch, kv_heads, size = mass.shape
             mass = F.max_pool1d(mass.view(-1, 1, size), self.kernel, stride=1, padding=self.kernel // 2)
@@ -171,7 +267,7 @@ class KeepKVMerge(ZipMerge):
     Parameters
     ----------
     threshold, zip_key, max_share
-        As ZIP's (:class:`~keepkv.methods.zip_merging.ZipMerge`; T = 0.8 as the paper's).
+        As ZIP's (:class:`ZipMerge`; T = 0.8 as the paper's).
     protect, max_value_change : float
         Merge gates of evict-then-merge; here 0.75 and 1.0: the top 3/4 of the entries kept by
         score take no merges, the others move by at most their norm (docs/keepkv.md, "Merge
@@ -200,10 +296,14 @@ class KeepKVMerge(ZipMerge):
         evict-then-merge.
     refresh_interval : int or None
         N >= 1: rebuild every layer from the full copy every N decode steps (selection ``ema``
-        only). None: never, and no full copy is kept.
+        only), and compress it as a prompt's end with the exact logits of the newest query, so
+        the rebuilt store is lossless for it on MHA. None: never, and no full copy is kept.
     """
 
     name = "keepkv"
+    served = True
+    keeps_prompt = True
+    keeps_scores = True
     protect: float = 0.75
     max_value_change: float | None = 1.0
     alpha: float = 0.94
@@ -230,7 +330,7 @@ class KeepKVMerge(ZipMerge):
         return self.score_norm == "row"  # each query's partition function, over every entry it sees
 
     def refusal(self, selection) -> str | None:
-        if self.refresh_interval is not None and not isinstance(selection, EmaAttention):
+        if self.refresh_interval is not None and not selection.ranks_by_merge_scores:
             return "refresh_interval re-ranks entries by the EMA: use it with selection='ema'"
         return None
 
@@ -239,17 +339,22 @@ class KeepKVMerge(ZipMerge):
         # the merge computes its window's logits itself.
         return Needs(logits=not is_prefill)
 
-    def observe(self, layer, stats: StepStats, selection) -> None:
+    def entry_extras(self, group: int) -> dict[str, Extra]:
+        """The EMA (:meth:`observe`): ln S per query head of the group, ln N per entry."""
+        return {"ema_log_s": Extra(NEG_INF, trailing=(group,)), "ema_log_n": Extra(NEG_INF)}
+
+    # -- the EMA ----------------------------------------------------------------------------
+    def observe(self, layer, stats: StepStats) -> None:
+        """Fold the call's query rows into the EMA (at the prefill: the last ``window``, which start
+        it); with ``refresh_interval``, keep the full copy and the query window a refresh reads."""
         query = stats.query  # [B, H_kv, g, q, D]
         rows = query.shape[3]
         if stats.is_prefill:
             self._start_layer(layer, query.shape[2], stats.scaling)
             window = min(self.window, rows)
-            query_pos = layer.positions[:, 0, -window:]
-            self._absorb(layer, query[:, :, :, -window:], query_pos)
+            self._update_ema(layer, query[:, :, :, -window:], layer.positions[:, 0, -window:])
         else:
-            query_pos = layer.positions[:, 0, -rows:]
-            self._absorb(layer, query, query_pos, stats.logits)
+            self._update_ema(layer, query, layer.positions[:, 0, -rows:], stats.logits)
         if self.refresh_interval is None:
             return
         is_real = layer.positions[:, 0, -rows:] >= 0
@@ -263,29 +368,7 @@ class KeepKVMerge(ZipMerge):
         )[:, -self.window :]
         if not stats.is_prefill:
             layer.state["steps"] += rows  # decode steps since the prefill: only the refresh counts them
-        if not stats.is_prefill and layer.budget is not None:
-            steps = layer.state["steps"]
-            if steps // self.refresh_interval > (steps - rows) // self.refresh_interval:
-                self.refresh(layer, selection)  # a compression: the store has nothing pending after it
 
-    def entry_extras(self, group: int) -> dict[str, Extra]:
-        """The EMA (:meth:`_start_layer`): ln S per query head of the group, ln N per entry."""
-        return {"ema_log_s": Extra(NEG_INF, trailing=(group,)), "ema_log_n": Extra(NEG_INF)}
-
-    def compress(self, layer, selection, stats: StepStats) -> None:
-        if layer.size > layer.min_budget:
-            if stats.is_prefill:
-                self._compress_prefill(layer, selection, exact=self.prefill_scores == "exact")
-            else:
-                self._evict_and_merge(layer, selection, exact=self.scores == "exact")
-        # The newest query and its exact logits are one step's scratch (the logits over that
-        # step's slots, [B, H_kv, g, S], a prompt's S after a prefill): observe writes them before
-        # any read, so the state does not carry them (nor a serving engine copy them per request
-        # and step).
-        layer.state.pop("exact_logits", None)
-        layer.state.pop("query", None)
-
-    # -- scores ------------------------------------------------------------------------------
     def _start_layer(self, layer, group: int, scaling: float) -> None:
         batch, kv_heads = layer.bias.shape[:2]
         layer.add_extra("ema_log_s", fill=NEG_INF, trailing=(group,))
@@ -303,22 +386,23 @@ class KeepKVMerge(ZipMerge):
             layer.state["query_window"] = layer.keys.new_zeros(batch, kv_heads, group, 0, head_dim)
             layer.state["query_window_pos"] = layer.positions.new_zeros(batch, 0)
 
-    def _absorb(self, layer, queries: torch.Tensor, query_pos: torch.Tensor, logits: torch.Tensor | None = None) -> None:
-        """Fold r query rows (oldest first) into the EMA (eq. 8) and keep the newest row's logits.
+    def _update_ema(
+        self, layer, queries: torch.Tensor, query_pos: torch.Tensor, logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Fold r query rows (oldest first) into the EMA (eq. 8); returns their logits.
 
         queries [B, H_kv, g, r, D]; query_pos [B, r] their positions (-1: padding, skipped);
-        logits: their q·k·scaling against the layer's keys, if the attention computed them.
-        Row r' of r gets weight (1 - α) α^(r-1-r'); the old state decays by α^r. A row scores only
-        the live entries at or before its position (causal, padding excluded).
+        logits [B, H_kv, g, r, S]: their q·k·scaling against the layer's keys, if the attention
+        computed them (else computed here). Row r' of r gets weight (1 - α) α^(r-1-r'); the old
+        state decays by α^r. A row scores only the live entries at or before its position (causal,
+        padding excluded); a kept prompt's entries stay unscored (``LayerStore.overwrite``).
         """
         rows = queries.shape[3]
         live = layer.live()
-        decoding = logits is not None  # a prefill or a refresh computes its own window's logits
-        if logits is None:
+        if logits is None:  # a prefill or a refresh computes its own window's logits
             logits = scaled_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
         log_fresh = math.log1p(-self.alpha)
         decay = rows * math.log(self.alpha)
-        ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S], a view
         if rows == 1:  # a decode step: the newest query sees every live entry
             visible = live[:, :, None, :]  # [B, H_kv, 1, S]
         else:
@@ -341,160 +425,121 @@ class KeepKVMerge(ZipMerge):
             weights = (log_fresh + ages * math.log(self.alpha))[:, None].masked_fill(~visible, NEG_INF)  # [B, H_kv, r, S]
             new_s = torch.logsumexp(weights[:, :, None] + scores, dim=3)  # [B, H_kv, g, S]
             new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
-        # In place: the extras stay views of the layer's buffers, so the next append copies nothing.
         # logaddexp on a strided view (the buffers' spare slots) is slow on CPU, so it reads a
-        # contiguous copy and copies the result back (docs/performance.md has the figure).
+        # contiguous copy (docs/performance.md has the figure); the store writes the result in place.
         empty = ~live
-        frozen = layer.frozen_entries()
-        if frozen is not None:  # a kept prompt is unscored: its EMA stays at its fill (LayerStore.set_budget)
-            empty = empty | frozen
-        for state, fresh, mask in ((ema_s, new_s, empty[:, :, None]), (layer.extras["ema_log_n"], new_n, empty)):
-            state.copy_(torch.logaddexp(state.contiguous().add_(decay), fresh).masked_fill_(mask, NEG_INF))
-        layer.state["query"] = queries[:, :, :, -1].clone()  # [B, H_kv, g, D]; not a view that holds the block
-        if not decoding or self.scores == "exact":  # decode merges with EMA scores need no exact logits
-            layer.state["exact_logits"] = logits[:, :, :, -1].masked_fill(~live[:, :, None], NEG_INF)
+        ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S], a view
+        ema_s = torch.logaddexp(ema_s.contiguous() + decay, new_s).masked_fill_(empty[:, :, None], NEG_INF)
+        ema_n = torch.logaddexp(layer.extras["ema_log_n"].contiguous() + decay, new_n).masked_fill_(empty, NEG_INF)
+        layer.overwrite(ema_log_s=ema_s.permute(0, 1, 3, 2), ema_log_n=ema_n)
+        return logits
 
     def _log_scale(self, layer) -> torch.Tensor | float:
         """[B, H_kv, g] ln Z of the newest query with ``score_norm="row"`` (else 0): the EMA of
         normalised scores times it is on the logit scale of that query, as ZIP's key rule needs."""
         return layer.state["log_z"][..., None] if self.score_norm == "row" else 0.0
 
-    # -- compression -------------------------------------------------------------------------
-    def merge_entries(
-        self, layer, src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, exact: bool, ema=None,
-        pooled: torch.Tensor | None = None, gated: bool = False,
-    ) -> torch.Tensor:
-        """ZIP-merge the plan (src -> dst where ``merge``) into the layer's store, in place; returns
-        [B, H_kv, E] the entries that merged.
-
-        ``exact``: merge with the newest query's logits, else with the EMA scores; ``ema``: the
-        (per-head, pooled) EMA log-scores if already computed; ``pooled``: the merge's scores
-        pooled over the query group (:meth:`_merge_scores`), if already computed; ``gated``: the
-        targets that fail the merge gates (``max_value_change``, ``max_share``) take none.
-        """
-        ema = ema if ema is not None else self._ema(layer)
-        heads_ema = ema[0]
-        heads = layer.state["exact_logits"] if exact else heads_ema
-        if pooled is None:
-            pooled = self._merge_scores(layer, exact, ema)[1]
-        gates = self.gates() if gated else (math.inf, 1.0)
-        merged = zip_rows(
-            layer, src, dst, merge, heads, layer.state["query"], layer.state["scaling"], self.zip_key, pooled, *gates
-        )
-        # The targets' EMA, from the votes before the merge, written with the merged entries.
-        ema_rows = merged_ema_rows(
-            layer.extras["ema_log_n"], layer.bias, heads_ema, merged.groups, merged.rows["bias"], self._log_scale(layer)
-        )
-        layer.merge_into(MergedRows(merged.groups, {**merged.rows, "ema_log_s": ema_rows}))
-        return merged.merge
-
-    def _merge_scores(self, layer, exact: bool, ema) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-head [B, H_kv, g, S], pooled [B, H_kv, S]) log-scores a merge weighs with: the
-        newest query's logits if ``exact``, else the EMA's (``ema``, as :meth:`_ema` returns it)."""
-        if not exact:
-            return ema
-        logits = layer.state["exact_logits"]
-        return logits, pool_log_scores(logits, layer.bias)
-
-    def _ema(self, layer, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-head [B, H_kv, g, S], pooled [B, H_kv, S]) EMA log-scores, see :func:`ema_log_scores`. A
-        kept prompt's entries are unscored (their EMA stays at its fill): they carry no score, so
-        the pooled scores' normalisation covers the scored entries only."""
-        live = layer.live() if live is None else live
-        frozen = layer.frozen_entries()
-        if frozen is not None:
-            live = live & ~frozen
+    def ranking_scores(self, layer) -> LogScores:
+        """The EMA log-scores of the live entries, per query head and pooled over the group
+        (:func:`keepkv.merging.ema_log_scores`): what selection ``ema`` ranks by and the merges
+        weigh with."""
+        log_scale = self._log_scale(layer)
         ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)
-        return ema_log_scores(ema_s, layer.extras["ema_log_n"], layer.bias, live, self._log_scale(layer))
+        scored = layer.live()
+        frozen = layer.frozen_entries()
+        if frozen is not None:  # a kept prompt's entries are unscored (their EMA stays at its fill): no mass of theirs
+            scored = scored & ~frozen
+        return ema_log_scores(ema_s, layer.extras["ema_log_n"], layer.bias, scored, log_scale)
 
-    def _merge_first(self, layer, selection, exact: bool) -> None:
-        """Prefill phase 1: consolidate similar entries before any eviction (Appendix B, Table 3).
+    # -- compression -------------------------------------------------------------------------
+    def _exact(self, stats: StepStats) -> bool:
+        """Whether merges weigh with the newest query's exact logits: as ``prefill_scores`` says at a
+        prompt's end and ``scores`` while decoding; always after a refresh or a merge-first phase,
+        whose statistics hold the logits of the layer they rebuilt."""
+        if stats.is_prefill:
+            return stats.logits is not None or self.prefill_scores == "exact"
+        return self.scores == "exact"
 
-        At most the entries each row and head must shed merge, the most similar to their root
-        first: merging never takes a row below its budget, and a row that fits is untouched.
-        """
+    def merge_weights(self, layer, ema: LogScores, stats: StepStats) -> LogScores:
+        """The log-scores a merge weighs with (:meth:`_exact`): the EMA's ``ema``, or the newest
+        query's exact logits over the live entries, per query head and pooled over the group."""
+        if not self._exact(stats):
+            return ema
+        if stats.logits is not None:
+            logits = stats.logits[:, :, :, -1]
+        else:  # a prompt's end: its last query's row of the logits the EMA started from
+            window = min(self.window, stats.query.shape[3])
+            logits = scaled_logits(stats.query[:, :, :, -window:], layer.keys, stats.scaling)[:, :, :, -1]
+        heads = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
+        return LogScores(heads, pool_log_scores(heads, layer.bias))
+
+    def merge_before_eviction(self, layer, plan: EvictionPlan, stats: StepStats) -> StepStats | None:
+        """The paper's merge-first prefill (``prefill_order="merge_first"``): similar entries
+        consolidate into their roots before any eviction (:func:`keepkv.merging.merge_first_targets`);
+        returns the statistics of the changed layer, None when nothing merged."""
+        if not stats.is_prefill or self.prefill_order != "merge_first":
+            return None
         live = layer.live()
-        excess = (live.sum(-1) - layer.budget).clamp(min=0)  # [B, H_kv]
-        ema = self._ema(layer, live)
-        priority = self._priority(layer, selection, ema[1])
-        is_protected = torch.isinf(priority) & (priority > 0)
-        order = priority.masked_fill(~live, NEG_INF).argsort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
-        rank = torch.empty_like(order).scatter_(-1, order, ranks)
-        unit = F.normalize(layer.keys.float(), dim=-1)
-        batch, kv_heads, size = live.shape
-        has_better = torch.zeros_like(live)
-        step = max(1, CHUNK_ELEMENTS // (batch * kv_heads * size))
-        for start in range(0, size, step):
-            stop = min(size, start + step)
-            sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)  # [B, H_kv, c, S]
-            better = (rank[:, :, None, :] < rank[:, :, start:stop, None]) & live[:, :, None, :]
-            has_better[:, :, start:stop] = ((sim >= self.threshold) & better).any(-1)
-        roots = live & (is_protected | ~has_better)
-        movers = live & ~roots
-        # Only movers look for a root: the second similarity pass is (movers x S), not S x S.
-        src, is_mover = slots_of(movers, int(movers.sum(-1).max()))  # a host sync, once per prefill
-        dst, sim = cosine_nearest(layer.keys, src, roots, slots_of(roots, int(roots.sum(-1).max()))[0])
-        merge = is_mover & (sim >= self.threshold)
-        by_similarity = sim.masked_fill(~merge, NEG_INF).argsort(dim=-1, descending=True, stable=True)
-        sim_rank = torch.empty_like(by_similarity).scatter_(-1, by_similarity, ranks[..., : src.shape[-1]])
-        merge &= sim_rank < excess[..., None]
+        src, dst, merge = merge_first_targets(layer.keys, live, plan.priority, plan.protected, layer.budget,
+                                              self.threshold)
         if not bool(merge.any()):
-            return
-        self.merge_entries(layer, src, dst, merge, exact, ema)
-        merged = torch.zeros_like(live).scatter_(-1, src, merge)  # src slots are distinct
-        layer.drop(merged)
-        if exact:  # the merged keys changed: the query's exact logits of the new store
-            logits = scaled_logits(layer.state["query"][:, :, :, None], layer.keys, layer.state["scaling"])[:, :, :, 0]
-            layer.state["exact_logits"] = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
+            return None
+        log_scale, ema = self._log_scale(layer), plan.merge_scores
+        weights = self.merge_weights(layer, ema, stats)
+        rows = zip_rows_with_ema(
+            layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], src, dst, merge, weights, ema.heads,
+            stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale,
+        )
+        layer.merge_into(rows)
+        layer.drop(torch.zeros_like(live).scatter_(-1, src, merge))  # src slots are distinct
+        query = stats.query[:, :, :, -1:]
+        if not self._exact(stats):
+            return StepStats(query=query, scaling=stats.scaling, is_prefill=True)
+        # the merged keys changed: the query's exact logits over the new store
+        logits = scaled_logits(query.contiguous(), layer.keys, stats.scaling)
+        return StepStats(query=query, scaling=stats.scaling, is_prefill=True, logits=logits)
 
-    @staticmethod
-    def _priority(layer, selection, pooled: torch.Tensor | None) -> torch.Tensor:
-        """The selection's ranking; KeepKV's own (``ema``) reads the pooled EMA computed here."""
-        return selection.priority(layer, pooled) if isinstance(selection, EmaAttention) else selection.priority(layer)
-
-    def _evict_and_merge(self, layer, selection, exact: bool) -> None:
-        """Keep the budget by priority; merge each evicted entry into its most similar kept one (>= T)."""
-        live = layer.live()
-        # Another selection ranks by its own scores: the EMA is then read only if something merges.
-        ema = self._ema(layer, live) if isinstance(selection, EmaAttention) else None
-        plan = plan_eviction(layer, self._priority(layer, selection, None if ema is None else ema[1]))
+    def apply(self, layer, plan: EvictionPlan, stats: StepStats) -> None:
+        """Merge each evicted entry into its most similar kept one (>= ``threshold``, gated), count
+        the votes of those dropped (``layer.state["lost_votes"]``), then keep the plan's entries."""
         if plan.evict_idx.shape[-1] > 0:
-            ema = self._ema(layer, live) if ema is None else ema  # the merge's votes and EMA need it
-            dst, merge = self.targets(layer, plan)
             # Always run the merge, on every device: reading "does anything merge?" would be a
             # host sync, and an empty merge changes nothing, bit for bit. The gates weigh as
-            # the merge does. An evicted slot's votes are not a merge's target: still readable.
-            merged = self.merge_entries(layer, plan.evict_idx, dst, merge, exact, ema, gated=True)
-            dropped = plan.evict_valid & ~merged
-            lost = (layer.bias.gather(-1, plan.evict_idx).exp() * dropped).sum(-1)
-            layer.state["lost_votes"] += lost
-        if getattr(selection, "keeps_order", False):  # the pooled ranking needs slots in position order
+            # the merge does. An evicted slot is no merge's target: its votes read the same after.
+            log_scale, ema = self._log_scale(layer), plan.merge_scores
+            candidates = self.merge_candidates(layer, plan)
+            weights = self.merge_weights(layer, ema, stats)
+            dst, similarity = cosine_nearest(layer.keys, plan.evict_idx, candidates, plan.candidate_idx())
+            merge = plan.evict_valid & (similarity >= self.threshold)
+            rows = zip_rows_with_ema(
+                layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], plan.evict_idx, dst, merge, weights,
+                ema.heads, stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale, *self.gates(),
+            )
+            dropped = plan.evict_valid & ~rows.merge
+            layer.state["lost_votes"] += (layer.bias.gather(-1, plan.evict_idx).exp() * dropped).sum(-1)
+            layer.merge_into(rows)
+        if plan.keeps_order:  # the selection's pooled ranking needs slots in position order
             layer.select(plan.keep_idx, plan.keep_valid)
         else:
             layer.keep(plan.kept, plan.slots)
 
-    def _compress_prefill(self, layer, selection, exact: bool) -> None:
-        if self.prefill_order == "merge_first":
-            self._merge_first(layer, selection, exact)
-        self._evict_and_merge(layer, selection, exact)
-
     # -- periodic refresh --------------------------------------------------------------------
-    def refresh(self, layer, selection) -> None:
-        """Rebuild the layer's store from the full copy with the current query's exact scores.
-
-        The store becomes every token seen (1 vote each), the EMA is re-initialised over the
-        last ``window`` queries, and the prefill compression (``prefill_order``) runs with the
-        exact logits of the newest query, so the rebuilt store is lossless for it on MHA.
-        """
+    def refresh(self, layer, stats: StepStats) -> StepStats | None:
+        """Every ``refresh_interval`` decode steps: the layer's entries become every token seen (1 vote
+        each, from the full copy) and the EMA starts again over the last ``window`` queries; returns
+        their statistics, with their exact logits, for the compression that follows."""
+        if self.refresh_interval is None or stats.is_prefill or layer.budget is None:
+            return None
+        rows, steps = stats.query.shape[3], layer.state["steps"]
+        if steps // self.refresh_interval <= (steps - rows) // self.refresh_interval:
+            return None
         keys, values, is_real = layer.state["offload"].load(layer.device)
-        size = keys.shape[2]
         layer.reload(keys, values, is_real)
         layer.state["lost_votes"] = torch.zeros_like(layer.state["lost_votes"])
-        self._absorb(layer, layer.state["query_window"], layer.state["query_window_pos"])
-        if size > layer.min_budget:
-            self._compress_prefill(layer, selection, exact=True)
         layer.state["refreshes"] += 1
+        window = layer.state["query_window"]
+        logits = self._update_ema(layer, window, layer.state["query_window_pos"])
+        return StepStats(query=window, scaling=layer.state["scaling"], is_prefill=True, logits=logits)
 
 
 @register

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from .base import (
-    ComposedMethod, Merge, ScoredSelection, Selection, check_range, decoded_window, note_prompt_end, protected, register,
-    register_selection,
+    ComposedMethod, Merge, ScoredSelection, Selection, check_range, generated_recent_count, note_prompt_end, protected,
+    register, register_selection,
 )
 
 
@@ -36,7 +36,7 @@ class KeyDeviation(ScoredSelection):
     """
 
     name = "keydiff"
-    scored = False  # the score is computed from the keys when needed: nothing is accumulated
+    served = True
     window: int = 32
 
     def __post_init__(self):
@@ -51,14 +51,14 @@ class KeyDeviation(ScoredSelection):
     def reads_every_entry(self) -> bool:
         return True  # the anchor is the mean unit key of every live entry
 
-    def priority(self, layer) -> torch.Tensor:
+    def priority(self, layer, merge_scores=None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for the sinks and the decoding window, else -cos(k, mean unit key of
         the live entries)."""
         live = layer.live()
         unit = F.normalize(layer.keys.float(), dim=-1)  # [B, H_kv, S, D]
         anchor = (unit * live[..., None]).sum(2) / live.sum(-1, keepdim=True).clamp_min(1)  # [B, H_kv, D]
         similarity = F.cosine_similarity(unit, anchor[:, :, None], dim=-1)
-        return (-similarity).masked_fill(protected(layer, self.sinks, decoded_window(layer, self.window)), float("inf"))
+        return (-similarity).masked_fill(protected(layer, self.sinks, generated_recent_count(layer, self.window)), float("inf"))
 
 
 @register

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..merging import MergedRows, convex_merge_rows
 from ..store import slots_of
-from .base import ComposedMethod, Merge, ScoredSelection, Selection, check_range, register, register_merge
+from .base import ComposedMethod, Merge, Selection, check_range, register, register_merge
 from .h2o import AccumulatedAttention
 
 
@@ -72,7 +72,7 @@ class PivotMerge(Merge):
             check_range("sigma", self.sigma, 0.0, math.inf, low_open=True)
 
     def refusal(self, selection) -> str | None:
-        if not (isinstance(selection, ScoredSelection) and selection.scored):
+        if not selection.scored:
             return f"merge 'pivot' picks each set's pivot by the selection's scores; selection {selection.name!r} keeps none"
         return None
 

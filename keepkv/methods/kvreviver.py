@@ -1,7 +1,7 @@
 """KVReviver: reversible compression with a Count-Sketch "vague" store, rebuilt per layer.
 
 Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token
-Reconstruction" (paper 004). No public code exists; this follows the paper's text,
+Reconstruction" (2025). No public code exists; this follows the paper's text,
 Algorithms 1-4 and its appendix ("Parameter Settings", "Fisher Information").
 
 Per layer, row and KV head the tokens live in three parts:
@@ -51,8 +51,8 @@ Algorithm 3 (compress), per row and head, vectorised over all rows and heads
    the exact budget; the rest are inserted into the sketch (one batched scatter-add).
    The paper spills Recent "in bulk" once it exceeds its budget by a *slack*: here
    compression runs every ``interval`` tokens, so Recent grows to ``R + interval - 1``
-   between compressions and spills ``interval`` tokens at once: paper slack =
-   ``interval - 1`` = :attr:`Method.slack`.
+   between compressions and spills ``interval`` tokens at once: the paper's slack is
+   ``interval - 1``.
 3. Swap-back: while min(candidate score) x ``replace_rate`` < max(vague score), the best
    vague token is queried out of the sketch, its estimate deleted, and the worst candidate
    inserted in its place. The paper writes this as a sequential loop; with non-negative
@@ -268,7 +268,7 @@ def fisher_scores(model, calibration_ids: torch.Tensor | None = None) -> torch.T
 @dataclass
 class KVReviver(Method):
     """KVReviver (Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based
-    Token Reconstruction", paper 004). See the module docstring for the design.
+    Token Reconstruction", 2025). See the module docstring for the design.
 
     Parameters
     ----------
@@ -374,7 +374,7 @@ class KVReviver(Method):
         if isinstance(cache.budget, int):
             self._check_mean_budget(cache.budget)
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
         self._check_mean_budget(int(row_budget.min()))
         scores = None
         if self.allocation == "fisher":

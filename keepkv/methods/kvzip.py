@@ -10,8 +10,8 @@ import torch
 from ..attention import Needs, Reconstruction
 from ..store import NEG_INF
 from .base import (
-    ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, decoded_window, note_prompt_end,
-    protected, register, register_selection,
+    ComposedMethod, Merge, ScoredSelection, Selection, check_choice, check_range, generated_recent_count,
+    note_prompt_end, protected, register, register_selection,
 )
 
 BUDGETS = ("layers", "global", "heads", "uniform")
@@ -46,14 +46,14 @@ class ContextReconstruction(ScoredSelection):
         block during the pass.
     share : float
         Share of the prompt's tokens the pass repeats, in (0, 1]. 1: the paper's full pass; less is
-        a cheaper pass over runs of 16 tokens at an even stride, about that share of them (on the
-        dev seed it loses most of what the full pass keeps: docs/methods.md, "KVzip").
+        a cheaper pass over runs of 16 tokens at an even stride, about that share of them
+        (docs/methods.md, "KVzip", has what it loses).
     budgets : str
         How the budget is split over layers and KV heads (the mean is the budget in every case).
         "layers" (default): every head of a layer keeps as many entries, the layers' sizes set by
         one top-k over their slots (a layer's k-th slot is worth the k-th highest score of whichever
-        of its heads has the highest), so the cache's memory is the budget: the best per byte on
-        the dev seed. "global" (the paper's non-uniform budgets, kvpress's default
+        of its heads has the highest), so the cache's memory is the budget (docs/methods.md,
+        "KVzip", compares the splits). "global" (the paper's non-uniform budgets, kvpress's default
         ``layerwise=False``): one top-k over every layer and KV head, each keeping as many entries
         as it has among the row's highest scores. "heads": one top-k over each layer's heads.
         "uniform": every layer and head keeps the budget. A layer's tensors are as long as its
@@ -62,6 +62,7 @@ class ContextReconstruction(ScoredSelection):
     """
 
     name = "kvzip"
+    scored = True
     sinks: int = 4
     window: int = 32
     chunk: int = 2048
@@ -75,8 +76,8 @@ class ContextReconstruction(ScoredSelection):
         check_range("share", self.share, 0.0, 1.0, low_open=True)
         check_choice("budgets", self.budgets, BUDGETS)
 
-    @property
-    def reconstruction(self) -> Reconstruction:
+    def _reconstruction(self) -> Reconstruction:
+        """The pass that scores the prompt."""
         return Reconstruction(self.chunk, self.share)
 
     @property
@@ -84,34 +85,35 @@ class ContextReconstruction(ScoredSelection):
         return self.budgets != "uniform"
 
     def needs(self, is_prefill):
-        return Needs(reconstruct=(self.reconstruction,)) if is_prefill else Needs(probs=True)
+        return Needs(reconstruct=(self._reconstruction(),)) if is_prefill else Needs(probs=True)
 
     def observe(self, layer, stats):
         if stats.is_prefill:
-            score = stats.reconstructed[self.reconstruction].amax(2)  # [B, H_kv, S]
-            layer.overwrite(score=score)
+            layer.overwrite(score=stats.reconstructed[self._reconstruction()].amax(2))  # [B, H_kv, S]
             note_prompt_end(layer)
-            if self.allocates_from_all_layers:  # allocate() reads every layer's scores, once
-                layer.state["reconstruction_score"] = score.masked_fill(~layer.live(), NEG_INF)
         else:
             found = stats.probs.amax(dim=(2, 3))  # [B, H_kv, S] over the group and the block's queries
             layer.overwrite(score=torch.maximum(layer.extras["score"], found))
 
-    def priority(self, layer) -> torch.Tensor:
+    def priority(self, layer, merge_scores=None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for the sinks and the decoding window, else the score."""
-        is_protected = protected(layer, self.sinks, decoded_window(layer, self.window))
+        is_protected = protected(layer, self.sinks, generated_recent_count(layer, self.window))
         return layer.extras["score"].masked_fill(is_protected, float("inf"))
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+    def allocation_scores(self, layer) -> torch.Tensor:
+        """[B, H_kv, S] the pass's scores, -inf on empty slots."""
+        return layer.extras["score"].masked_fill(~layer.live(), NEG_INF)
+
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
         """Budgets [L, B, H_kv] whose mean is each row's budget, drawn from the pass's scores:
         the entries of the row's highest scores (one top-k over every layer and head, or, for
         "heads", over each layer's heads) are counted per layer and head ("global", "heads") or per
         layer and spread evenly over its heads ("layers"); the sinks count first."""
-        uniform = super().allocate(layers, kv_heads, row_budget, prompt_lengths, states)
-        if self.budgets == "uniform" or states is None:
+        uniform = super().allocate(layers, kv_heads, row_budget, prompt_lengths, scores)
+        if self.budgets == "uniform" or scores is None:
             return uniform
         # [L, B, H_kv, S] scores, sinks first (always kept), empty slots last (never counted)
-        scores = torch.stack([state.pop("reconstruction_score") for state in states])
+        scores = torch.stack(scores)
         live = scores > NEG_INF
         sink = live & (live.long().cumsum(-1) <= self.sinks)
         scores = scores.masked_fill(sink, math.inf)
@@ -162,5 +164,7 @@ class KVzip(ComposedMethod):
 
     name = "kvzip"
     paper = "Kim et al. 2025, arXiv 2505.23416"
+    not_served = ("its reconstruction pass is a second prefill the engine does not schedule (docs/serving.md, "
+                  "'KVzip'); serve keydiff for a context compressed before its questions")
     selection: Selection = field(default_factory=ContextReconstruction)
     merging: Merge = field(default_factory=Merge)

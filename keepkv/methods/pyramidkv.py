@@ -24,13 +24,14 @@ class PyramidBudgets(ObservationWindow):
     """
 
     name = "pyramidkv"
+    served = True
     beta: float = 20.0
 
     def __post_init__(self):
         super().__post_init__()
         check_range("beta", self.beta, 1.0, float("inf"))
 
-    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, states=None):
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
         window = row_budget.clamp(max=self.window).double()
         spare = row_budget.double() - window
         smallest = spare / self.beta

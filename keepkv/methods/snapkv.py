@@ -31,6 +31,8 @@ class ObservationWindow(ScoredSelection):
     """
 
     name = "snapkv"
+    scored = True
+    served = True
     window: int = 32
     kernel: int = 7
 

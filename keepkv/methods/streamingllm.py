@@ -17,7 +17,7 @@ class SinksAndRecent(ScoredSelection):
     """
 
     name = "streamingllm"
-    scored = False  # sinks and recency alone: no per-entry score is kept
+    served = True
     sinks: int = 4
 
     def recent_count(self, budget):

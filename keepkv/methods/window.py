@@ -11,7 +11,7 @@ class Recent(ScoredSelection):
     """The ``budget`` most recent tokens of each row."""
 
     name = "window"
-    scored = False  # recency alone: no per-entry score is kept
+    served = True
 
     def recent_count(self, budget):
         return budget

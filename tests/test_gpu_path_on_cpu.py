@@ -1,8 +1,8 @@
-"""Issue 26's fixes of the attention path for CUDA, checked where their logic runs on a CPU:
-padded prefill never pairs a mask with ``enable_gqa`` (fix 1), the keys are converted to fp32
-once per attention call, not per row chunk (fix 2), half-precision logits come from one fp32-output
-GEMM where the device has one (fix 3; the CUDA case runs in the CUDA suite), and a decode step's
-SDPA mask is [B, H_kv, 1, S], never the dense [B, H_kv, g·q, S] (fix 6)."""
+"""The attention path's CUDA logic, checked where it runs on a CPU: a padded prefill never pairs a
+mask with ``enable_gqa``, the keys are converted to fp32 once per attention call, not per row
+chunk, half-precision logits come from one fp32-output GEMM where the device has one (the CUDA case
+runs in the CUDA suite), a decode step's SDPA mask is [B, H_kv, 1, S], never the dense
+[B, H_kv, g·q, S], and the Count Sketch accumulates deterministically."""
 
 import pytest
 import torch
@@ -59,7 +59,7 @@ class KeyConversions(TorchDispatchMode):
 @pytest.mark.parametrize("needs", [Needs(colsum=True), Needs(probs=True, window=4), Needs(decays=(0.9,))])
 def test_prefill_explicit_pass_converts_the_keys_once(monkeypatch, needs):
     """A bf16 block of 48 rows in chunks of 2 rows over 100 stored entries: one fp32 copy of the
-    keys for the whole call (before the fix: one per chunk), and the same numbers as before."""
+    keys for the whole call (not one per chunk), and the numbers of the reference path."""
     query, keys, values, bias = random_layer(block=48, stored=100, dtype=torch.bfloat16)
     mask = block_causal_mask(2, 48, None, "cpu")
     monkeypatch.setattr(attention, "CHUNK_ELEMENTS", 2 * 2 * 2 * 2 * 148)  # 2 rows per chunk
@@ -125,7 +125,7 @@ def test_decode_sdpa_mask_is_per_kv_head_and_exact(sdpa_calls, binary, group):  
     torch.testing.assert_close(output, reference, rtol=1e-6, atol=1e-6)
 
 
-# -- fix 7: the Count Sketch accumulates deterministically, and fp32 tables take half inputs ------
+# -- the Count Sketch accumulates deterministically, and fp32 tables take half inputs -------------
 
 from keepkv.sketch import CountSketch  # noqa: E402
 from helpers import buckets_of, signs_of  # noqa: E402
