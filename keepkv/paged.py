@@ -430,12 +430,13 @@ class PagedCompression:
         return batch.plans["step"]
 
     def _sizes(self, batch: PagedBatch, rows, layer: int, when: str) -> tuple:
-        """Entries each of ``rows`` holds in layer ``layer``: "before" the step; "written" once its
-        prompt closed (a close row's compressed prompt) and its new tokens are in; "after" the step
-        (computed once per step, rows and layer)."""
+        """Entries each of ``rows`` holds in layer ``layer``, per head, from token counts:
+        "written" once a prompt that ended is compressed (a close row's) and the step's tokens are
+        in (what the kernel reads); "after" the step, compressions included. Computed once per
+        step, rows and layer."""
         key = ("sizes", tuple(rows), layer if self._layered else 0, when)
         if key not in batch.plans:
-            batch.plans[key] = self._held(batch, rows, layer, when)
+            batch.plans[key] = tuple(self._held(batch, row, layer, when == "after") for row in rows)
         return batch.plans[key]
 
     @functools.cached_property
@@ -446,24 +447,16 @@ class PagedCompression:
 
         return not self.keep_prompt and type(self.method.selection).allocate is not Selection.allocate
 
-    def _held(self, batch: PagedBatch, rows, layer: int, when: str) -> tuple:
-        def held(row):
-            phase, done, length = batch.phases[row], batch.computed[row], batch.query_lengths[row]
-            if phase == "chunk":
-                return done + (0 if when == "before" else length)
-            if phase == "prefill":
-                return 0 if when == "before" else min(length, self.kept(length, layer)) if when == "after" else length
-            if phase == "close":
-                if when == "before":
-                    return done
-                return self.stored(done, done, layer) + 1 if when == "written" else self.stored(done, done + 1, layer)
-            prompt = batch.prompt[row]
-            if when == "before":
-                return self.stored(prompt, done, layer)
-            if when == "written":
-                return self.stored(prompt, done, layer) + 1
+    def _held(self, batch: PagedBatch, row: int, layer: int, after: bool) -> int:
+        phase, done, length = batch.phases[row], batch.computed[row], batch.query_lengths[row]
+        if phase == "chunk":  # a prompt read in chunks is held whole until its close
+            return done + length
+        if phase == "prefill":  # a whole prompt, compressed in its own step
+            return min(length, self.kept(length, layer)) if after else length
+        prompt = done if phase == "close" else batch.prompt[row]
+        if after:
             return self.stored(prompt, done + 1, layer)
-        return tuple(held(row) for row in rows)
+        return self.stored(prompt, done, layer) + 1  # what it held, and the step's token
 
     # -- writes and the kernel ---------------------------------------------------------------------
     def _write_new(self, planes, layout: PagedLayout, batch, plan, key, value, layer: int) -> None:
