@@ -40,7 +40,7 @@ def keepkv_commands(script: str) -> list[list[str]]:
     for line in script.replace("\\\n", " ").splitlines():
         for command in re.split(r"&&|\|\||;|\|", line):
             words = shlex.split(command, comments=True)
-            if words and words[0] == "keepkv":
+            if words and words[0].rsplit("/", 1)[-1] == "keepkv":  # keepkv, or a venv's (.venv-vllm/bin/keepkv)
                 commands.append(words[1:])
     return commands
 

@@ -263,13 +263,14 @@ def test_chunked_prefill_matches_hf_paths_chunked_prefill_and_frees_the_prompts_
 
 @pytest.mark.parametrize("method", ["h2o", "keepkv"])
 def test_keep_prompt_shares_prompt_blocks_and_matches_the_hf_path(model_dir, prompts, hf_model, method):
-    """Prefix caching on, prompts kept whole, 32 generated entries kept: a request's prompt blocks
+    """Prefix caching and chunked prefill on, prompts kept whole, 32 generated entries kept: a request's prompt blocks
     are reused by two later requests on the same 512-token prefix (vLLM's prefix-cache hit count),
     each request's 80 greedy tokens are the Hugging Face path's (decoding="keep_prompt") for its
     whole prompt, and none holds more blocks than prompt + budget + interval slots."""
     prefix = prompts[1][:512]
     asked = [prefix + prompts[2][:40], prefix + prompts[2][40:100], prefix + prompts[0]]
-    engine = Engine(model_dir, {"method": method, "budget": 32, "keep_prompt": True}, enable_prefix_caching=True)
+    engine = Engine(model_dir, {"method": method, "budget": 32, "keep_prompt": True}, enable_prefix_caching=True,
+                    enable_chunked_prefill=True)  # vLLM's defaults
     first, first_blocks = engine.run(asked[:1], new_tokens=80)
     later, later_blocks = engine.run(asked[1:], new_tokens=80)
     block_size = engine.manager().block_size
