@@ -134,6 +134,7 @@ class _Prompt:
     stats: StepStats | None
     queries: torch.Tensor | None  # [1, H, r, D]
     extras: tuple[str, ...]
+    step: int  # the step that filed it: a prompt aborted mid-way leaves it behind, dropped once stale
 
 
 class PagedCompression:
@@ -301,6 +302,9 @@ class PagedCompression:
             self._steps += 1
             for key in batch.first_block:
                 self._seen[key] = self._steps
+            if self._steps % STALE_STEPS == 0:  # prompts aborted mid-way: their chunks' state goes
+                for key in [key for key, prompt in self.chunks.items() if prompt.step < self._steps - STALE_STEPS]:
+                    del self.chunks[key]
         return batch
 
     def _prompt_batch(self, query_start, lengths, computed, block_table, prefilling) -> PagedBatch:
@@ -516,7 +520,7 @@ class PagedCompression:
             kept = rows_query[:, :, -self._prompt_rows :].clone()
             state = before.state if before is not None else {}
             extras = before.extras if before is not None else ()
-            self.chunks[chunk_key, layer] = _Prompt(state, None, kept, extras)
+            self.chunks[chunk_key, layer] = _Prompt(state, None, kept, extras, self._steps)
             return
         # Statistics of every query row: this chunk's queries over the prompt so far (its slots).
         done = batch.computed[row]
@@ -532,7 +536,7 @@ class PagedCompression:
         if before is not None and before.stats is not None:
             stats = join_prefill_stats(before.stats, stats, self.method.needs(True).window)
         stats = StepStats(**{**vars(stats), "query": stats.query[:, :, :, -self._prompt_rows :]})
-        self.chunks[chunk_key, layer] = _Prompt(dict(store.state), stats, None, tuple(store.extras))
+        self.chunks[chunk_key, layer] = _Prompt(dict(store.state), stats, None, tuple(store.extras), self._steps)
 
     def _close(self, planes, layout, batch, plan, rows: list[int], scaling: float, layer: int, new=None) -> None:
         """Prompts that are whole: the method observes each and compresses it (or keeps it whole),

@@ -462,3 +462,20 @@ def test_requests_admitted_over_many_steps_keep_their_own_keepkv_state():
             torch.testing.assert_close(state["lost_votes"], reference.state["lost_votes"])
             merged |= bool((reference.bias > 0).any())
     assert len(references) == 12 and merged
+
+
+def test_a_prompt_aborted_mid_way_leaves_nothing_behind_for_long(monkeypatch):
+    """An engine aborts a request between two chunks of its prompt (a client gone): what its chunks
+    filed for its close is dropped once it went unseen for STALE_STEPS steps, while a request
+    still reading its prompt keeps its own."""
+    monkeypatch.setattr(paged_module, "STALE_STEPS", 4)
+    generator = torch.Generator().manual_seed(8)
+    paged = PagedCompression(CONFIG, "snapkv", 0.5, chunked=True)
+    engine = Engine(paged)
+    engine.step({0: tokens(generator, 6)}, prompts={0: 12})  # request 0: half its prompt, then aborted
+    assert len(paged.chunks) == 1
+    engine.step({1: tokens(generator, 5)}, prompts={1: 40})
+    for _ in range(6):  # request 1 reads its prompt on, 5 tokens a step
+        engine.step({1: tokens(generator, 5)})
+    filed = {key for key, _ in paged.chunks}
+    assert len(paged.chunks) == 1 and filed == {engine.tables[1][0]}  # request 1's own, request 0's gone
