@@ -514,7 +514,7 @@ class PagedCompression:
         before = self.chunks.pop((earlier, layer), None)
         start, stop = batch.query_start[row], batch.query_start[row + 1]
         rows_query = query[start:stop].transpose(0, 1)[None]  # [1, H, q, D]
-        if not self._sums_prompt:
+        if not self._sums_prompt or self.keep_prompt:  # a kept prompt is unscored: its newest rows do
             if before is not None and before.queries is not None:
                 rows_query = torch.cat([before.queries, rows_query], dim=2)
             kept = rows_query[:, :, -self._prompt_rows :].clone()
@@ -549,7 +549,10 @@ class PagedCompression:
             length = batch.computed[row]
         else:
             prompt, length = None, batch.query_lengths[row]
-        store = self._gather(planes, layout, batch, plan, rows, (length,), layer, (length,))
+        first = 0
+        if self.keep_prompt:  # kept whole and unscored: its end reads only the slots of its newest query rows
+            first = length - max(1, 0 if prompt is None or prompt.queries is None else prompt.queries.shape[2])
+        store = self._gather(planes, layout, batch, plan, rows, (length - first,), layer, (length,), first)
         if prompt is None or (prompt.stats is None and not prompt.state):  # its first chunk's store, or a prefix
             self.step.start(store)
         else:
@@ -567,6 +570,11 @@ class PagedCompression:
                                            store, scaling)
         elif prompt is not None and prompt.stats is not None:
             stats = prompt.stats
+        elif prompt is not None and prompt.queries is not None and self._sums_prompt:  # a kept prompt's newest rows
+            count = prompt.queries.shape[2]
+            mask = torch.ones(count, count, dtype=torch.bool, device=store.device).tril()[None, None]
+            _, stats = attend(prompt.queries, store.keys, store.values, store.bias, mask, scaling,
+                              self.method.needs(True), True, store.binary_bias())
         elif prompt is not None and prompt.queries is not None:
             stats = self._prompt_stats(group_queries(prompt.queries, layout.kv_heads), store, scaling)
         else:  # a prompt whose every token another request wrote (a whole shared prefix): no query of its own
@@ -577,8 +585,8 @@ class PagedCompression:
         before = (store.positions.clone(), store.bias.clone())
         self.step.close_prompt(store, budget, mean, frozen, stats)
         after = self._sizes(batch, rows, layer, "after") if new is not None else tuple(
-            self.stored(batch.computed[r], batch.computed[r], layer) for r in rows)
-        self._write_back(planes, layout, batch, plan, rows, store, after, before, layer, scaling)
+            self.stored(batch.computed[r], batch.computed[r], layer) - first for r in rows)
+        self._write_back(planes, layout, batch, plan, rows, store, after, before, layer, scaling, first=first)
         self._file_states(store.state, batch, rows, layer)
 
     def _dense_prompt(self, planes, layout, batch, plan, rows, query, key, value, scaling, layer, output) -> None:
