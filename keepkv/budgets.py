@@ -62,12 +62,25 @@ def check_budget_holds(method, budget: int | float) -> None:
     a ``CompressedCache`` built by hand only warns (experiments at tiny budgets)."""
     protected = method.protected_entries()
     if isinstance(budget, int) and not isinstance(budget, bool) and budget < protected:
-        hint = " (an int budget is an entry count; 1.0 keeps the whole prompt)" if budget == 1 else ""
+        hint = " (an int budget is an entry count; 1.0 compresses nothing)" if budget == 1 else ""
         raise ValueError(
             f"budget {budget}{hint} keeps {budget} per layer and head, fewer than {method.name}'s {protected} "
             f"protected tokens (sinks + recent window): give at least {protected} entries, or a fraction "
             f"(it never keeps fewer than {budget_floor(method)})"
         )
+
+
+def check_full_budget(method, budget: int | float) -> None:
+    """Raise ValueError, in one line, when the full cache is given a budget other than 1.0: it
+    keeps every entry, and a budget would be ignored without a word."""
+    if method.name == "full" and not (isinstance(budget, float) and budget == 1.0):
+        raise ValueError(f"method 'full' keeps every entry and takes no budget, got budget={shown(budget)}: leave "
+                         "it at 1.0, or name a method that compresses")
+
+
+def budget_for(method: str, budget: int | float) -> int | float:
+    """The budget a method runs at beside others (a bench row): ``budget``, or 1.0 for ``full``."""
+    return 1.0 if method.split("+")[0] == "full" else budget
 
 
 def floor_warning(method, budget: int | float) -> str | None:

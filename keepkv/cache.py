@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import DECODE_KERNELS, Needs, Reconstruction, attend, decode_kernel_for, hand_over, join_prefill_stats
-from .budgets import budget_floor, check_keep_prompt, kept_prompt_budgets, layer_budgets, row_budgets, validate_budget
+from .budgets import budget_floor, check_full_budget, check_keep_prompt, kept_prompt_budgets, layer_budgets, row_budgets, validate_budget
 from .checks import as_bool, shown
 from .continuation import P, ids_hash
 from .diagnostics import warn_budget
@@ -80,8 +80,10 @@ class CompressedCache(Cache):
         A registered method name or variant (``keepkv methods``, ``"keepkv+protect=0.9"``) or an
         instance.
     budget : float or int
-        A float in (0, 1]: that fraction of each row's prompt length, but at least the method's
-        protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). An int in [1, 2**48]
+        A float in (0, 1): that fraction of each row's prompt length, but at least the method's
+        protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). 1.0 compresses nothing, for
+        every method: neither the prompt nor anything generated after it (the cache grows by one
+        entry per token, as the full cache does; ``keeps_everything``). An int in [1, 2**48]
         (``keepkv.budgets.MAX_BUDGET``): an entry count; integer numpy scalars count as ints.
         Methods may split it unevenly over layers and heads; the mean stays at the budget.
     kernel : str
@@ -184,6 +186,7 @@ class CompressedCache(Cache):
         self.token_count: torch.Tensor | None = None
         self.ids_seen = 0
         self.pending: tuple | None = None  # (hash, count, ids_seen) once the announced forward has run
+        check_full_budget(self.method, budget)
         self.method.check_budget(self)
         if decoding == "keep_prompt":
             check_keep_prompt(self.method, budget)
@@ -419,11 +422,14 @@ class CompressedCache(Cache):
         if is_prefill:
             if self.defers_to_reconstruction:  # compressed once its reconstruction passes ran
                 return output
-            self.method.observe(layer, stats)
+            if not (self.keeps_everything and self.method.needs(True).reconstruct):  # no pass ran at 1.0
+                self.method.observe(layer, stats)
             if not self.method.allocates_from_all_layers:
                 self._end_prefill([layer])
             elif layer_idx == self.num_layers - 1:
                 self._end_prefill(self.layers)
+            return output
+        if self.keeps_everything and layer.budget is None:  # budget 1.0: nothing will be compressed
             return output
         compress = layer.budget is not None and layer.pending >= self.method.interval and self.decoding != "append"
         self._method_step(self.method, layer, stats, compress)  # decode shapes are stable: compiled once
@@ -439,12 +445,20 @@ class CompressedCache(Cache):
 
     # -- reconstruction passes (KVzip) --------------------------------------------------------
     @property
+    def keeps_everything(self) -> bool:
+        """True at budget 1.0 (the float): the identity. Nothing is compressed, neither the prompt
+        nor anything generated after it, and no reconstruction pass runs: the cache grows by one
+        entry per token, as the full cache does (1.0 bounds nothing while decoding). A recording
+        cache (``record=``) keeps its statistics for ``fork`` instead."""
+        return self.record is None and isinstance(self.budget, float) and self.budget == 1.0
+
+    @property
     def defers_to_reconstruction(self) -> bool:
         """True when the method scores the prompt with reconstruction passes
         (:class:`keepkv.attention.Reconstruction`): the prefill then compresses nothing, and the
         prompt is compressed by :meth:`finish_reconstruction` once the passes ran. A recording cache
         keeps the passes' results for ``fork`` instead."""
-        return self.record is None and bool(self.method.needs(True).reconstruct)
+        return self.record is None and not self.keeps_everything and bool(self.method.needs(True).reconstruct)
 
     def expect_reconstruction(self) -> None:
         """Announce that the caller runs the reconstruction passes after the prefill
@@ -530,6 +544,8 @@ class CompressedCache(Cache):
         kv_heads = self.config.num_key_value_heads
         if self.decoding == "keep_prompt":
             return kept_prompt_budgets(self.num_layers, kv_heads, self.budget, self.prompt_lengths)
+        if self.keeps_everything:  # budget 1.0: the identity, prefilling and decoding
+            return None
         states = [layer.state for layer in self.layers]
         budgets = layer_budgets(self.method, self.num_layers, kv_heads, self.budget, self.prompt_lengths, states)
         if budgets is not None:

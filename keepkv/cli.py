@@ -12,6 +12,8 @@ from pathlib import Path
 
 from .arguments import DefaultsFormatter, budget_arg
 
+DEFAULT_BUDGET = 0.1  # `keepkv generate` and `keepkv perturbation` compress by default
+
 
 def _param(text: str) -> tuple[str, object]:
     """'threshold=0.8' -> ('threshold', 0.8); values are Python or JSON literals when they can be."""
@@ -31,12 +33,16 @@ def _load(args):
 
 def _check_method(args) -> None:
     """Reject a bad method, parameter, budget or dtype before the model loads."""
-    from .budgets import check_budget_holds, validate_budget
+    from .budgets import check_budget_holds, check_full_budget, validate_budget
     from .methods import get_method
     from .models import parse_dtype
 
+    method = get_method(args.method, **dict(args.param))
+    if args.budget is None:  # the full cache takes no budget
+        args.budget = 1.0 if method.name == "full" else DEFAULT_BUDGET
     validate_budget(args.budget)
-    check_budget_holds(get_method(args.method, **dict(args.param)), args.budget)
+    check_full_budget(method, args.budget)
+    check_budget_holds(method, args.budget)
     parse_dtype(args.dtype)
 
 
@@ -176,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     dtype_args.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
     method_args = argparse.ArgumentParser(add_help=False)
     method_args.add_argument("--method", default="keepkv", help="compression method (see `keepkv methods`)")
-    method_args.add_argument("--budget", type=budget_arg, default=0.1, help="fraction in (0, 1] or entry count")
+    method_args.add_argument("--budget", type=budget_arg, help=f"fraction in (0, 1] or entry count; 1.0 compresses "
+                             f"nothing (default: {DEFAULT_BUDGET}; with --method full: 1.0)")
     method_args.add_argument(
         "--param", type=_param, action="append", default=[], metavar="NAME=VALUE", help="method parameter"
     )

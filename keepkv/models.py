@@ -88,6 +88,16 @@ def check_context(config, tokens: int) -> None:
         )
 
 
+def check_prompt_length(config, tokens: int) -> None:
+    """Raise ValueError, in one line, when a prompt of ``tokens`` tokens is longer than the model's
+    context (``max_position_embeddings``): its positions past the trained ones would give garbage,
+    and a compressed cache would hide it. Checked before the prompt's prefill."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and tokens > limit:
+        raise ValueError(f"the prompt has {tokens} tokens, more than the model's context of {limit} "
+                         "(max_position_embeddings): shorten it")
+
+
 def parse_dtype(dtype) -> torch.dtype:
     """A parameter dtype: float32, bfloat16 or float16, as a torch.dtype or its name.
 

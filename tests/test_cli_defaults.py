@@ -104,6 +104,9 @@ def test_cli_and_python_defaults_are_the_ones_the_readme_gives():
     cli = subcommands()["generate"]
     cli_defaults = {a.dest: a.default for a in cli._actions}
     python_line = f'method="{generate["method"].default}", budget={generate["budget"].default}'
-    cli_line = f"--method {cli_defaults['method']} --budget {cli_defaults['budget']}"
+    from keepkv.cli import DEFAULT_BUDGET
+
+    assert cli_defaults["budget"] is None  # resolved once the method is known: 1.0 for full
+    cli_line = f"--method {cli_defaults['method']} --budget {DEFAULT_BUDGET}"
     assert python_line in readme and cli_line in readme
     assert re.search(r"defaults differ", readme)

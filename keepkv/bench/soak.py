@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from .. import reconstruction
 from ..attention import enabled
+from ..budgets import budget_for
 from ..cache import CompressedCache
 from ..models import CACHE_KWARG
 from .setup import resolve_params, stand_in_tokenizer
@@ -57,7 +58,7 @@ def soak_method(model, method: str, budget, prompt_len: int, steps: int, checkpo
     config = model.config
     generator = torch.Generator().manual_seed(seed)
     decoder = model.get_decoder()
-    cache = CompressedCache(config, method, budget, **params)
+    cache = CompressedCache(config, method, budget_for(method, budget), **params)
     cache.method.prepare(model)
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len), generator=generator)
     tokens = torch.randint(0, config.vocab_size, (1, steps), generator=generator)
