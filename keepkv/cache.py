@@ -176,7 +176,6 @@ class CompressedCache(Cache):
         self.record = record
         self._reconstruction: Reconstruction | None = None  # the pass whose block is being fed
         self._reconstruction_expected = False
-        self._headrooms: list[int | None] = []  # the layers' spare slots before a pass, restored after it
         # Callables (layer_idx, query, keys, values, block_mask, scaling, output, is_prefill) that
         # see every attention call after the method ran: they read, never write.
         self.observers: list = []
@@ -468,22 +467,18 @@ class CompressedCache(Cache):
 
     def begin_reconstruction(self, reconstruction: Reconstruction) -> None:
         """Until :meth:`end_reconstruction`, every block fed is a block of ``reconstruction``: it is
-        appended, attended with the column maxima of its real queries, which raise each prompt
-        entry's ``prefill_stats.reconstructed[reconstruction]``, and then forgotten
-        (``LayerStore.rewind``): the cache holds the prompt plus one block at most."""
+        attended over the prompt's entries and itself, with the column maxima of its real queries,
+        which raise each prompt entry's ``prefill_stats.reconstructed[reconstruction]``, and then
+        forgotten. The block is never appended: the layers keep their prompt buffers, and one
+        layer at a time holds the prompt and the block as a transient for its attention call, so
+        the pass peaks at the prompt cache plus one layer's prompt and block
+        (``prefill_peak_bytes`` counts that transient and the scores)."""
         if any(layer.prefill_stats is None for layer in self.layers) or self.layer_budgets is not None:
             raise ValueError("a reconstruction pass runs after the prompt's prefill and before its compression")
         self._reconstruction = reconstruction
-        # No spare slots while the blocks come: the first block's append sizes each buffer to the
-        # prompt plus that block exactly, and the later (no longer) blocks fit in it.
-        self._headrooms = [layer.headroom for layer in self.layers]
-        for layer in self.layers:
-            layer.headroom = 0
 
     def end_reconstruction(self) -> None:
         self._reconstruction = None
-        for layer, headroom in zip(self.layers, self._headrooms):
-            layer.headroom = headroom
 
     def finish_reconstruction(self) -> None:
         """After the passes: every layer observes its prefill (with the passes' results) and is
@@ -495,17 +490,23 @@ class CompressedCache(Cache):
             self._end_prefill(self.layers)
 
     def _reconstruction_step(self, layer, query, keys, values, block_mask, scaling) -> torch.Tensor:
-        size, seen, real_seen = layer.size, layer.seen, layer.real_seen
-        layer.append(keys, values, block_mask[:, 0, -1, :])
-        self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
-        needs = Needs(colmax=True)
-        output, stats = attend(query, layer.keys, layer.values, layer.bias, block_mask, scaling, needs, False,
-                               layer.binary_bias())
-        found = stats.colmax[..., :size]  # [B, H_kv, g, S] over the prompt's entries
+        size = layer.size
+        is_real = block_mask[:, 0, -1, :]  # [B, q]
+        block_bias = torch.zeros(is_real.shape, device=layer.device).masked_fill(~is_real, float("-inf"))
+        entries = (
+            torch.cat([layer.keys, keys.to(layer.keys.dtype)], dim=2),
+            torch.cat([layer.values, values.to(layer.values.dtype)], dim=2),
+            torch.cat([layer.bias, block_bias[:, None].expand(-1, layer.bias.shape[1], -1)], dim=2),
+        )
         known = layer.prefill_stats.reconstructed
+        held = sum(t.nbytes for t in entries) + sum(t.nbytes for l in self.layers if l.prefill_stats is not None
+                                                    for t in l.prefill_stats.reconstructed.values())
+        self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes() + held)
+        output, stats = attend(query, *entries, block_mask, scaling, Needs(colmax=True), False, layer.binary_bias())
+        del entries
+        found = stats.colmax[..., :size]  # [B, H_kv, g, S] over the prompt's entries
         pass_ = self._reconstruction
         known[pass_] = found if pass_ not in known else torch.maximum(known[pass_], found)
-        layer.rewind(size, seen, real_seen)
         return output
 
     def finish_prefill(self, layer_idx: int) -> None:
