@@ -192,11 +192,30 @@ class CompressedCache(Cache):
 
     # -- HF Cache API ------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx >= self.num_layers or (layer_idx == 0 and not self.layers[0].is_initialized):
+            self._check_shapes(key_states, layer_idx)  # the first forward: the model's shapes
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
         hand_over(self, key_states, self.config)
         return key_states, value_states
+
+    def _check_shapes(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        """Refuse, in one line, a model other than the one whose config built this cache (its KV
+        heads, head size or depth differ): it would fail deep inside a method on its first forward."""
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        got = (key_states.shape[1], key_states.shape[-1])
+        if layer_idx >= self.num_layers:
+            raise ValueError(f"this CompressedCache was built from the config of a model with {self.num_layers} layers, "
+                             f"and the model it runs in has a layer {layer_idx}: build the cache from this model's "
+                             "config (CompressedCache(model.config, ...))")
+        if got != (config.num_key_value_heads, head_dim):
+            raise ValueError(
+                f"this CompressedCache was built from the config of a model with {config.num_key_value_heads} KV heads "
+                f"of {head_dim}, and the model it runs in gives {got[0]} of {got[1]}: build the cache from this "
+                "model's config (CompressedCache(model.config, ...))"
+            )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen

@@ -13,6 +13,9 @@ import numbers
 # inside the int64 tensors that hold positions, lengths and their sums over layers, heads and rows.
 MAX_COUNT = 2**48
 
+# The model families keepkv runs (``config.model_type``); any other is refused in one line.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
 
 def shown(value) -> str:
     """A value as an error message shows it: its repr, cut to one short line."""
@@ -62,3 +65,24 @@ def check_tokenizer(tokenizer) -> None:
     if not (callable(tokenizer) and hasattr(tokenizer, "batch_decode") and hasattr(tokenizer, "pad_token")):
         raise ValueError(f"tokenizer must be the model's transformers tokenizer (keepkv.load_model()), got "
                          f"{shown(tokenizer)}")
+
+
+def check_architecture(config) -> None:
+    """Raise if a model config names an architecture keepkv does not support.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        Any object with a ``model_type`` attribute.
+
+    Raises
+    ------
+    ValueError
+        If ``config.model_type`` is not in :data:`SUPPORTED_ARCHITECTURES`.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; keepkv supports: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )

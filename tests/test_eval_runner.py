@@ -24,6 +24,11 @@ from keepkv.methods import METHODS, get_method
 
 from conftest import VOCAB, tiny_model
 
+from keepkv.plotting import have_matplotlib
+
+# Tests of the plot extra (keepkv[plot], matplotlib) skip where it is absent, as after `pip install -e ".[test]"`.
+needs_plot = pytest.mark.skipif(not have_matplotlib(), reason="matplotlib (keepkv[plot]) is not installed")
+
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 
 
@@ -106,6 +111,7 @@ def test_shared_prefill_equals_separate_runs(model, tokenizer, tmp_path):
                 assert record["output_ids"] == ids, (method, budget, row)
 
 
+@needs_plot
 def test_end_to_end_outputs_and_resume(model, tokenizer, tmp_path):
     suites = ["needle", "tracking", "aggregation+variant=fwe", "ppl", "fidelity"]
     kwargs = dict(
@@ -196,6 +202,7 @@ def test_method_variants_are_rows_of_their_own(model, tokenizer, tmp_path):
     assert config["method_params"]["h2o+interval=4"]["interval"] == 4
 
 
+@needs_plot
 def test_cli_run_and_report(model, tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("keepkv.models.load_model", lambda path=None, **options: (model, tokenizer))
     parser = argparse.ArgumentParser()
@@ -498,6 +505,7 @@ def test_average_rows_take_the_unweighted_mean_of_the_tasks():
     assert out[("h2o", 0.5)]["length"] == 1024 and out[("h2o", 0.5)]["n"] == 2
 
 
+@needs_plot
 def test_sweep_runs_every_budget_and_draws_score_against_ratio(model, tokenizer, tmp_path, monkeypatch, capsys):
     from keepkv.eval.plot import sweep_points
 
