@@ -124,6 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also pair every method with METHOD at the same budget (diff_ref columns); the full cache is "
         "always paired (diff_full)",
     )
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue the run in --out: its finished cells (written as each suite and length ends) are kept, "
+        "the rest computed; without it, an --out holding cells is refused",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -183,8 +188,7 @@ def run(args) -> list[dict]:
             (name if each == "aware" else f"{name}+setting={each}"): apply_setting(members, each)
             for name, members in averages.items() for each in (("aware", "agnostic") if setting == "both" else (setting,))
         }
-    for suite in suites:  # a bad suite fails before the model loads
-        _runner.SuiteSpec.parse(suite)
+    check_before_work(args, suites, sizes, data)
     model, tokenizer = _load_model(args)
     out = sizes["out_dir"]
     rows = _runner.run_eval(
@@ -202,6 +206,29 @@ def run(args) -> list[dict]:
         plots = plots if have_matplotlib() else "none"
         print(f"\nsummary: {out / 'summary.csv'}  plot: {plots}  records: {out / 'cells'}", file=sys.stderr)
     return rows
+
+
+def check_before_work(args, suites: list[str], sizes: dict, data: dict) -> None:
+    """Everything ``keepkv eval`` can check before the model loads, each refused in one line:
+    suites, methods and variants, budgets against every method's minimum, the reference, the data
+    and model paths, and an output directory holding an earlier run's cells (``--resume``)."""
+    specs = [_runner.SuiteSpec.parse(suite) for suite in suites]
+    for spec in specs:
+        _runner.check_suite(spec)
+    methods = args.methods or _runner.default_methods()
+    plan = [(spec, length) for spec in specs for length in _runner._lengths_for(spec, sizes["lengths"])]
+    _runner.check_grid(methods, sizes["budgets"], plan)
+    if args.reference is not None and args.reference not in methods:
+        raise ValueError(f"--reference {args.reference} is not among the methods run: {', '.join(methods)}")
+    for name, path in data.items():
+        if not Path(path).exists():
+            raise ValueError(f"--data {name}={path}: no such file or directory")
+    if getattr(args, "model", None) and not Path(args.model).exists():
+        raise ValueError(f"--model {args.model}: no such file or directory")
+    cells = Path(sizes["out_dir"]) / "cells"
+    if not getattr(args, "resume", False) and cells.is_dir() and any(cells.glob("*.json")):
+        raise ValueError(f"{sizes['out_dir']} holds the cells of an earlier run: pass --resume to continue it (its "
+                         "finished cells are kept), or give another --out")
 
 
 def _load_model(args):

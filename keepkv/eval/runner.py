@@ -138,7 +138,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attention import Needs
-from ..budgets import validate_budget
+from ..budgets import budget_for, check_budget_holds, validate_budget
 from ..cache import DECODING, CompressedCache
 from ..generation import build_prompts, context_and_question_ids, encode
 from ..methods import METHODS, get_method
@@ -740,7 +740,7 @@ class _Group:
         targets = input_ids[:, head:]
         rows = len(batch)
         for chunk in _chunks(todo, runner.joint_cells):
-            entries = [ppl_entries(cell.budget, length) for cell in chunk]
+            entries = [budget_for(cell.method, ppl_entries(cell.budget, length)) for cell in chunk]
             caches = [record.fork(self.runner.instance(cell.method), count, self.spec.decoding) for cell, count in zip(chunk, entries)]
             nll = []
 
@@ -925,6 +925,56 @@ def check_lengths(config, plan: list[tuple[SuiteSpec, int]], max_new_tokens: int
             raise ValueError(f"suite {spec.label} at {length} tokens: {error}") from None
 
 
+def check_suite(spec: SuiteSpec) -> None:
+    """Refuse, in one line, a suite variant its generator does not take (a key or a value): one
+    sample of it is made, without a tokenizer (a few milliseconds)."""
+    if spec.name in SUITES:
+        try:
+            make_suite(spec.name, 1, 256, TEST_SEED, None, **spec.generator_variant)
+        except TypeError as error:  # an unknown keyword
+            raise ValueError(f"suite {spec.label}: {error}") from None
+        except ValueError as error:
+            raise ValueError(f"suite {spec.label}: {error}") from None
+
+
+def default_methods() -> list[str]:
+    """The methods of a run that names none: every registered one and ``DEFAULT_VARIANTS``."""
+    return [*METHODS, *DEFAULT_VARIANTS]
+
+
+class _Budget:
+    """What ``Method.check_budget`` reads of a cache: its budget alone."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+
+def check_grid(methods, budgets, plan: list[tuple[SuiteSpec, int]]) -> None:
+    """Refuse, in one line and before any work (the command line: before the model loads), a
+    method or variant that does not build, a budget out of range, or a budget below what a method
+    can run at: an entry budget under its protected tokens (``check_budget_holds``, the command
+    line's rule) or under its own minimum (``check_budget``: KVReviver's sketch), the ppl suite's
+    entry budgets (a fraction of its text) included. The full cache runs at 1.0 alone."""
+    budgets = [validate_budget(budget) for budget in budgets]
+    lengths = sorted({length for spec, length in plan if spec.name == "ppl"})
+    built = [(name, get_method(name)) for name in methods]  # every name and variant first
+    for budget in budgets:
+        refused = []
+        for name, method in built:
+            if method.name == "full":
+                continue
+            try:
+                check_budget_holds(method, budget)
+                for entries in {budget, *(ppl_entries(budget, length) for length in lengths)}:
+                    method.check_budget(_Budget(entries))
+            except ValueError as error:
+                refused.append((name, str(error)))
+        if refused:
+            (name, why), others = refused[0], [other for other, _ in refused[1:]]
+            also = f"; too small for {', '.join(others)} too" if others else ""
+            raise ValueError(f"{name} at budget {budget}: {why}{also}")
+
+
 def auto_batch_size(model, length: int, cells: int) -> int:
     """Samples per prefill batch: DEFAULT_BATCH_SIZE on the CPU; on a GPU, as many as a quarter
     of the free memory holds, counting per row the uncompressed prompt of the recording
@@ -1017,20 +1067,17 @@ def run_eval(
     list of dict
         One row per (suite, length, method, budget), as in ``summary.csv``.
     """
-    methods = [*METHODS, *DEFAULT_VARIANTS] if methods is None else list(methods)
-    for method in methods:
-        get_method(method)  # unknown names fail before any work
+    methods = default_methods() if methods is None else list(methods)
     if reference is not None and reference not in methods:
         raise ValueError(f"reference {reference!r} is not among the methods run: {', '.join(methods)}")
     budgets = list(budgets)
-    for budget in budgets:
-        validate_budget(budget)
     for count in samples.values() if isinstance(samples, dict) else [samples]:
         if not isinstance(count, int) or count < 1:
             raise ValueError(f"samples must be an int >= 1 (or a dict suite -> int >= 1), got {samples!r}")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
     specs = [spec if isinstance(spec, SuiteSpec) else SuiteSpec.parse(spec) for spec in suites]
+    check_grid(methods, budgets, [(spec, n) for spec in specs for n in _lengths_for(spec, lengths)])
     data = dict(data or {})
     check_lengths(model.config, [(spec, n) for spec in specs for n in _lengths_for(spec, lengths)], max_new_tokens)
     if batch_size is None:
