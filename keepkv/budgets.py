@@ -18,7 +18,7 @@ import numbers
 
 import torch
 
-from .checks import MAX_COUNT, as_int, is_int, shown
+from .checks import MAX_COUNT, as_int, is_int, shown, validate_budget  # noqa: F401 (validate_budget: this module's API)
 
 # The budget floor: a fractional budget keeps at least the method's protected tokens plus this
 # many scored entries per layer and head. A fraction of a short prompt (a chat template around a
@@ -32,21 +32,6 @@ SCORED_FLOOR = 32
 # The largest int budget (entries per layer and head): no context comes near it, so it keeps
 # everything, as a full cache does. A larger one is refused in one line, not clamped.
 MAX_BUDGET = MAX_COUNT
-
-
-def validate_budget(budget) -> int | float:
-    """The budget as an int in [1, MAX_BUDGET] (an entry count) or a float in (0, 1] (a fraction of
-    the prompt); integer numpy scalars count as ints, numpy floats as floats. ValueError otherwise."""
-    if is_int(budget):
-        if not 1 <= int(budget) <= MAX_BUDGET:
-            raise ValueError(f"an integer budget is an entry count per layer and head and must be in [1, 2**48], "
-                             f"got {shown(budget)}")
-        return int(budget)
-    if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
-        if not 0.0 < float(budget) <= 1.0:
-            raise ValueError(f"a float budget is a fraction of the prompt and must be in (0, 1], got {shown(budget)}")
-        return float(budget)
-    raise ValueError(f"budget must be a float in (0, 1] or an int in [1, 2**48], got {shown(budget)}")
 
 
 def budget_floor(method) -> int:

@@ -31,6 +31,30 @@ def _load(args):
     return load_model(args.model, dtype=args.dtype)
 
 
+def _check_plain(args) -> None:
+    """The arguments that can be checked before torch loads, each refused in one line: method
+    names, budgets, dtype, token counts, the model's path. ``_check_method`` checks the rest."""
+    from .checks import as_int, check_dtype_name, check_method_name, validate_budget
+
+    for name in [getattr(args, "method", None), *(getattr(args, "methods", None) or []),
+                 *(getattr(args, "agnostic_methods", None) or [])]:
+        if name is not None:
+            check_method_name(name)
+    for budget in [getattr(args, "budget", None), *(getattr(args, "budgets", None) or [])]:
+        if budget is not None:
+            validate_budget(budget)
+    if getattr(args, "dtype", None) is not None:
+        check_dtype_name(args.dtype)
+    if getattr(args, "max_new_tokens", None) is not None:
+        as_int("max_new_tokens", args.max_new_tokens, 0)
+    if getattr(args, "prefill_chunk", None) is not None:
+        as_int("prefill_chunk", args.prefill_chunk, 1)
+    if getattr(args, "threads", None) is not None:
+        as_int("threads", args.threads, 1)
+    if getattr(args, "model", None) and not Path(args.model).exists():
+        raise ValueError(f"--model {args.model}: no such file or directory")
+
+
 def _check_method(args) -> None:
     """Reject a bad method, parameter, budget or dtype before the model loads."""
     from .budgets import check_budget_holds, check_full_budget, validate_budget
@@ -72,11 +96,12 @@ def cmd_methods(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from .generation import check_arguments, generate
-
     prompt = _prompt(args)
     if prompt is None:
         raise ValueError("give a prompt as an argument or with --prompt-file")
+    _check_plain(args)
+    from .generation import check_arguments, generate
+
     _check_method(args)
     check_arguments(prompt, args.method, args.budget, args.max_new_tokens, not args.raw, args.answer_prefix,
                     prefill_chunk=args.prefill_chunk, **dict(args.param))
@@ -107,6 +132,7 @@ def memory_line(result) -> str:
 
 
 def cmd_demo(args) -> None:
+    _check_plain(args)
     import torch
 
     from .budgets import validate_budget
@@ -128,9 +154,10 @@ def cmd_demo(args) -> None:
 
 
 def cmd_perturbation(args) -> None:
+    prompt = _prompt(args)
+    _check_plain(args)
     from .perturbation import format_perturbation, perturbation
 
-    prompt = _prompt(args)
     _check_method(args)
     model, tokenizer = _load(args)
     result = perturbation(model, tokenizer, prompt=prompt, method=args.method, budget=args.budget,
@@ -139,6 +166,9 @@ def cmd_perturbation(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    from .eval.options import check_plain
+
+    check_plain(args)  # before torch loads
     from .eval import cli as eval_cli
 
     eval_cli.run(args)
@@ -151,6 +181,9 @@ def cmd_report(args) -> None:
 
 
 def cmd_bench(args) -> None:
+    from .bench.options import check_plain
+
+    check_plain(args)  # before torch loads
     from . import bench
 
     return bench.main(args)
@@ -171,7 +204,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import DEMO_AGNOSTIC_METHODS, DEMO_BUDGETS, DEMO_METHODS
+    """Every command's parser; it imports no torch (nor any module that does), so that ``--help``
+    and every argument error come at once."""
+    from .arguments import DEMO_AGNOSTIC_METHODS, DEMO_BUDGETS, DEMO_METHODS
 
     parser = OneLineParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs",
                            formatter_class=DefaultsFormatter)
@@ -228,19 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     pert.add_argument("--prompt-file", help="read the prompt from a file")
     pert.set_defaults(func=cmd_perturbation)
 
-    from .eval import cli as eval_cli
+    from .eval import options as eval_options
 
     evaluate = add_command("eval", parents=[common], help="quality of every method at every budget")
-    eval_cli.add_arguments(evaluate)
+    eval_options.add_arguments(evaluate)
     evaluate.set_defaults(func=cmd_eval)
     report = add_command("report", help="render an eval summary.csv as a Markdown table")
-    eval_cli.add_report_arguments(report)
+    eval_options.add_report_arguments(report)
     report.set_defaults(func=cmd_report)
 
-    from . import bench
+    from .bench import options as bench_options
 
     bench_parser = add_command("bench", parents=[common], help="throughput and memory benchmark")
-    bench.add_arguments(bench_parser)
+    bench_options.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
 
     add_serve_command(add_command)

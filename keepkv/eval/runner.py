@@ -147,21 +147,14 @@ from . import metrics
 from .datasets import load_jsonl, load_longbench
 from .decoding import _strip, _with_eos, decode_cells, greedy_decode, prefill
 from .summary import average_rows, summarize_cell, summary_rows, write_summary
+from .options import (  # noqa: F401 (the run's defaults, this module's API too)
+    DEFAULT_BATCH_SIZE, DEFAULT_BUDGETS, DEFAULT_LENGTHS, DEFAULT_SAMPLES, DEFAULT_SAMPLES_OTHER, DEFAULT_SUITES,
+    DEV_SEED, MAX_WORKERS, PROSE_NEEDLE, QUICK_BUDGETS, QUICK_LENGTHS, QUICK_SAMPLES, SWEEP_BUDGETS, TEST_SEED,
+)
 from .tasks import SUITES, Sample, make_suite
 
 # ---------------------------------------------------------------- defaults (fixed before any run)
 
-TEST_SEED = 0
-DEV_SEED = 1000
-# Variants where the full cache does best on the embedded model (dev seed; see TIMING below).
-# Tasks the full cache solves (>= 0.9 on the dev seed) and the KL/NLL suites on real text.
-# passkey and the prose needle hold numbers in real text: the haystacks where a merge can blend
-# an evicted number into the answer's digits (the noise needle has no other number to blend).
-PROSE_NEEDLE = "needle+haystack=prose+digits=5"
-DEFAULT_SUITES = (
-    "needle", "needle+setting=agnostic", PROSE_NEEDLE, "passkey", "passkey+setting=agnostic", "kl+source=pydoc",
-    "kl+source=stdlib",
-)
 DATA_SUITES = ("longbench", "jsonl")
 # Question-aware (the question inside the compressed prompt; SnapKV's window then is the question)
 # or question-agnostic (the context compressed before the question, as kvpress's leaderboard runs
@@ -172,31 +165,10 @@ RUNNER_KEYS = ("setting", "decoding")  # suite variants the runner reads, not th
 DEFAULT_DECODING = {"aware": "compress", "agnostic": "append"}
 QUESTION_SUITES = ("needle", "passkey", "tracking", "aggregation", "longbench", "jsonl")
 KNOWN_SUITES = (*SUITES, *DATA_SUITES)
-DEFAULT_BUDGETS = (0.1, 0.2)
 # Run by default beside every registered method: KeepKV's merge on the selection that keeps facts
 # compressed before the question (the pairing the question-agnostic setting asks about), and
 # KVzip's paper-literal budgets (non-uniform heads).
 DEFAULT_VARIANTS = ("keepkv+selection=kvzip", "kvzip+budgets=global")
-# Samples per suite label, then task, then name (others: DEFAULT_SAMPLES_OTHER), sized for the
-# run's time on 2 CPU cores (docs/eval.md, "Time"). A paired 0/1 difference
-# with up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(n): 0.19 at
-# n = 32, 0.22 at 24.
-DEFAULT_SAMPLES = {
-    "needle": 32, "needle+setting=agnostic": 24, PROSE_NEEDLE: 32, "passkey": 24, "passkey+setting=agnostic": 16,
-    "kl": 12,
-}
-DEFAULT_SAMPLES_OTHER = 4
-DEFAULT_LENGTHS = {
-    "needle": 1024,
-    "tracking": 256,
-    "aggregation": 512,
-    "passkey": 1024,
-    "ppl": 256,
-    "fidelity": 512,
-    "kl": 1024,
-    "longbench": 1024,
-    "jsonl": 1024,
-}
 # `keepkv eval --suite ruler`: the RULER tasks that the full embedded model solves (>= 0.8 on the
 # dev seed) at the length where it does, prose haystacks included, and their unweighted average
 # (RULER's score); run question-aware and question-agnostic unless --setting says one. Full
@@ -207,16 +179,6 @@ RULER_SUITES = (
 RULER_LENGTHS = {suite: 1024 for suite in RULER_SUITES}
 RULER_SAMPLES = {suite: 32 for suite in RULER_SUITES}
 RULER_AVERAGE = "ruler-average"
-# `keepkv eval --sweep`: the budgets of the field's ratio sweeps (kvpress's leaderboard draws
-# compression ratios 0.25-0.875; ratio = 1 - budget), plotted as the average score against the
-# compression ratio, one line per method (sweep.png).
-SWEEP_BUDGETS = (0.9, 0.75, 0.5, 0.25, 0.125, 0.1)
-# `keepkv eval --quick`: a smoke check of every default suite, not a measurement.
-QUICK_SAMPLES = 2
-QUICK_BUDGETS = (0.1,)
-QUICK_LENGTHS = {"needle": 512, "passkey": 512, "kl": 512}
-DEFAULT_BATCH_SIZE = 8
-MAX_WORKERS = 4
 PPL_HEAD = 32
 KL_CONTINUATION = 128
 FIDELITY_NEW_TOKENS = 32
