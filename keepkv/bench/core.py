@@ -642,7 +642,11 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
     """``keepkv bench --soak``: see :mod:`keepkv.bench.soak`."""
     from .soak import format_soak, run_soak
 
+    if getattr(args, "soak_text", False):
+        return _text_soak_main(args, json_to)
     try:
+        if args.soak_steps is None:
+            args.soak_steps = 20_000
         if isinstance(args.soak_steps, bool) or not isinstance(args.soak_steps, int) or args.soak_steps < 1:
             raise ValueError(f"soak steps must be an int >= 1, got {args.soak_steps!r}")  # before the model loads
         device = resolve_device(args.device)
@@ -663,6 +667,31 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
         return 2
     result["model"].update(source=info["source"], random_weights=info["random_weights"])
     _emit("soak", result, format_soak(result), json_to)
+    return 0
+
+
+def _text_soak_main(args: argparse.Namespace, json_to: str | None) -> int:
+    """``keepkv bench --soak --soak-text``: see :func:`keepkv.bench.soak.run_text_soak`."""
+    from ..demo import document
+    from ..models import load_model
+    from .soak import TEXT_STEPS, format_text_soak, run_text_soak
+
+    try:
+        if args.config is not None:
+            raise ValueError("--soak-text runs the embedded model or --model (it writes text)")
+        steps = TEXT_STEPS if args.soak_steps is None else args.soak_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"soak steps must be an int >= 1, got {steps!r}")
+        methods = resolve_methods("all" if args.methods == QUICK_METHODS else args.methods)
+        model, tokenizer = load_model(args.model, device=resolve_device(args.device))
+        text, _ = document(target_tokens=1000 if args.prompt_len is None else args.prompt_len, seed=args.seed)
+        prompt_ids = tokenizer(text, return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
+        result = run_text_soak(model, tokenizer, methods, 0.1 if args.budget is None else args.budget, prompt_ids,
+                               steps=steps, progress=not args.no_progress, method_params=parse_params(args.param))
+    except ValueError as error:
+        print(f"keepkv bench: {error}", file=sys.stderr)
+        return 2
+    _emit("text_soak", result, format_text_soak(result), json_to)
     return 0
 
 
