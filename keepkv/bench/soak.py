@@ -203,6 +203,10 @@ def run_text_soak(model, tokenizer, methods: list[str], budget, prompt_ids: torc
     for method, params in resolve_params(names, method_params).items():
         results.append(text_soak_method(model, prompt_ids, method, budget, steps, checkpoints, progress, tokenizer,
                                         **params))
+        if progress:  # each method's line as it ends: a long soak shows its figures before the table
+            record = results[-1]
+            tqdm.write(f"text soak {method}: cache bytes {[c['cache_bytes'] for c in record['checkpoints']]}, "
+                       f"repeated {record['repeated_share']:.3f}, {record['seconds']} s", file=sys.stderr)
     full = results[0]
     for record in results:
         first, last = record["checkpoints"][0], record["checkpoints"][-1]
