@@ -672,8 +672,8 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
 
 def _text_soak_main(args: argparse.Namespace, json_to: str | None) -> int:
     """``keepkv bench --soak --soak-text``: see :func:`keepkv.bench.soak.run_text_soak`."""
-    from ..demo import document
     from ..models import load_model
+    from .reconstruction import prose_ids
     from .soak import TEXT_STEPS, format_text_soak, run_text_soak
 
     try:
@@ -684,8 +684,8 @@ def _text_soak_main(args: argparse.Namespace, json_to: str | None) -> int:
             raise ValueError(f"soak steps must be an int >= 1, got {steps!r}")
         methods = resolve_methods("all" if args.methods == QUICK_METHODS else args.methods)
         model, tokenizer = load_model(args.model, device=resolve_device(args.device))
-        text, _ = document(target_tokens=1000 if args.prompt_len is None else args.prompt_len, seed=args.seed)
-        prompt_ids = tokenizer(text, return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
+        prompt_ids = prose_ids(tokenizer, 1024 if args.prompt_len is None else args.prompt_len)
+        prompt_ids = prompt_ids.to(next(model.parameters()).device)
         result = run_text_soak(model, tokenizer, methods, 0.1 if args.budget is None else args.budget, prompt_ids,
                                steps=steps, progress=not args.no_progress, method_params=parse_params(args.param))
     except ValueError as error:

@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(modes, "--soak-steps", type=int, metavar="N", help="decode steps of --soak (default: 20000; --soak-text: 1500)")
     add(modes, "--soak-text", action="store_true",
         help="with --soak: greedy text on the embedded model (or --model) instead of random ids, every method at "
-             "--budget (default 0.1) after a ~1,000-token document: the cache's bytes at steps 100, 500, 1k, 1.5k "
+             "--budget (default 0.1) after 1,024 tokens of Python's documentation (--prompt-len): the cache's bytes at steps 100, 500, 1k, 1.5k "
              "and the share of repeated 4-grams of its text against the full cache's")
     out = parser.add_argument_group("output")
     add(out, "--json", nargs="?", const="-", metavar="PATH",
