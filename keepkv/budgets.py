@@ -82,7 +82,10 @@ def floor_warning(method, budget: int | float) -> str | None:
 def row_budgets(budget: int | float, prompt_lengths: torch.Tensor, floor: int = 0) -> torch.Tensor:
     """[B] entries per layer and head each row may keep: a fraction of its prompt, but at least
     ``floor`` (:func:`budget_floor`) and 1; or a count. A row whose prompt is no longer than its
-    budget is not compressed, and keeps up to its budget while it decodes."""
+    budget is not compressed, and keeps up to its budget while it decodes. 1.0 bounds nothing:
+    ``MAX_BUDGET``, as the full cache keeps every token, the generated ones too."""
+    if isinstance(budget, float) and budget == 1.0:
+        return torch.full_like(prompt_lengths, MAX_BUDGET)
     if isinstance(budget, float):
         return (prompt_lengths.double() * budget).round().long().clamp(min=max(1, floor))
     return torch.full_like(prompt_lengths, budget)

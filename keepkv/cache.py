@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import DECODE_KERNELS, Needs, Reconstruction, attend, decode_kernel_for, hand_over, join_prefill_stats
-from .budgets import budget_floor, check_full_budget, check_keep_prompt, kept_prompt_budgets, layer_budgets, row_budgets, validate_budget
+from .budgets import budget_floor, check_keep_prompt, kept_prompt_budgets, layer_budgets, row_budgets, validate_budget
 from .checks import as_bool, shown
 from .continuation import P, ids_hash
 from .diagnostics import warn_budget
@@ -185,7 +185,6 @@ class CompressedCache(Cache):
         self.token_count: torch.Tensor | None = None
         self.ids_seen = 0
         self.pending: tuple | None = None  # (hash, count, ids_seen) once the announced forward has run
-        check_full_budget(self.method, budget)
         self.method.check_budget(self)
         if decoding == "keep_prompt":
             check_keep_prompt(self.method, budget)

@@ -39,7 +39,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 def check_dtype_name(dtype) -> None:
     """Refuse, in one line, a dtype name keepkv does not load models in."""
     if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {shown(dtype)}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {shown(dtype)}")
 
 
 # The registered methods (keepkv.methods.METHODS, which imports torch): a command line refuses a

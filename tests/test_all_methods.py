@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import keepkv
-from keepkv.budgets import budget_for
 from keepkv.methods import METHODS
 
 from conftest import decode_loop, random_batch, run_generate, tiny_model
@@ -17,7 +16,7 @@ def test_budget_covering_sequence_equals_full(method):
     model = tiny_model("llama-gqa")
     input_ids, attention_mask = random_batch(pad=(0, 5))
     reference, _ = run_generate(model, input_ids, attention_mask, "full", new_tokens=12)
-    tokens, cache = run_generate(model, input_ids, attention_mask, method, budget=budget_for(method, 64), new_tokens=12)
+    tokens, cache = run_generate(model, input_ids, attention_mask, method, budget=64, new_tokens=12)
     assert torch.equal(tokens, reference)
 
 
@@ -39,11 +38,10 @@ def test_memory_stays_within_budget_over_300_steps(method):
 def test_batch_row_equals_single_prompt(method):
     model = tiny_model("llama-gqa")
     input_ids, attention_mask = random_batch(length=30, pad=(0, 9))
-    budget = budget_for(method, 0.5)
-    batched, _ = run_generate(model, input_ids, attention_mask, method, budget=budget, new_tokens=16)
+    batched, _ = run_generate(model, input_ids, attention_mask, method, budget=0.5, new_tokens=16)
     for row in range(2):
         real = attention_mask[row].bool()
-        alone, _ = run_generate(model, input_ids[row : row + 1, real], attention_mask[row : row + 1, real], method, budget, 16)
+        alone, _ = run_generate(model, input_ids[row : row + 1, real], attention_mask[row : row + 1, real], method, 0.5, 16)
         assert torch.equal(batched[row], alone[0]), row
 
 
@@ -51,8 +49,8 @@ def test_batch_row_equals_single_prompt(method):
 def test_runs_are_deterministic(method):
     model = tiny_model("llama-mha")
     input_ids, attention_mask = random_batch(length=30)
-    first, _ = run_generate(model, input_ids, attention_mask, method, budget=budget_for(method, 10), new_tokens=20)
-    second, _ = run_generate(model, input_ids, attention_mask, method, budget=budget_for(method, 10), new_tokens=20)
+    first, _ = run_generate(model, input_ids, attention_mask, method, budget=10, new_tokens=20)
+    second, _ = run_generate(model, input_ids, attention_mask, method, budget=10, new_tokens=20)
     assert torch.equal(first, second)
 
 

@@ -584,14 +584,6 @@ def test_summary_round_trips_missing_values_as_none(tmp_path):
     assert old["ci95"] is None
 
 
-def _eval_args(*argv):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model")
-    parser.add_argument("--json", action="store_true")
-    eval_cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--budgets", "2", "--quick"], r"at budget 2: .* too small for .*kvreviver"),
     (["--budgets", "8", "--methods", "snapkv"], r"snapkv at budget 8: budget 8 .* fewer than snapkv's 32 protected"),
@@ -608,7 +600,7 @@ def test_eval_checks_everything_before_the_model_loads(monkeypatch, tmp_path, ar
 
     monkeypatch.setattr("keepkv.models.load_model", no_model)
     with pytest.raises(ValueError, match=message) as error:
-        eval_cli.run(_eval_args(*argv, "--out", str(tmp_path / "run")))
+        eval_cli.run(_cli_args(*argv, "--out", str(tmp_path / "run")))
     assert "\n" not in str(error.value)
     assert not (tmp_path / "run").exists()  # nothing written, nothing lost
 
@@ -631,17 +623,17 @@ def test_a_stopped_run_keeps_its_finished_cells_and_resumes(model, tokenizer, tm
 
     monkeypatch.setattr(runner_module._Group, "run", stop_in_the_second)
     with pytest.raises(KeyboardInterrupt):
-        eval_cli.run(_eval_args(*argv))
+        eval_cli.run(_cli_args(*argv))
     kept = sorted(path.name for path in (out / "cells").glob("*.json"))
     assert kept == ["needle-120-full-1.0.json", "needle-120-window-0.3.json"]
     stamps = {name: (out / "cells" / name).stat().st_mtime_ns for name in kept}
     monkeypatch.setattr(runner_module._Group, "run", real_run)
     with pytest.raises(ValueError, match="holds the cells of an earlier run: pass --resume"):
-        eval_cli.run(_eval_args(*argv))
+        eval_cli.run(_cli_args(*argv))
     computed, real_write = [], runner_module._Group.write
     monkeypatch.setattr(runner_module._Group, "write", lambda group, cell: (computed.append(cell.path.name),
                                                                            real_write(group, cell)))
-    rows = eval_cli.run(_eval_args(*argv, "--resume"))
+    rows = eval_cli.run(_cli_args(*argv, "--resume"))
     assert sorted(computed) == ["fidelity-120-full-1.0.json", "fidelity-120-window-0.3.json"]
     assert {name: (out / "cells" / name).stat().st_mtime_ns for name in kept} == stamps
     assert len(rows) == 4

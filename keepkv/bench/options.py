@@ -75,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the caches' decode kernel: torch (the reference) or triton (the one-pass kernel; CUDA)")
     add(modes, "--reconstruction", action="store_true",
         help="time instead: a reconstruction pass (kvzip; --methods names others) against the prompt's own "
-             "prefill, and the cache's peak during it, at 1,024 and 4,096 tokens (--prompt-len sets one length) "
-             "on the embedded model")
+             "prefill, and the pass's peak against a full cache of the prompt (target: at most 1.25x), at 256, "
+             "1,024, 2,048 and 8,192 tokens (--prompt-len sets one length) on the embedded model")
     add(modes, "--compile", action="store_true",
         help="caches with compile=True: each layer's decode-time method step as one torch.compile graph (with "
              "--ops: the launches of that graph are counted; the warm-up runs the timed shapes, so that timed steps "
