@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import argparse
 
+# `keepkv demo`'s defaults. Question inside the prompt: a baseline that keeps only recent tokens,
+# the two classic selection methods, and keepkv. Question after the compression: the selection
+# that wins with the question inside (snapkv) and keepkv on it, the cheap question-agnostic
+# baseline (keydiff), and the context-reconstruction selection with and without KeepKV's merge.
+DEMO_METHODS = ("streamingllm", "h2o", "snapkv", "keepkv")
+DEMO_AGNOSTIC_METHODS = ("snapkv", "keepkv", "keydiff", "kvzip", "keepkv+selection=kvzip")
+DEMO_BUDGETS = (0.5, 0.25, 0.1)
+
 
 def budget_arg(text: str) -> int | float:
     """'0.1' -> 0.1 (fraction), '128' -> 128 (entries); out of range is refused as the arguments are

@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .checks import check_architecture, check_model
 from .continuation import unwatch_ids, watch_ids
 
 NEG_INF = float("-inf")
@@ -510,6 +511,8 @@ def enable(model) -> None:
     :func:`enabled` switches back when it is done. ``model.generate`` then also hands a cache the
     token ids of each step (:mod:`keepkv.continuation`), so that a new prompt on a used cache is refused.
     """
+    check_model(model)
+    check_architecture(model.config)  # refused here, not at the first forward
     if model.config._attn_implementation != "keepkv":
         model.set_attn_implementation("keepkv")
     watch_ids(model)
@@ -542,6 +545,8 @@ def enabled(model):
     with _SWITCH_LOCK:
         switch = vars(model).get(_SWITCH)
         if switch is None:
+            check_model(model)
+            check_architecture(model.config)  # refused before the model is touched
             switch = _Switch(0, model.config._attn_implementation)
             object.__setattr__(model, _SWITCH, switch)  # a plain attribute, not a submodule
             enable(model)

@@ -18,7 +18,7 @@ import numbers
 
 import torch
 
-from .checks import MAX_COUNT, as_int, is_int, shown
+from .checks import MAX_COUNT, as_int, is_int, shown, validate_budget  # noqa: F401 (validate_budget: this module's API)
 
 # The budget floor: a fractional budget keeps at least the method's protected tokens plus this
 # many scored entries per layer and head. A fraction of a short prompt (a chat template around a
@@ -34,21 +34,6 @@ SCORED_FLOOR = 32
 MAX_BUDGET = MAX_COUNT
 
 
-def validate_budget(budget) -> int | float:
-    """The budget as an int in [1, MAX_BUDGET] (an entry count) or a float in (0, 1] (a fraction of
-    the prompt); integer numpy scalars count as ints, numpy floats as floats. ValueError otherwise."""
-    if is_int(budget):
-        if not 1 <= int(budget) <= MAX_BUDGET:
-            raise ValueError(f"an integer budget is an entry count per layer and head and must be in [1, 2**48], "
-                             f"got {shown(budget)}")
-        return int(budget)
-    if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
-        if not 0.0 < float(budget) <= 1.0:
-            raise ValueError(f"a float budget is a fraction of the prompt and must be in (0, 1], got {shown(budget)}")
-        return float(budget)
-    raise ValueError(f"budget must be a float in (0, 1] or an int in [1, 2**48], got {shown(budget)}")
-
-
 def budget_floor(method) -> int:
     """Fewest entries per layer and head a fractional budget gives a row (see ``SCORED_FLOOR``)."""
     return method.protected_entries() + SCORED_FLOOR
@@ -62,12 +47,25 @@ def check_budget_holds(method, budget: int | float) -> None:
     a ``CompressedCache`` built by hand only warns (experiments at tiny budgets)."""
     protected = method.protected_entries()
     if isinstance(budget, int) and not isinstance(budget, bool) and budget < protected:
-        hint = " (an int budget is an entry count; 1.0 keeps the whole prompt)" if budget == 1 else ""
+        hint = " (an int budget is an entry count; 1.0 compresses nothing)" if budget == 1 else ""
         raise ValueError(
             f"budget {budget}{hint} keeps {budget} per layer and head, fewer than {method.name}'s {protected} "
             f"protected tokens (sinks + recent window): give at least {protected} entries, or a fraction "
             f"(it never keeps fewer than {budget_floor(method)})"
         )
+
+
+def check_full_budget(method, budget: int | float) -> None:
+    """Raise ValueError, in one line, when the full cache is given a budget other than 1.0: it
+    keeps every entry, and a budget would be ignored without a word."""
+    if method.name == "full" and not (isinstance(budget, float) and budget == 1.0):
+        raise ValueError(f"method 'full' keeps every entry and takes no budget, got budget={shown(budget)}: leave "
+                         "it at 1.0, or name a method that compresses")
+
+
+def budget_for(method: str, budget: int | float) -> int | float:
+    """The budget a method runs at beside others (a bench row): ``budget``, or 1.0 for ``full``."""
+    return 1.0 if method.split("+")[0] == "full" else budget
 
 
 def floor_warning(method, budget: int | float) -> str | None:
@@ -84,7 +82,10 @@ def floor_warning(method, budget: int | float) -> str | None:
 def row_budgets(budget: int | float, prompt_lengths: torch.Tensor, floor: int = 0) -> torch.Tensor:
     """[B] entries per layer and head each row may keep: a fraction of its prompt, but at least
     ``floor`` (:func:`budget_floor`) and 1; or a count. A row whose prompt is no longer than its
-    budget is not compressed, and keeps up to its budget while it decodes."""
+    budget is not compressed, and keeps up to its budget while it decodes. 1.0 bounds nothing:
+    ``MAX_BUDGET``, as the full cache keeps every token, the generated ones too."""
+    if isinstance(budget, float) and budget == 1.0:
+        return torch.full_like(prompt_lengths, MAX_BUDGET)
     if isinstance(budget, float):
         return (prompt_lengths.double() * budget).round().long().clamp(min=max(1, floor))
     return torch.full_like(prompt_lengths, budget)
@@ -163,6 +164,8 @@ def prompt_budgets(
         return (kept_prompt_budgets(layers, kv_heads, budget, prompt_lengths),
                 torch.full_like(prompt_lengths, budget))
     per_row = row_budgets(budget, prompt_lengths, budget_floor(method))
+    if isinstance(budget, float) and budget == 1.0:  # the identity: nothing is compressed, ever
+        return None, per_row
     return layer_budgets(method, layers, kv_heads, budget, prompt_lengths, scores), per_row
 
 

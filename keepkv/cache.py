@@ -79,8 +79,10 @@ class CompressedCache(Cache):
         A registered method name or variant (``keepkv methods``, ``"keepkv+protect=0.9"``) or an
         instance.
     budget : float or int
-        A float in (0, 1]: that fraction of each row's prompt length, but at least the method's
-        protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). An int in [1, 2**48]
+        A float in (0, 1): that fraction of each row's prompt length, but at least the method's
+        protected tokens + ``SCORED_FLOOR`` (:func:`budget_floor`). 1.0 compresses nothing, for
+        every method: neither the prompt nor anything generated after it (the cache grows by one
+        entry per token, as the full cache does; ``keeps_everything``). An int in [1, 2**48]
         (``keepkv.budgets.MAX_BUDGET``): an entry count; integer numpy scalars count as ints.
         Methods may split it unevenly over layers and heads; the mean stays at the budget.
     kernel : str
@@ -174,7 +176,6 @@ class CompressedCache(Cache):
         self.record = record
         self._reconstruction: Reconstruction | None = None  # the pass whose block is being fed
         self._reconstruction_expected = False
-        self._headrooms: list[int | None] = []  # the layers' spare slots before a pass, restored after it
         # Callables (layer_idx, query, keys, values, block_mask, scaling, output, is_prefill) that
         # see every attention call after the method ran: they read, never write.
         self.observers: list = []
@@ -190,11 +191,30 @@ class CompressedCache(Cache):
 
     # -- HF Cache API ------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx >= self.num_layers or (layer_idx == 0 and not self.layers[0].is_initialized):
+            self._check_shapes(key_states, layer_idx)  # the first forward: the model's shapes
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
         hand_over(self, key_states, self.config)
         return key_states, value_states
+
+    def _check_shapes(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        """Refuse, in one line, a model other than the one whose config built this cache (its KV
+        heads, head size or depth differ): it would fail deep inside a method on its first forward."""
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        got = (key_states.shape[1], key_states.shape[-1])
+        if layer_idx >= self.num_layers:
+            raise ValueError(f"this CompressedCache was built from the config of a model with {self.num_layers} layers, "
+                             f"and the model it runs in has a layer {layer_idx}: build the cache from this model's "
+                             "config (CompressedCache(model.config, ...))")
+        if got != (config.num_key_value_heads, head_dim):
+            raise ValueError(
+                f"this CompressedCache was built from the config of a model with {config.num_key_value_heads} KV heads "
+                f"of {head_dim}, and the model it runs in gives {got[0]} of {got[1]}: build the cache from this "
+                "model's config (CompressedCache(model.config, ...))"
+            )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen
@@ -403,11 +423,14 @@ class CompressedCache(Cache):
         if is_prefill:
             if self.defers_to_reconstruction:  # compressed once its reconstruction passes ran
                 return output
-            self.step.observe_prompt(layer, stats)
+            if not (self.keeps_everything and self.method.needs(True).reconstruct):  # no pass ran at 1.0
+                self.step.observe_prompt(layer, stats)
             if not self.method.allocates_from_all_layers:
                 self._end_prefill([layer])
             elif layer_idx == self.num_layers - 1:
                 self._end_prefill(self.layers)
+            return output
+        if self.keeps_everything and layer.budget is None:  # budget 1.0: nothing will be compressed
             return output
         self.step.decode(layer, stats)
         return output
@@ -420,12 +443,20 @@ class CompressedCache(Cache):
 
     # -- reconstruction passes (KVzip) --------------------------------------------------------
     @property
+    def keeps_everything(self) -> bool:
+        """True at budget 1.0 (the float): the identity. Nothing is compressed, neither the prompt
+        nor anything generated after it, and no reconstruction pass runs: the cache grows by one
+        entry per token, as the full cache does (1.0 bounds nothing while decoding). A recording
+        cache (``record=``) keeps its statistics for ``fork`` instead."""
+        return self.record is None and isinstance(self.budget, float) and self.budget == 1.0
+
+    @property
     def defers_to_reconstruction(self) -> bool:
         """True when the method scores the prompt with reconstruction passes
         (:class:`keepkv.attention.Reconstruction`): the prefill then compresses nothing, and the
         prompt is compressed by :meth:`finish_reconstruction` once the passes ran. A recording cache
         keeps the passes' results for ``fork`` instead."""
-        return self.record is None and bool(self.method.needs(True).reconstruct)
+        return self.record is None and not self.keeps_everything and bool(self.method.needs(True).reconstruct)
 
     def expect_reconstruction(self) -> None:
         """Announce that the caller runs the reconstruction passes after the prefill
@@ -435,22 +466,18 @@ class CompressedCache(Cache):
 
     def begin_reconstruction(self, reconstruction: Reconstruction) -> None:
         """Until :meth:`end_reconstruction`, every block fed is a block of ``reconstruction``: it is
-        appended, attended with the column maxima of its real queries, which raise each prompt
-        entry's ``prefill_stats.reconstructed[reconstruction]``, and then forgotten
-        (``LayerStore.rewind``): the cache holds the prompt plus one block at most."""
+        attended over the prompt's entries and itself, with the column maxima of its real queries,
+        which raise each prompt entry's ``prefill_stats.reconstructed[reconstruction]``, and then
+        forgotten. The block is never appended: the layers keep their prompt buffers, and one
+        layer at a time holds the prompt and the block as a transient for its attention call, so
+        the pass peaks at the prompt cache plus one layer's prompt and block
+        (``prefill_peak_bytes`` counts that transient and the scores)."""
         if any(layer.prefill_stats is None for layer in self.layers) or self.layer_budgets is not None:
             raise ValueError("a reconstruction pass runs after the prompt's prefill and before its compression")
         self._reconstruction = reconstruction
-        # No spare slots while the blocks come: the first block's append sizes each buffer to the
-        # prompt plus that block exactly, and the later (no longer) blocks fit in it.
-        self._headrooms = [layer.headroom for layer in self.layers]
-        for layer in self.layers:
-            layer.headroom = 0
 
     def end_reconstruction(self) -> None:
         self._reconstruction = None
-        for layer, headroom in zip(self.layers, self._headrooms):
-            layer.headroom = headroom
 
     def finish_reconstruction(self) -> None:
         """After the passes: every layer observes its prefill (with the passes' results) and is
@@ -462,17 +489,23 @@ class CompressedCache(Cache):
             self._end_prefill(self.layers)
 
     def _reconstruction_step(self, layer, query, keys, values, block_mask, scaling) -> torch.Tensor:
-        size, seen, real_seen = layer.size, layer.seen, layer.real_seen
-        layer.append(keys, values, block_mask[:, 0, -1, :])
-        self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
-        needs = Needs(colmax=True)
-        output, stats = attend(query, layer.keys, layer.values, layer.bias, block_mask, scaling, needs, False,
-                               layer.binary_bias())
-        found = stats.colmax[..., :size]  # [B, H_kv, g, S] over the prompt's entries
+        size = layer.size
+        is_real = block_mask[:, 0, -1, :]  # [B, q]
+        block_bias = torch.zeros(is_real.shape, device=layer.device).masked_fill(~is_real, float("-inf"))
+        entries = (
+            torch.cat([layer.keys, keys.to(layer.keys.dtype)], dim=2),
+            torch.cat([layer.values, values.to(layer.values.dtype)], dim=2),
+            torch.cat([layer.bias, block_bias[:, None].expand(-1, layer.bias.shape[1], -1)], dim=2),
+        )
         known = layer.prefill_stats.reconstructed
+        held = sum(t.nbytes for t in entries) + sum(t.nbytes for l in self.layers if l.prefill_stats is not None
+                                                    for t in l.prefill_stats.reconstructed.values())
+        self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes() + held)
+        output, stats = attend(query, *entries, block_mask, scaling, Needs(colmax=True), False, layer.binary_bias())
+        del entries
+        found = stats.colmax[..., :size]  # [B, H_kv, g, S] over the prompt's entries
         pass_ = self._reconstruction
         known[pass_] = found if pass_ not in known else torch.maximum(known[pass_], found)
-        layer.rewind(size, seen, real_seen)
         return output
 
     def _end_prefill(self, layers: list[LayerStore]) -> None:

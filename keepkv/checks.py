@@ -13,6 +13,51 @@ import numbers
 # inside the int64 tensors that hold positions, lengths and their sums over layers, heads and rows.
 MAX_COUNT = 2**48
 
+# The model families keepkv runs (``config.model_type``); any other is refused in one line.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def validate_budget(budget) -> int | float:
+    """The budget as an int in [1, MAX_COUNT] (an entry count) or a float in (0, 1] (a fraction of
+    the prompt); integer numpy scalars count as ints, numpy floats as floats. ValueError otherwise."""
+    if is_int(budget):
+        if not 1 <= int(budget) <= MAX_COUNT:
+            raise ValueError(f"an integer budget is an entry count per layer and head and must be in [1, 2**48], "
+                             f"got {shown(budget)}")
+        return int(budget)
+    if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
+        if not 0.0 < float(budget) <= 1.0:
+            raise ValueError(f"a float budget is a fraction of the prompt and must be in (0, 1], got {shown(budget)}")
+        return float(budget)
+    raise ValueError(f"budget must be a float in (0, 1] or an int in [1, 2**48], got {shown(budget)}")
+
+
+# The model dtypes (keepkv.models.DTYPES maps them to torch's).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype_name(dtype) -> None:
+    """Refuse, in one line, a dtype name keepkv does not load models in."""
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {shown(dtype)}")
+
+
+# The registered methods (keepkv.methods.METHODS, which imports torch): a command line refuses a
+# mistyped name before torch loads. tests/test_cli_speed.py checks that this is the registry's list.
+METHOD_NAMES = (
+    "cam", "d2o", "full", "h2o", "keepkv", "keydiff", "kvmerger", "kvreviver", "kvzip", "pyramidkv", "snapkv",
+    "streamingllm", "window", "zeromerge",
+)
+
+
+def check_method_name(spec) -> None:
+    """Refuse, in one line, a method or variant (``name+key=value``) whose name is not registered;
+    its parameters are checked when the method is built (``get_method``)."""
+    name = spec.split("+")[0].strip() if isinstance(spec, str) else None
+    if name not in METHOD_NAMES:
+        raise ValueError(f"unknown method {(name if name is not None else spec)!r}; choose one of: "
+                         f"{', '.join(METHOD_NAMES)}")
+
 
 def shown(value) -> str:
     """A value as an error message shows it: its repr, cut to one short line."""
@@ -62,3 +107,24 @@ def check_tokenizer(tokenizer) -> None:
     if not (callable(tokenizer) and hasattr(tokenizer, "batch_decode") and hasattr(tokenizer, "pad_token")):
         raise ValueError(f"tokenizer must be the model's transformers tokenizer (keepkv.load_model()), got "
                          f"{shown(tokenizer)}")
+
+
+def check_architecture(config) -> None:
+    """Raise if a model config names an architecture keepkv does not support.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        Any object with a ``model_type`` attribute.
+
+    Raises
+    ------
+    ValueError
+        If ``config.model_type`` is not in :data:`SUPPORTED_ARCHITECTURES`.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; keepkv supports: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from .arguments import DefaultsFormatter, budget_arg
 
+DEFAULT_BUDGET = 0.1  # `keepkv generate` and `keepkv perturbation` compress by default
+
 
 def _param(text: str) -> tuple[str, object]:
     """'threshold=0.8' -> ('threshold', 0.8); values are Python or JSON literals when they can be."""
@@ -29,14 +31,42 @@ def _load(args):
     return load_model(args.model, dtype=args.dtype)
 
 
+def _check_plain(args) -> None:
+    """The arguments that can be checked before torch loads, each refused in one line: method
+    names, budgets, dtype, token counts, the model's path. ``_check_method`` checks the rest."""
+    from .checks import as_int, check_dtype_name, check_method_name, validate_budget
+
+    for name in [getattr(args, "method", None), *(getattr(args, "methods", None) or []),
+                 *(getattr(args, "agnostic_methods", None) or [])]:
+        if name is not None:
+            check_method_name(name)
+    for budget in [getattr(args, "budget", None), *(getattr(args, "budgets", None) or [])]:
+        if budget is not None:
+            validate_budget(budget)
+    if getattr(args, "dtype", None) is not None:
+        check_dtype_name(args.dtype)
+    if getattr(args, "max_new_tokens", None) is not None:
+        as_int("max_new_tokens", args.max_new_tokens, 0)
+    if getattr(args, "prefill_chunk", None) is not None:
+        as_int("prefill_chunk", args.prefill_chunk, 1)
+    if getattr(args, "threads", None) is not None:
+        as_int("threads", args.threads, 1)
+    if getattr(args, "model", None) and not Path(args.model).exists():
+        raise ValueError(f"--model {args.model}: no such file or directory")
+
+
 def _check_method(args) -> None:
     """Reject a bad method, parameter, budget or dtype before the model loads."""
-    from .budgets import check_budget_holds, validate_budget
+    from .budgets import check_budget_holds, check_full_budget, validate_budget
     from .methods import get_method
     from .models import parse_dtype
 
+    method = get_method(args.method, **dict(args.param))
+    if args.budget is None:  # the full cache takes no budget
+        args.budget = 1.0 if method.name == "full" else DEFAULT_BUDGET
     validate_budget(args.budget)
-    check_budget_holds(get_method(args.method, **dict(args.param)), args.budget)
+    check_full_budget(method, args.budget)
+    check_budget_holds(method, args.budget)
     parse_dtype(args.dtype)
 
 
@@ -66,11 +96,12 @@ def cmd_methods(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from .generation import check_arguments, generate
-
     prompt = _prompt(args)
     if prompt is None:
         raise ValueError("give a prompt as an argument or with --prompt-file")
+    _check_plain(args)
+    from .generation import check_arguments, generate
+
     _check_method(args)
     check_arguments(prompt, args.method, args.budget, args.max_new_tokens, not args.raw, args.answer_prefix,
                     prefill_chunk=args.prefill_chunk, **dict(args.param))
@@ -101,6 +132,7 @@ def memory_line(result) -> str:
 
 
 def cmd_demo(args) -> None:
+    _check_plain(args)
     import torch
 
     from .budgets import validate_budget
@@ -122,9 +154,10 @@ def cmd_demo(args) -> None:
 
 
 def cmd_perturbation(args) -> None:
+    prompt = _prompt(args)
+    _check_plain(args)
     from .perturbation import format_perturbation, perturbation
 
-    prompt = _prompt(args)
     _check_method(args)
     model, tokenizer = _load(args)
     result = perturbation(model, tokenizer, prompt=prompt, method=args.method, budget=args.budget,
@@ -133,6 +166,9 @@ def cmd_perturbation(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    from .eval.options import check_plain
+
+    check_plain(args)  # before torch loads
     from .eval import cli as eval_cli
 
     eval_cli.run(args)
@@ -145,6 +181,9 @@ def cmd_report(args) -> None:
 
 
 def cmd_bench(args) -> None:
+    from .bench.options import check_plain
+
+    check_plain(args)  # before torch loads
     from . import bench
 
     return bench.main(args)
@@ -165,7 +204,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import DEMO_AGNOSTIC_METHODS, DEMO_BUDGETS, DEMO_METHODS
+    """Every command's parser; it imports no torch (nor any module that does), so that ``--help``
+    and every argument error come at once."""
+    from .arguments import DEMO_AGNOSTIC_METHODS, DEMO_BUDGETS, DEMO_METHODS
 
     parser = OneLineParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs",
                            formatter_class=DefaultsFormatter)
@@ -176,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     dtype_args.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
     method_args = argparse.ArgumentParser(add_help=False)
     method_args.add_argument("--method", default="keepkv", help="compression method (see `keepkv methods`)")
-    method_args.add_argument("--budget", type=budget_arg, default=0.1, help="fraction in (0, 1] or entry count")
+    method_args.add_argument("--budget", type=budget_arg, help=f"fraction in (0, 1] or entry count; 1.0 compresses "
+                             f"nothing (default: {DEFAULT_BUDGET}; with --method full: 1.0)")
     method_args.add_argument(
         "--param", type=_param, action="append", default=[], metavar="NAME=VALUE", help="method parameter"
     )
@@ -221,19 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     pert.add_argument("--prompt-file", help="read the prompt from a file")
     pert.set_defaults(func=cmd_perturbation)
 
-    from .eval import cli as eval_cli
+    from .eval import options as eval_options
 
     evaluate = add_command("eval", parents=[common], help="quality of every method at every budget")
-    eval_cli.add_arguments(evaluate)
+    eval_options.add_arguments(evaluate)
     evaluate.set_defaults(func=cmd_eval)
     report = add_command("report", help="render an eval summary.csv as a Markdown table")
-    eval_cli.add_report_arguments(report)
+    eval_options.add_report_arguments(report)
     report.set_defaults(func=cmd_report)
 
-    from . import bench
+    from .bench import options as bench_options
 
     bench_parser = add_command("bench", parents=[common], help="throughput and memory benchmark")
-    bench.add_arguments(bench_parser)
+    bench_options.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
 
     add_serve_command(add_command)

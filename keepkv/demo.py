@@ -14,6 +14,7 @@ import random
 import torch
 from pydoc_data.topics import topics
 
+from .arguments import DEMO_AGNOSTIC_METHODS, DEMO_BUDGETS, DEMO_METHODS  # noqa: F401 (this module's API)
 from .attention import Needs, enabled
 from .cache import CompressedCache
 from .eval.decoding import decode_cells, prefill
@@ -23,14 +24,9 @@ from .methods import get_method
 FACT = "The secret pass key for the archive is {key}. Remember it, it will be asked later."
 QUESTION = "What is the secret pass key for the archive mentioned in the text above?"
 ANSWER_PREFIX = "The secret pass key for the archive is"
-# Question inside the prompt: a baseline that keeps only recent tokens, the two classic selection
-# methods, and keepkv. Question after the compression: the selection that wins with the question
-# inside (snapkv) and keepkv on it, the cheap question-agnostic baseline (keydiff), and the
-# context-reconstruction selection with and without KeepKV's merge.
-DEMO_METHODS = ("streamingllm", "h2o", "snapkv", "keepkv")
-DEMO_AGNOSTIC_METHODS = ("snapkv", "keepkv", "keydiff", "kvzip", "keepkv+selection=kvzip")
+# The methods and budgets (DEMO_METHODS, DEMO_AGNOSTIC_METHODS, DEMO_BUDGETS) are in
+# keepkv/arguments.py, which the command line's parser reads before torch loads.
 SETTINGS = ("aware", "agnostic")
-DEMO_BUDGETS = (0.5, 0.25, 0.1)
 # A space and a five-digit key, one token per digit (SmolLM2).
 DEMO_NEW_TOKENS = 6
 # Long enough that a tenth of it is a real squeeze, short enough for the demo to run in a minute or two.

@@ -28,7 +28,7 @@ def warn_context_length(config, prompt_tokens: int, new_tokens: int) -> None:
 
 def warn_budget(method, budget: int | float, prompt_tokens: int, kept: int) -> None:
     """Warn when a compressed row keeps fewer entries than ``method`` protects, or when an int
-    budget of 1 (an entry count) was likely meant as 1.0 (the whole prompt).
+    budget of 1 (an entry count) was likely meant as 1.0 (nothing compressed).
 
     ``prompt_tokens`` and ``kept``: the prompt length and per-layer budget of the row that keeps
     the fewest entries among the rows that are compressed.
@@ -36,7 +36,7 @@ def warn_budget(method, budget: int | float, prompt_tokens: int, kept: int) -> N
     protected = method.protected_entries()
     entry_count = isinstance(budget, int) and budget == 1
     if kept < protected:
-        hint = " (an int budget is an entry count; 1.0 keeps the whole prompt)" if entry_count else ""
+        hint = " (an int budget is an entry count; 1.0 compresses nothing)" if entry_count else ""
         warnings.warn(
             f"budget {budget!r}{hint} keeps {kept} entries per layer and head of a {prompt_tokens}-token prompt, "
             f"fewer than {method.name}'s {protected} protected tokens (sinks + recent window): expect a poor "
@@ -47,7 +47,7 @@ def warn_budget(method, budget: int | float, prompt_tokens: int, kept: int) -> N
     elif entry_count:
         warnings.warn(
             f"budget=1 is an entry count: it keeps 1 entry per layer and head of a {prompt_tokens}-token prompt; "
-            "pass 1.0 to keep the whole prompt",
+            "pass 1.0 to compress nothing",
             KeepKVWarning,
             stacklevel=2,
         )

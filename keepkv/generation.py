@@ -10,11 +10,11 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import reconstruction
 from .attention import enabled
-from .budgets import check_budget_holds, validate_budget
+from .budgets import check_budget_holds, check_full_budget, validate_budget
 from .cache import CompressedCache, method_of
 from .checks import as_bool, as_int, as_text, check_model, check_tokenizer, shown
 from .diagnostics import warn_context_length
-from .models import CACHE_KWARG, check_context
+from .models import CACHE_KWARG, check_context, check_prompt_length
 from .templates import split_template
 
 
@@ -135,7 +135,7 @@ def check_arguments(prompts, method="full", budget=1.0, max_new_tokens=64, chat=
         prefill_chunk=as_int("prefill_chunk", prefill_chunk, 1, none_ok=True),
         budget=validate_budget(budget),
     )
-    method_of(method, method_params)
+    check_full_budget(method_of(method, method_params), checked["budget"])
     return checked
 
 
@@ -214,7 +214,7 @@ def _results(tokenizer, cache, inputs: dict, new_tokens: torch.Tensor, budget) -
             state_bytes=summary.state_bytes[row],
             full_cache_bytes=summary.full_cache_bytes[row],
             method=cache.method_spec,
-            budget=None if cache.layer_budgets is None else budget,
+            budget=None if cache.method.name == "full" else budget,
             new_tokens=int(real_new[row]),
         )
         for row in range(new_tokens.shape[0])
@@ -267,6 +267,7 @@ def compress(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     head, _ = context_and_question_ids(tokenizer, context, "", chat)
+    check_prompt_length(model.config, len(head))
     check_context(model.config, len(head))
     input_ids = torch.tensor([head], device=device)
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
@@ -365,6 +366,7 @@ def generate(
     device = next(model.parameters()).device
     inputs = encode(tokenizer, build_prompts(tokenizer, prompts, chat, answer_prefix), chat, device)
     prompt_length = inputs["input_ids"].shape[1]
+    check_prompt_length(model.config, prompt_length)
     warn_context_length(model.config, prompt_length, max_new_tokens)
     check_context(model.config, prompt_length + max_new_tokens)
     if prefill_chunk is not None and not cache.defers_to_reconstruction:
@@ -382,6 +384,7 @@ def _ask(model, tokenizer, questions, context_cache, max_new_tokens, answer_pref
     for question in questions:
         head, tail = context_and_question_ids(tokenizer, "", question, context_cache.context_chat, answer_prefix)
         ids = context_cache.context_ids + tail
+        check_prompt_length(model.config, len(ids))
         warn_context_length(model.config, len(ids), max_new_tokens)
         check_context(model.config, len(ids) + max_new_tokens)
         input_ids = torch.tensor([ids], device=device)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.generation import utils as generation_utils
 
-from .checks import shown
+from .checks import SUPPORTED_ARCHITECTURES, check_architecture, shown  # noqa: F401 (this module's API too)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The keyword a model's forward() and generate() take the cache by: transformers 5.24 renamed
 # past_key_values to cache (the old name warns, and goes in 5.40); releases before it (5.17 on a
@@ -33,27 +33,6 @@ CACHE_KWARG = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES",
 _UNREADABLE = (struct.error, ValueError, OSError, EOFError, KeyError, IndexError, RuntimeError, SafetensorError)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def check_architecture(config) -> None:
-    """Raise if a model config names an architecture keepkv does not support.
-
-    Parameters
-    ----------
-    config : transformers.PretrainedConfig
-        Any object with a ``model_type`` attribute.
-
-    Raises
-    ------
-    ValueError
-        If ``config.model_type`` is not in :data:`SUPPORTED_ARCHITECTURES`.
-    """
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; keepkv supports: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
 
 
 def sliding_window(config) -> int | None:
@@ -86,6 +65,16 @@ def check_context(config, tokens: int) -> None:
             f"attends over the last {window} tokens and the run needs {tokens}; keep prompt plus new tokens "
             f"<= {window}, or use a model without a sliding window"
         )
+
+
+def check_prompt_length(config, tokens: int) -> None:
+    """Raise ValueError, in one line, when a prompt of ``tokens`` tokens is longer than the model's
+    context (``max_position_embeddings``): its positions past the trained ones would give garbage,
+    and a compressed cache would hide it. Checked before the prompt's prefill."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and tokens > limit:
+        raise ValueError(f"the prompt has {tokens} tokens, more than the model's context of {limit} "
+                         "(max_position_embeddings): shorten it")
 
 
 def parse_dtype(dtype) -> torch.dtype:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import Needs, StepStats, attend, group_queries, join_prefill_stats, scaled_logits, softmax_probs
-from .budgets import capacity_bound, check_keep_prompt, held_entries, prompt_budgets, validate_budget
+from .budgets import MAX_BUDGET, capacity_bound, check_keep_prompt, held_entries, prompt_budgets, validate_budget
 from .methods import METHODS, get_method
 from .methods.base import ComposedMethod, serving_refusal, served_names
 from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
@@ -176,6 +176,8 @@ class PagedCompression:
         self.spec = method
         self.kernel = kernel if kernel is not None else TorchPagedKernel()
         self.step = LayerStep(self.method, self.decoding)
+        # Budget 1.0 is the identity: requests are attended in place and nothing else runs.
+        self.keeps_everything = isinstance(budget, float) and budget == 1.0
         self.biased = self.method.merging.writes_bias  # votes: a bias word, and keys wide enough to carry it
         # What a method reads of a prompt: "summed" statistics of every chunk's query rows (H2O's
         # column sums), or only its newest rows, computed once the prompt is whole.
@@ -252,7 +254,8 @@ class PagedCompression:
         if prompt_length not in self._kept:
             budgets, _ = prompt_budgets(self.method, self.budget, self.decoding, self.config.num_hidden_layers,
                                         self.config.num_key_value_heads, torch.tensor([prompt_length]))
-            self._kept[prompt_length] = budgets[:, 0, 0].tolist()
+            layers = self.config.num_hidden_layers
+            self._kept[prompt_length] = [MAX_BUDGET] * layers if budgets is None else budgets[:, 0, 0].tolist()
         return self._kept[prompt_length][layer]
 
     def stored(self, prompt_length: int, computed: int, layer: int = 0) -> int:
@@ -403,6 +406,11 @@ class PagedCompression:
         plan = self._plan(batch, layer, block_size, query.device)
         planes = layout.planes(kv_cache)
         output = query.new_empty(query.shape)
+        if self.keeps_everything:  # budget 1.0: the full cache, attended in place
+            with _threads(STEP_THREADS):
+                self._write_new(planes, layout, batch, plan, key, value, layer)
+            self._attend(planes, layout, batch, plan, query, scaling, layer, output)
+            return output
         for row in plan.closing:  # a prompt read in chunks, whole now: compressed before its first decode token
             with _threads(PROMPT_THREADS):
                 self._close(planes, layout, batch, plan, [row], scaling, layer)

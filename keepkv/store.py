@@ -367,15 +367,6 @@ class LayerStore(CacheLayerMixin):
             for name, current in self._tensors.items():
                 self._tensors[name] = _move(current, source, target).narrow(2, 0, slots)
 
-    def rewind(self, size: int, seen: int, real_seen: torch.Tensor) -> None:
-        """Forget every entry past slot ``size`` and the tokens counted since ``seen`` / ``real_seen``
-        [B] (a reconstruction pass's block, attended once and discarded): the tensors become their
-        first ``size`` slots again, views of the same buffers (nothing is copied)."""
-        for name, current in self._tensors.items():
-            self._tensors[name] = current.narrow(2, 0, size)
-        self.pending -= self.seen - seen
-        self.seen, self.real_seen = seen, real_seen
-
     def drop(self, mask: torch.Tensor) -> None:
         """Empty the slots where ``mask`` [B, H_kv, S] (bias -inf, position -1), in place."""
         self.bias.masked_fill_(mask, NEG_INF)

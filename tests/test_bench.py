@@ -18,6 +18,11 @@ from keepkv.methods import METHODS
 
 from conftest import tiny_model
 
+from keepkv.plotting import have_matplotlib
+
+# Tests of the plot extra (keepkv[plot], matplotlib) skip where it is absent, as after `pip install -e ".[test]"`.
+needs_plot = pytest.mark.skipif(not have_matplotlib(), reason="matplotlib (keepkv[plot]) is not installed")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -223,6 +228,7 @@ def test_progress_flag_governs_every_bar_and_message(capsys, progress):
     assert ("step" in shown) == progress
 
 
+@needs_plot
 def test_cli_writes_json_table_and_png(tmp_path, capsys):
     args = build_parser().parse_args(
         ["--config", "smollm2-135m", "--layers", "1", "--prompt-len", "16", "--gen-len", "2", "--batch", "1", "2",

@@ -33,6 +33,8 @@ def expected_entries(layer) -> torch.Tensor:
 
     KVReviver charges its sketch to the budget: a row that outgrows it stores its exact part.
     """
+    if layer.budget is None:  # budget 1.0: nothing compressed, prompt and generated tokens alike
+        return layer.real_seen[:, None].expand(-1, layer.keys.shape[1])
     budget = layer.budget
     if "exact" in layer.state:
         budget = torch.where(layer.real_seen[:, None] <= budget, budget, layer.state["exact"])
@@ -85,7 +87,7 @@ def test_row_that_fits_its_budget_equals_the_full_cache_beside_longer_rows(metho
     alone_ids, alone_mask = input_ids[2:3, real], attention_mask[2:3, real]
     full, _ = run_generate(model, alone_ids, alone_mask, "full", new_tokens=6)
     assert torch.equal(batched[2], full[0])
-    logits_full = _last_logits(model, alone_ids, alone_mask, "full", 16)
+    logits_full = _last_logits(model, alone_ids, alone_mask, "full", 1.0)
     logits_batched = _last_logits(model, input_ids, attention_mask, method, 16)[2:3]
     torch.testing.assert_close(logits_batched, logits_full, atol=1e-4, rtol=1e-4)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keepkv
-from keepkv.budgets import SCORED_FLOOR, budget_floor, capacity_bound, layer_budgets, row_budgets
+from keepkv.budgets import MAX_BUDGET, SCORED_FLOOR, budget_floor, capacity_bound, layer_budgets, row_budgets
 from keepkv.cli import build_parser
 from keepkv.methods import METHODS, get_method
 from keepkv.paged import SERVED_METHODS, PagedCompression
@@ -54,7 +54,9 @@ def test_a_fractional_budget_has_the_methods_floor(length, fraction, method):
     assert min(budget, length) <= length  # what the prefill keeps never exceeds the prompt
     if length <= floor:
         assert budget >= length  # the row fits: untouched
-    if round(length * fraction) >= floor:
+    if fraction == 1.0:
+        assert budget == MAX_BUDGET  # 1.0 bounds nothing: the prompt and every generated token stay
+    elif round(length * fraction) >= floor:
         assert budget == round(length * fraction)  # above the floor the fraction is exact
     # an int budget is an exact count: no floor
     assert int(row_budgets(7, torch.tensor([length]), floor)[0]) == 7
@@ -104,6 +106,9 @@ def test_cli_and_python_defaults_are_the_ones_the_readme_gives():
     cli = subcommands()["generate"]
     cli_defaults = {a.dest: a.default for a in cli._actions}
     python_line = f'method="{generate["method"].default}", budget={generate["budget"].default}'
-    cli_line = f"--method {cli_defaults['method']} --budget {cli_defaults['budget']}"
+    from keepkv.cli import DEFAULT_BUDGET
+
+    assert cli_defaults["budget"] is None  # resolved once the method is known: 1.0 for full
+    cli_line = f"--method {cli_defaults['method']} --budget {DEFAULT_BUDGET}"
     assert python_line in readme and cli_line in readme
     assert re.search(r"defaults differ", readme)

@@ -69,22 +69,41 @@ def test_fewest_kept_compressed_row_is_named_and_fitting_rows_are_not(gqa_model)
 def test_int_budget_one_warns(gqa_model):
     (message,) = generate_warnings(gqa_model, method="h2o", budget=1)
     assert "1.0" in message and "entry count" in message
-    with pytest.raises(ValueError, match=r"budget 1 \(an int budget is an entry count; 1.0 keeps the whole prompt\)"):
+    with pytest.raises(ValueError, match=r"budget 1 \(an int budget is an entry count; 1.0 compresses nothing\)"):
         generate_warnings(gqa_model, method="keepkv", budget=1)
     (message,) = cache_warnings(gqa_model, method="keepkv", budget=1)
     assert "1.0" in message and "protected" in message
     assert generate_warnings(gqa_model, method="h2o", budget=1.0) == []
 
 
-def test_full_never_warns_about_budget(gqa_model):
-    assert generate_warnings(gqa_model, method="full", budget=1) == []
+def test_full_refuses_a_budget_in_one_line(gqa_model):
+    """The full cache keeps every entry: a budget other than 1.0 would be ignored without a word
+    (keepkv.generate, keepkv.compress and the CLI refuse it; a CompressedCache built by hand, the
+    building block of the benches and tests, takes it)."""
+    for budget in (1, 0.1, 64):
+        with pytest.raises(ValueError, match=r"^method 'full' keeps every entry and takes no budget") as error:
+            generate_warnings(gqa_model, method="full", budget=budget)
+        assert "\n" not in str(error.value)
+    assert generate_warnings(gqa_model, method="full", budget=1.0) == []
 
 
 def test_context_length_warning(gqa_model):
     gqa_model.config.max_position_embeddings = 32
-    (message,) = generate_warnings(gqa_model, method="full", max_new_tokens=2)
+    (message,) = generate_warnings(gqa_model, method="full", budget=1.0, max_new_tokens=2)
     assert "31 tokens" in message and "2 new tokens" in message and "max_position_embeddings (32)" in message
-    assert generate_warnings(gqa_model, method="full", max_new_tokens=1) == []
+    assert generate_warnings(gqa_model, method="full", budget=1.0, max_new_tokens=1) == []
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv", "kvzip"])
+def test_prompt_longer_than_the_context_is_refused_in_one_line(gqa_model, method):
+    """Refused before its prefill, for generate and compress alike (issue 52)."""
+    gqa_model.config.max_position_embeddings = 30
+    budget = 1.0 if method == "full" else 0.5
+    with pytest.raises(ValueError, match=r"^the prompt has 31 tokens, more than the model's context of 30") as error:
+        keepkv.generate(gqa_model, CharTokenizer(), PROMPT, method, budget, max_new_tokens=1)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"more than the model's context of 30"):
+        keepkv.compress(gqa_model, CharTokenizer(), "z" * 31, method=method, budget=budget, chat=False)
 
 
 def test_warnings_can_be_filtered(gqa_model):

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 import keepkv
 from keepkv.eval import cli as eval_cli
+from keepkv.eval import runner as runner_module
 from keepkv.eval.decoding import greedy_decode, prefill
 from keepkv.eval.runner import (
     DEFAULT_LENGTHS, DEFAULT_SAMPLES, DEFAULT_SUITES, QUICK_BUDGETS, QUICK_LENGTHS, QUICK_SAMPLES, SuiteSpec, make_samples, run_eval,
@@ -23,6 +24,11 @@ from keepkv.budgets import budget_floor
 from keepkv.methods import METHODS, get_method
 
 from conftest import VOCAB, tiny_model
+
+from keepkv.plotting import have_matplotlib
+
+# Tests of the plot extra (keepkv[plot], matplotlib) skip where it is absent, as after `pip install -e ".[test]"`.
+needs_plot = pytest.mark.skipif(not have_matplotlib(), reason="matplotlib (keepkv[plot]) is not installed")
 
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 
@@ -106,6 +112,7 @@ def test_shared_prefill_equals_separate_runs(model, tokenizer, tmp_path):
                 assert record["output_ids"] == ids, (method, budget, row)
 
 
+@needs_plot
 def test_end_to_end_outputs_and_resume(model, tokenizer, tmp_path):
     suites = ["needle", "tracking", "aggregation+variant=fwe", "ppl", "fidelity"]
     kwargs = dict(
@@ -196,6 +203,7 @@ def test_method_variants_are_rows_of_their_own(model, tokenizer, tmp_path):
     assert config["method_params"]["h2o+interval=4"]["interval"] == 4
 
 
+@needs_plot
 def test_cli_run_and_report(model, tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("keepkv.models.load_model", lambda path=None, **options: (model, tokenizer))
     parser = argparse.ArgumentParser()
@@ -498,6 +506,7 @@ def test_average_rows_take_the_unweighted_mean_of_the_tasks():
     assert out[("h2o", 0.5)]["length"] == 1024 and out[("h2o", 0.5)]["n"] == 2
 
 
+@needs_plot
 def test_sweep_runs_every_budget_and_draws_score_against_ratio(model, tokenizer, tmp_path, monkeypatch, capsys):
     from keepkv.eval.plot import sweep_points
 
@@ -573,3 +582,58 @@ def test_summary_round_trips_missing_values_as_none(tmp_path):
     (tmp_path / "old.csv").write_text((tmp_path / "summary.csv").read_text().replace(",,", ",None,"))
     (old,) = read_summary(tmp_path / "old.csv")
     assert old["ci95"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budgets", "2", "--quick"], r"at budget 2: .* too small for .*kvreviver"),
+    (["--budgets", "8", "--methods", "snapkv"], r"snapkv at budget 8: budget 8 .* fewer than snapkv's 32 protected"),
+    (["--methods", "snapkv+nonsense=1"], r"unknown parameter"),
+    (["--budgets", "1.5"], r"must be in \(0, 1\]"),
+    (["--suite", "needle+variant=nonsense"], r"variant"),
+    (["--reference", "h2o", "--methods", "snapkv"], r"--reference h2o is not among the methods run"),
+    (["--data", "jsonl=/nonexistent/file.jsonl"], r"no such file"),
+])
+def test_eval_checks_everything_before_the_model_loads(monkeypatch, tmp_path, argv, message):
+    """Issue 52: `keepkv eval --budgets 2 --quick` ran for minutes, then lost its work."""
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr("keepkv.models.load_model", no_model)
+    with pytest.raises(ValueError, match=message) as error:
+        eval_cli.run(_cli_args(*argv, "--out", str(tmp_path / "run")))
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "run").exists()  # nothing written, nothing lost
+
+
+def test_a_stopped_run_keeps_its_finished_cells_and_resumes(model, tokenizer, tmp_path, monkeypatch):
+    """Each suite and length writes its cells as it ends: a run stopped in the second keeps the first's,
+    a rerun without --resume is refused (nothing overwritten), and --resume computes only the rest."""
+    monkeypatch.setattr("keepkv.models.load_model", lambda path=None, **options: (model, tokenizer))
+    out = tmp_path / "run"
+    argv = ["--suite", "needle", "fidelity", "--methods", "window", "--budgets", "0.3", "--samples", "2",
+            "--lengths", "120", "--max-new-tokens", "4", "--out", str(out), "--no-progress", "--workers", "1"]
+    groups = []
+    real_run = runner_module._Group.run
+
+    def stop_in_the_second(group, bar):
+        groups.append(group.spec.label)
+        if len(groups) == 2:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the run
+        return real_run(group, bar)
+
+    monkeypatch.setattr(runner_module._Group, "run", stop_in_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        eval_cli.run(_cli_args(*argv))
+    kept = sorted(path.name for path in (out / "cells").glob("*.json"))
+    assert kept == ["needle-120-full-1.0.json", "needle-120-window-0.3.json"]
+    stamps = {name: (out / "cells" / name).stat().st_mtime_ns for name in kept}
+    monkeypatch.setattr(runner_module._Group, "run", real_run)
+    with pytest.raises(ValueError, match="holds the cells of an earlier run: pass --resume"):
+        eval_cli.run(_cli_args(*argv))
+    computed, real_write = [], runner_module._Group.write
+    monkeypatch.setattr(runner_module._Group, "write", lambda group, cell: (computed.append(cell.path.name),
+                                                                           real_write(group, cell)))
+    rows = eval_cli.run(_cli_args(*argv, "--resume"))
+    assert sorted(computed) == ["fidelity-120-full-1.0.json", "fidelity-120-window-0.3.json"]
+    assert {name: (out / "cells" / name).stat().st_mtime_ns for name in kept} == stamps
+    assert len(rows) == 4

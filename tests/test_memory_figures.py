@@ -100,7 +100,7 @@ def test_progress_shows_the_prefill_and_names_the_method(capsys, new_tokens):
 def test_full_reports_no_budget_and_its_parts():
     model = tiny_model("llama-gqa")
     prompts = ["a prompt of some length, to keep", "another"]
-    full = keepkv.generate(model, _Tokenizer(), prompts, "full", 0.1, max_new_tokens=3)
+    full = keepkv.generate(model, _Tokenizer(), prompts, "full", 1.0, max_new_tokens=3)
     h2o = keepkv.generate(model, _Tokenizer(), prompts, "h2o", 0.5, max_new_tokens=3)
     assert [r.budget for r in full] == [None, None] and [r.budget for r in h2o] == [0.5, 0.5]
     for result in full + h2o:

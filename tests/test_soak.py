@@ -4,6 +4,7 @@ not from here; these runs are a few dozen steps on tiny shapes)."""
 import json
 
 import pytest
+import torch
 
 from keepkv.bench.core import build_parser, main
 from keepkv.bench.soak import documented_growth, format_soak, run_soak
@@ -51,3 +52,39 @@ def test_cli_soak_json(capsys):
 def test_cli_soak_rejects_bad_steps(capsys):
     assert main(build_parser().parse_args(["--soak", "--soak-steps", "0", "--layers", "1", "--no-progress"])) == 2
     assert "soak steps must be an int >= 1" in capsys.readouterr().err
+
+
+def test_a_long_greedy_text_stays_bounded_and_no_more_repetitive_than_full():
+    """Issue 52's 1,500-token check at a smaller size (a tiny random model, 64-token prompt, 160
+    tokens, budget 16), every method: each compressing cache holds no more bytes at the end than
+    at its first checkpoint (KVReviver: within its documented growth), and its text repeats its
+    4-grams no more than the full cache's text does, give or take 0.05. The full figures, on the
+    embedded model: ``keepkv bench --soak --soak-text`` (docs/record/2026-11-27-long-text-soak.md)."""
+    from keepkv.bench.soak import documented_growth, repeated_share, run_text_soak
+    from keepkv.methods import METHODS
+
+    from conftest import tiny_model
+
+    model = tiny_model("llama-gqa", layers=2)
+    prompt = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    result = run_text_soak(model, None, sorted(METHODS), 16, prompt, steps=160, checkpoints=(40, 160), progress=False)
+    by_method = {record["method"]: record for record in result["methods"]}
+    assert list(by_method) == ["full", *[m for m in sorted(METHODS) if m != "full"]]
+    full = by_method["full"]
+    assert full["checkpoints"][-1]["cache_bytes"] > full["checkpoints"][0]["cache_bytes"]  # it keeps every token
+    for method, record in by_method.items():
+        assert len(record["generated"]) == 160
+        assert record["repeated_share"] == repeated_share(record["generated"])
+        assert record["repeated_share"] <= full["repeated_share"] + 0.05, method
+        if method != "full":
+            first, last = record["checkpoints"]
+            assert record["bounded"] is True, method
+            assert last["cache_bytes"] - first["cache_bytes"] <= documented_growth(method, model.config) * 120, method
+
+
+def test_repeated_share_counts_ngrams_seen_before():
+    from keepkv.bench.soak import repeated_share
+
+    assert repeated_share(list(range(50))) == 0.0
+    assert repeated_share([7] * 10) == 1 - 1 / 7  # one distinct 4-gram of seven
+    assert repeated_share([1, 2, 3]) == 0.0

@@ -188,21 +188,20 @@ One field per line as ``path : type : meaning``; ``[]`` stands for every element
 
 from __future__ import annotations
 
-from .configs import CONFIGS, build_config, random_model
-from .runner import max_batch, run_once
-from .core import add_arguments, documented_fields, main, run_bench
-from .plot import format_table, save_plot
+# The names load on first use, so that ``keepkv.bench.options`` (the command line's options)
+# imports neither torch nor the benchmark.
+_HOMES = {
+    "CONFIGS": "configs", "build_config": "configs", "random_model": "configs", "max_batch": "runner",
+    "run_once": "runner", "add_arguments": "options", "documented_fields": "core", "main": "core",
+    "run_bench": "core", "format_table": "plot", "save_plot": "plot",
+}
 
-__all__ = [
-    "CONFIGS",
-    "add_arguments",
-    "build_config",
-    "documented_fields",
-    "format_table",
-    "main",
-    "max_batch",
-    "random_model",
-    "run_bench",
-    "run_once",
-    "save_plot",
-]
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,12 +15,13 @@ import warnings
 import torch
 from tqdm.auto import tqdm
 
-from ..arguments import DefaultsFormatter, budget_arg
+from ..arguments import DefaultsFormatter
 from ..diagnostics import KeepKVWarning
 from ..methods.base import get_method, parse_value
 from ..models import DTYPES
 from ..plotting import can_plot
 from .configs import CONFIGS, build_config, param_bytes, random_model
+from .options import QUICK_GEN_LEN, QUICK_METHODS, QUICK_REPEATS, add_arguments  # noqa: F401 (add_arguments: this module's API)
 from .setup import package_version, resolve_params, transformers_version
 from .runner import (
     cache_bytes_per_row,
@@ -552,87 +553,7 @@ def parse_params(items: list[str] | None) -> dict:
 
 
 # `keepkv bench` with no options: a quick run (about 2 minutes on a 2-core CPU), not the grid.
-QUICK_METHODS = "full,snapkv,keepkv"
-QUICK_REPEATS = 1
-QUICK_GEN_LEN = 64
 FULL_GRID = "keepkv bench --methods all --repeats 3 --gen-len 128 (every registered method; over an hour on a 2-core CPU)"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``keepkv bench`` options to ``parser`` (see ``keepkv.bench``).
-
-    Options the parser already has (a parent parser's ``--model`` or ``--json``) are kept as
-    they are; :func:`main` accepts ``--json`` as a flag (JSON to stdout) or with a path.
-    """
-    existing = set(parser._option_string_actions)
-
-    def add(group, *flags, **kwargs):
-        if not existing.intersection(flags):
-            group.add_argument(*flags, **kwargs)
-
-    model = parser.add_argument_group("model")
-    add(model, "--model", metavar="PATH", help="local HF model folder or .gguf (default: embedded SmolLM2-135M)")
-    add(model, "--config", choices=sorted(CONFIGS), help="named shape with random weights (speed only)")
-    add(model, "--layers", type=int, metavar="N", help="override the depth of --config (smoke runs)")
-    add(model, "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on CUDA, fp32 on CPU")
-    add(model, "--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    add(model, "--threads", type=int, metavar="N", help="torch CPU threads (1 is steadier on a shared CPU)")
-    run = parser.add_argument_group("workload")
-    add(run, "--methods", default=QUICK_METHODS,
-        help="comma-separated methods, or 'all' for every registered one (full is always run)")
-    add(run, "--budget", type=budget_arg,
-        help="fraction of the prompt or entry count (default: 0.2; --ops: 0.1)")
-    add(run, "--param", action="append", metavar="[METHOD.]KEY=VALUE",
-        help="method parameter, e.g. interval=8 (every method with it) or h2o.recent_ratio=0.3")
-    add(run, "--prompt-len", type=int, metavar="L", help="prompt tokens per row (default: 1024; --soak: 256)")
-    add(run, "--gen-len", type=int, default=QUICK_GEN_LEN, metavar="G", help="timed decode steps")
-    add(run, "--batch", type=int, nargs="+", metavar="B", help="batch size(s) (default: 1; --ops: 2)")
-    add(run, "--repeats", type=int, default=QUICK_REPEATS, help="timed repetitions; median and min/max reported")
-    add(run, "--warmup", type=int, default=1, help="untimed short runs before each timed one")
-    add(run, "--seed", type=int, default=0, help="seed of the random prompts (and --config weights)")
-    add(run, "--prefill-chunk", type=int, metavar="N",
-        help="feed each prompt in blocks of N tokens: bounded prefill workspace (default: one block)")
-    add(run, "--prefill-rows", type=int, metavar="R",
-        help="prefill R prompts at a time, each group compressed before the next, then decode them as one "
-             "batch, as a serving engine admits requests (default: the whole batch at once)")
-    modes = parser.add_argument_group("modes")
-    add(modes, "--memory-cap", type=float, metavar="GB",
-        help="find each method's largest batch under GB (2**30 bytes) and measure it")
-    add(modes, "--max-measure-batch", type=int, metavar="B",
-        help="largest batch measured in memory-cap mode (default 8 on CPU, none on GPU)")
-    add(modes, "--overhead", action="store_true", help="time the method's own code per decode step")
-    add(modes, "--overhead-steps", type=int, default=16, metavar="N", help="steps for --overhead")
-    add(modes, "--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps (0: off)")
-    add(modes, "--soak", action="store_true",
-        help="soak instead: one long decode per method (every registered one unless --methods names others), "
-             "cache bytes and RSS at steps 100, 1k, 10k, 20k (default model: the smollm2-135m shape, random "
-             "weights, --layers 2; --prompt-len 256)")
-    add(modes, "--ops", action="store_true",
-        help="count instead: kernel operations (non-view ATen ops) and host syncs of one decode step, per layer, "
-             "for every registered method unless --methods names others (default model: the smollm2-135m shape, "
-             "random weights, --layers 4; --prompt-len 512, --batch 2, --budget 0.1)")
-    add(modes, "--kernel", choices=("torch", "triton"), default="torch",
-        help="the caches' decode kernel: torch (the reference) or triton (the one-pass kernel; CUDA)")
-    add(modes, "--reconstruction", action="store_true",
-        help="time instead: a reconstruction pass (kvzip; --methods names others) against the prompt's own "
-             "prefill, and the cache's peak during it, at 1,024 and 4,096 tokens (--prompt-len sets one length) "
-             "on the embedded model")
-    add(modes, "--compile", action="store_true",
-        help="caches with compile=True: each layer's decode-time method step as one torch.compile graph (with "
-             "--ops: the launches of that graph are counted; the warm-up runs the timed shapes, so that timed steps "
-             "never compile: about a minute per method on CPU)")
-    add(modes, "--ops-steps", type=int, default=1, metavar="N", help="decode steps counted by --ops (averaged)")
-    add(modes, "--cuda-suite", action="store_true",
-        help="on a CUDA machine: the CUDA tests, the op count and the GPU bench in one run (under 10 min on one "
-             "H100), writing cuda.json and cuda.log into --out (default: runs/cuda); see .ci/cuda")
-    add(modes, "--soak-steps", type=int, default=20_000, metavar="N", help="decode steps of --soak")
-    out = parser.add_argument_group("output")
-    add(out, "--json", nargs="?", const="-", metavar="PATH",
-        help="write the JSON to PATH, or to stdout without one (the table then goes to stderr)")
-    add(out, "--out", metavar="DIR", help="write bench.json, bench.txt and bench.png into DIR")
-    add(out, "--plot", metavar="PATH", help="write the PNG here")
-    add(out, "--no-progress", action="store_true", help="no progress bars or messages")
-    return parser
 
 
 def main(args: argparse.Namespace) -> int:
@@ -721,7 +642,11 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
     """``keepkv bench --soak``: see :mod:`keepkv.bench.soak`."""
     from .soak import format_soak, run_soak
 
+    if getattr(args, "soak_text", False):
+        return _text_soak_main(args, json_to)
     try:
+        if args.soak_steps is None:
+            args.soak_steps = 20_000
         if isinstance(args.soak_steps, bool) or not isinstance(args.soak_steps, int) or args.soak_steps < 1:
             raise ValueError(f"soak steps must be an int >= 1, got {args.soak_steps!r}")  # before the model loads
         device = resolve_device(args.device)
@@ -742,6 +667,31 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
         return 2
     result["model"].update(source=info["source"], random_weights=info["random_weights"])
     _emit("soak", result, format_soak(result), json_to)
+    return 0
+
+
+def _text_soak_main(args: argparse.Namespace, json_to: str | None) -> int:
+    """``keepkv bench --soak --soak-text``: see :func:`keepkv.bench.soak.run_text_soak`."""
+    from ..models import load_model
+    from .reconstruction import prose_ids
+    from .soak import TEXT_STEPS, format_text_soak, run_text_soak
+
+    try:
+        if args.config is not None:
+            raise ValueError("--soak-text runs the embedded model or --model (it writes text)")
+        steps = TEXT_STEPS if args.soak_steps is None else args.soak_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"soak steps must be an int >= 1, got {steps!r}")
+        methods = resolve_methods("all" if args.methods == QUICK_METHODS else args.methods)
+        model, tokenizer = load_model(args.model, device=resolve_device(args.device))
+        prompt_ids = prose_ids(tokenizer, 1024 if args.prompt_len is None else args.prompt_len)
+        prompt_ids = prompt_ids.to(next(model.parameters()).device)
+        result = run_text_soak(model, tokenizer, methods, 0.1 if args.budget is None else args.budget, prompt_ids,
+                               steps=steps, progress=not args.no_progress, method_params=parse_params(args.param))
+    except ValueError as error:
+        print(f"keepkv bench: {error}", file=sys.stderr)
+        return 2
+    _emit("text_soak", result, format_text_soak(result), json_to)
     return 0
 
 

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from .. import reconstruction
 from ..attention import enabled
+from ..budgets import budget_for
 from ..cache import CompressedCache
 from ..models import CACHE_KWARG
 from .runner import METHOD_PARTS
@@ -262,7 +263,7 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # CPU kernels visible to the profiler
-    cache = CompressedCache(config, method, budget, compile=compile, **params)
+    cache = CompressedCache(config, method, budget_for(method, budget), compile=compile, **params)
     cache.method.prepare(model)  # as keepkv.generate and the bench do (KVReviver's Fisher scores)
 
     def forward(tokens):

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from .. import reconstruction
 from ..attention import enable
+from ..budgets import budget_for
 from ..cache import CompressedCache
 from ..models import CACHE_KWARG
 from .setup import stand_in_tokenizer
@@ -381,7 +382,7 @@ def run_once(
         groups, tokens, held, cache_peak = [], [], 0, 0
         for first in range(0, batch, rows):
             last = min(first + rows, batch)
-            group = CompressedCache(model.config, method, budget, compile=compile, kernel=kernel,
+            group = CompressedCache(model.config, method, budget_for(method, budget), compile=compile, kernel=kernel,
                                     **(method_params or {}))
             group.method.prepare(model)
             if group.defers_to_reconstruction:  # KVzip: its pass is part of its prefill's time

@@ -15,116 +15,11 @@ import math
 import sys
 from pathlib import Path
 
-from ..arguments import budget_arg
 from ..plotting import have_matplotlib
 from . import runner as _runner
+from .options import REPORT_BEGIN, REPORT_END, _length, _positive, _seed, add_arguments, add_report_arguments  # noqa: F401
 from .paired import CLOSE_RATIO, close_pairs, pair_records, resolution, resolved
 from .summary import load_cells, read_summary, with_reference
-
-
-def _seed(text: str) -> int:
-    """An int, or 'dev' for the tuning seed set (runner.DEV_SEED)."""
-    if text == "dev":
-        return _runner.DEV_SEED
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"seed must be an int or 'dev', got {text!r}")
-
-
-def _length(text: str):
-    """'1024' (every suite) or 'needle=1536' (one suite)."""
-    if "=" in text:
-        suite, value = text.split("=", 1)
-        return suite, _positive(value)
-    return None, _positive(text)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``keepkv eval`` (the caller adds --model and --json)."""
-    lengths = ", ".join(
-        f"{name} {_runner.DEFAULT_LENGTHS[name.split('+')[0]]}" for name in _runner.DEFAULT_SUITES
-    )
-    parser.add_argument(
-        "--suite", nargs="+", action="extend", metavar="SUITE",
-        help=f"suites, repeatable (default: {' '.join(_runner.DEFAULT_SUITES)}); also longbench, jsonl "
-        "(with --data) and variants such as needle+variant=multikey+haystack=prose",
-    )
-    parser.add_argument(
-        "--methods", nargs="+", metavar="METHOD",
-        help="methods, or variants such as keepkv+interval=8+zip_key=group (default: every registered one, "
-             "keepkv+selection=kvzip and kvzip+budgets=global)",
-    )
-    parser.add_argument(
-        "--budgets", nargs="+", type=budget_arg, metavar="B",
-        help="fractions of the prompt or entry counts (default: "
-        f"{' '.join(map(str, _runner.DEFAULT_BUDGETS))}; ppl: fraction of its total length)",
-    )
-    parser.add_argument(
-        "--samples", type=_positive,
-        help="samples per suite and length (default: "
-        + ", ".join(f"{name} {count}" for name, count in _runner.DEFAULT_SAMPLES.items())
-        + f", others {_runner.DEFAULT_SAMPLES_OTHER})",
-    )
-    parser.add_argument(
-        "--lengths", nargs="+", type=_length, metavar="N|SUITE=N",
-        help=f"context lengths in tokens, for every suite or one (default: {lengths})",
-    )
-    parser.add_argument(
-        "--seed", type=_seed, default=_runner.TEST_SEED,
-        help="sample seed: 0 for reported numbers, 'dev' (= 1000) or >= 1000 for tuning",
-    )
-    parser.add_argument("--out", help="output directory (default: runs/eval; with --quick: runs/eval-quick)")
-    quick_lengths = " ".join(f"{name}={value}" for name, value in _runner.QUICK_LENGTHS.items())
-    parser.add_argument(
-        "--quick", action="store_true",
-        help=f"smoke check: {_runner.QUICK_SAMPLES} samples, budget "
-        f"{' '.join(map(str, _runner.QUICK_BUDGETS))}, lengths {quick_lengths} (options given explicitly win)",
-    )
-    parser.add_argument(
-        "--data", action="append", default=[], metavar="PATH",
-        help="local data: a LongBench directory or a jsonl file (or longbench=DIR, jsonl=FILE)",
-    )
-    parser.add_argument("--max-new-tokens", type=_positive, help="override every suite's generation cap")
-    parser.add_argument(
-        "--batch-size", type=_positive,
-        help=f"samples per prefill batch (default: {_runner.DEFAULT_BATCH_SIZE} on the CPU; on a GPU, what a quarter "
-        "of its free memory holds for the model's KV cache at the longest length)",
-    )
-    parser.add_argument(
-        "--setting", choices=("aware", "agnostic", "both"),
-        help="question-aware (the question inside the compressed prompt), question-agnostic (the context "
-        "compressed before the question is seen, as kvpress's leaderboard runs) or both, for every suite with "
-        "a question (default: as each suite names it; the default suites include both)",
-    )
-    parser.add_argument(
-        "--sweep", action="store_true",
-        help=f"budgets {' '.join(map(str, _runner.SWEEP_BUDGETS))} and sweep.png: mean score against the "
-        "compression ratio (1 - budget), one line per method",
-    )
-    parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
-    parser.add_argument("--device", default="cpu", help="device of the model: cpu, cuda, cuda:1, ...")
-    parser.add_argument(
-        "--workers", type=_positive,
-        help="worker processes that split each suite's samples (default: CPU cores, at most "
-        f"{_runner.MAX_WORKERS}; 1 on a GPU)",
-    )
-    parser.add_argument(
-        "--reference", metavar="METHOD",
-        help="also pair every method with METHOD at the same budget (diff_ref columns); the full cache is "
-        "always paired (diff_full)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def _data_paths(entries: list[str]) -> dict:
@@ -183,8 +78,7 @@ def run(args) -> list[dict]:
             (name if each == "aware" else f"{name}+setting={each}"): apply_setting(members, each)
             for name, members in averages.items() for each in (("aware", "agnostic") if setting == "both" else (setting,))
         }
-    for suite in suites:  # a bad suite fails before the model loads
-        _runner.SuiteSpec.parse(suite)
+    check_before_work(args, suites, sizes, data)
     model, tokenizer = _load_model(args)
     out = sizes["out_dir"]
     rows = _runner.run_eval(
@@ -202,6 +96,29 @@ def run(args) -> list[dict]:
         plots = plots if have_matplotlib() else "none"
         print(f"\nsummary: {out / 'summary.csv'}  plot: {plots}  records: {out / 'cells'}", file=sys.stderr)
     return rows
+
+
+def check_before_work(args, suites: list[str], sizes: dict, data: dict) -> None:
+    """Everything ``keepkv eval`` can check before the model loads, each refused in one line:
+    suites, methods and variants, budgets against every method's minimum, the reference, the data
+    and model paths, and an output directory holding an earlier run's cells (``--resume``)."""
+    specs = [_runner.SuiteSpec.parse(suite) for suite in suites]
+    for spec in specs:
+        _runner.check_suite(spec)
+    methods = args.methods or _runner.default_methods()
+    plan = [(spec, length) for spec in specs for length in _runner._lengths_for(spec, sizes["lengths"])]
+    _runner.check_grid(methods, sizes["budgets"], plan)
+    if args.reference is not None and args.reference not in methods:
+        raise ValueError(f"--reference {args.reference} is not among the methods run: {', '.join(methods)}")
+    for name, path in data.items():
+        if not Path(path).exists():
+            raise ValueError(f"--data {name}={path}: no such file or directory")
+    if getattr(args, "model", None) and not Path(args.model).exists():
+        raise ValueError(f"--model {args.model}: no such file or directory")
+    cells = Path(sizes["out_dir"]) / "cells"
+    if not getattr(args, "resume", False) and cells.is_dir() and any(cells.glob("*.json")):
+        raise ValueError(f"{sizes['out_dir']} holds the cells of an earlier run: pass --resume to continue it (its "
+                         "finished cells are kept), or give another --out")
 
 
 def _load_model(args):
@@ -257,31 +174,6 @@ def expand_presets(suites: list[str], sizes: dict, args) -> tuple[list[str], dic
     return out, averages
 
 
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``keepkv report``."""
-    parser.add_argument("path", help="an eval run directory or its summary.csv")
-    parser.add_argument(
-        "--out", metavar="FILE",
-        help="also write the Markdown to FILE; a FILE holding the lines "
-        f"'{REPORT_BEGIN}' and '{REPORT_END}' (a docs page, docs/results.md) keeps everything else "
-        "and gets the Markdown between them",
-    )
-    parser.add_argument("--json", action="store_true", help="print the summary rows as JSON instead")
-    parser.add_argument(
-        "--reference", metavar="METHOD",
-        help="pair every method with METHOD at the same budget, from the run's cells/ (default: the "
-        "reference the run was made with, if any)",
-    )
-    parser.add_argument(
-        "--methods", nargs="+", metavar="METHOD",
-        help="only these methods' rows, in this order (the full cache's row is always first)",
-    )
-    parser.add_argument(
-        "--budgets", nargs="+", type=float, metavar="B",
-        help="only the columns of these budgets (the full cache's score is shown under each)",
-    )
-
-
 def select_rows(rows: list[dict], methods=None, budgets=None) -> list[dict]:
     """The rows of ``methods`` (in that order, the full cache first) at ``budgets``; a method or
     budget the run does not hold is refused in one line."""
@@ -327,8 +219,6 @@ def report(args) -> str:
 
 
 # What `keepkv report --out PAGE` replaces in a docs page, so that the page's prose stays.
-REPORT_BEGIN = "<!-- keepkv report: begin -->"
-REPORT_END = "<!-- keepkv report: end -->"
 
 
 def write_report(path: Path, text: str) -> None:

@@ -138,7 +138,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attention import Needs
-from ..budgets import validate_budget
+from ..budgets import budget_for, check_budget_holds, validate_budget
 from ..cache import DECODING, CompressedCache
 from ..generation import build_prompts, context_and_question_ids, encode
 from ..methods import METHODS, get_method
@@ -147,21 +147,14 @@ from . import metrics
 from .datasets import load_jsonl, load_longbench
 from .decoding import _strip, _with_eos, decode_cells, greedy_decode, prefill
 from .summary import average_rows, summarize_cell, summary_rows, write_summary
+from .options import (  # noqa: F401 (the run's defaults, this module's API too)
+    DEFAULT_BATCH_SIZE, DEFAULT_BUDGETS, DEFAULT_LENGTHS, DEFAULT_SAMPLES, DEFAULT_SAMPLES_OTHER, DEFAULT_SUITES,
+    DEV_SEED, MAX_WORKERS, PROSE_NEEDLE, QUICK_BUDGETS, QUICK_LENGTHS, QUICK_SAMPLES, SWEEP_BUDGETS, TEST_SEED,
+)
 from .tasks import SUITES, Sample, make_suite
 
 # ---------------------------------------------------------------- defaults (fixed before any run)
 
-TEST_SEED = 0
-DEV_SEED = 1000
-# Variants where the full cache does best on the embedded model (dev seed; see TIMING below).
-# Tasks the full cache solves (>= 0.9 on the dev seed) and the KL/NLL suites on real text.
-# passkey and the prose needle hold numbers in real text: the haystacks where a merge can blend
-# an evicted number into the answer's digits (the noise needle has no other number to blend).
-PROSE_NEEDLE = "needle+haystack=prose+digits=5"
-DEFAULT_SUITES = (
-    "needle", "needle+setting=agnostic", PROSE_NEEDLE, "passkey", "passkey+setting=agnostic", "kl+source=pydoc",
-    "kl+source=stdlib",
-)
 DATA_SUITES = ("longbench", "jsonl")
 # Question-aware (the question inside the compressed prompt; SnapKV's window then is the question)
 # or question-agnostic (the context compressed before the question, as kvpress's leaderboard runs
@@ -172,31 +165,10 @@ RUNNER_KEYS = ("setting", "decoding")  # suite variants the runner reads, not th
 DEFAULT_DECODING = {"aware": "compress", "agnostic": "append"}
 QUESTION_SUITES = ("needle", "passkey", "tracking", "aggregation", "longbench", "jsonl")
 KNOWN_SUITES = (*SUITES, *DATA_SUITES)
-DEFAULT_BUDGETS = (0.1, 0.2)
 # Run by default beside every registered method: KeepKV's merge on the selection that keeps facts
 # compressed before the question (the pairing the question-agnostic setting asks about), and
 # KVzip's paper-literal budgets (non-uniform heads).
 DEFAULT_VARIANTS = ("keepkv+selection=kvzip", "kvzip+budgets=global")
-# Samples per suite label, then task, then name (others: DEFAULT_SAMPLES_OTHER), sized for the
-# run's time on 2 CPU cores (docs/eval.md, "Time"). A paired 0/1 difference
-# with up to 30% discordant samples has a 95% half-width of about 2 * 0.55 / sqrt(n): 0.19 at
-# n = 32, 0.22 at 24.
-DEFAULT_SAMPLES = {
-    "needle": 32, "needle+setting=agnostic": 24, PROSE_NEEDLE: 32, "passkey": 24, "passkey+setting=agnostic": 16,
-    "kl": 12,
-}
-DEFAULT_SAMPLES_OTHER = 4
-DEFAULT_LENGTHS = {
-    "needle": 1024,
-    "tracking": 256,
-    "aggregation": 512,
-    "passkey": 1024,
-    "ppl": 256,
-    "fidelity": 512,
-    "kl": 1024,
-    "longbench": 1024,
-    "jsonl": 1024,
-}
 # `keepkv eval --suite ruler`: the RULER tasks that the full embedded model solves (>= 0.8 on the
 # dev seed) at the length where it does, prose haystacks included, and their unweighted average
 # (RULER's score); run question-aware and question-agnostic unless --setting says one. Full
@@ -207,16 +179,6 @@ RULER_SUITES = (
 RULER_LENGTHS = {suite: 1024 for suite in RULER_SUITES}
 RULER_SAMPLES = {suite: 32 for suite in RULER_SUITES}
 RULER_AVERAGE = "ruler-average"
-# `keepkv eval --sweep`: the budgets of the field's ratio sweeps (kvpress's leaderboard draws
-# compression ratios 0.25-0.875; ratio = 1 - budget), plotted as the average score against the
-# compression ratio, one line per method (sweep.png).
-SWEEP_BUDGETS = (0.9, 0.75, 0.5, 0.25, 0.125, 0.1)
-# `keepkv eval --quick`: a smoke check of every default suite, not a measurement.
-QUICK_SAMPLES = 2
-QUICK_BUDGETS = (0.1,)
-QUICK_LENGTHS = {"needle": 512, "passkey": 512, "kl": 512}
-DEFAULT_BATCH_SIZE = 8
-MAX_WORKERS = 4
 PPL_HEAD = 32
 KL_CONTINUATION = 128
 FIDELITY_NEW_TOKENS = 32
@@ -740,7 +702,7 @@ class _SuiteAtLength:
         targets = input_ids[:, head:]
         rows = len(batch)
         for chunk in _chunks(todo, runner.joint_cells):
-            entries = [ppl_entries(cell.budget, length) for cell in chunk]
+            entries = [budget_for(cell.method, ppl_entries(cell.budget, length)) for cell in chunk]
             caches = [record.fork(self.runner.instance(cell.method), count, self.spec.decoding) for cell, count in zip(chunk, entries)]
             nll = []
 
@@ -925,6 +887,56 @@ def check_lengths(config, plan: list[tuple[SuiteSpec, int]], max_new_tokens: int
             raise ValueError(f"suite {spec.label} at {length} tokens: {error}") from None
 
 
+def check_suite(spec: SuiteSpec) -> None:
+    """Refuse, in one line, a suite variant its generator does not take (a key or a value): one
+    sample of it is made, without a tokenizer (a few milliseconds)."""
+    if spec.name in SUITES:
+        try:
+            make_suite(spec.name, 1, 256, TEST_SEED, None, **spec.generator_variant)
+        except TypeError as error:  # an unknown keyword
+            raise ValueError(f"suite {spec.label}: {error}") from None
+        except ValueError as error:
+            raise ValueError(f"suite {spec.label}: {error}") from None
+
+
+def default_methods() -> list[str]:
+    """The methods of a run that names none: every registered one and ``DEFAULT_VARIANTS``."""
+    return [*METHODS, *DEFAULT_VARIANTS]
+
+
+class _Budget:
+    """What ``Method.check_budget`` reads of a cache: its budget alone."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+
+def check_grid(methods, budgets, plan: list[tuple[SuiteSpec, int]]) -> None:
+    """Refuse, in one line and before any work (the command line: before the model loads), a
+    method or variant that does not build, a budget out of range, or a budget below what a method
+    can run at: an entry budget under its protected tokens (``check_budget_holds``, the command
+    line's rule) or under its own minimum (``check_budget``: KVReviver's sketch), the ppl suite's
+    entry budgets (a fraction of its text) included. The full cache runs at 1.0 alone."""
+    budgets = [validate_budget(budget) for budget in budgets]
+    lengths = sorted({length for spec, length in plan if spec.name == "ppl"})
+    built = [(name, get_method(name)) for name in methods]  # every name and variant first
+    for budget in budgets:
+        refused = []
+        for name, method in built:
+            if method.name == "full":
+                continue
+            try:
+                check_budget_holds(method, budget)
+                for entries in {budget, *(ppl_entries(budget, length) for length in lengths)}:
+                    method.check_budget(_Budget(entries))
+            except ValueError as error:
+                refused.append((name, str(error)))
+        if refused:
+            (name, why), others = refused[0], [other for other, _ in refused[1:]]
+            also = f"; too small for {', '.join(others)} too" if others else ""
+            raise ValueError(f"{name} at budget {budget}: {why}{also}")
+
+
 def auto_batch_size(model, length: int, cells: int) -> int:
     """Samples per prefill batch: DEFAULT_BATCH_SIZE on the CPU; on a GPU, as many as a quarter
     of the free memory holds, counting per row the uncompressed prompt of the recording
@@ -1017,20 +1029,17 @@ def run_eval(
     list of dict
         One row per (suite, length, method, budget), as in ``summary.csv``.
     """
-    methods = [*METHODS, *DEFAULT_VARIANTS] if methods is None else list(methods)
-    for method in methods:
-        get_method(method)  # unknown names fail before any work
+    methods = default_methods() if methods is None else list(methods)
     if reference is not None and reference not in methods:
         raise ValueError(f"reference {reference!r} is not among the methods run: {', '.join(methods)}")
     budgets = list(budgets)
-    for budget in budgets:
-        validate_budget(budget)
     for count in samples.values() if isinstance(samples, dict) else [samples]:
         if not isinstance(count, int) or count < 1:
             raise ValueError(f"samples must be an int >= 1 (or a dict suite -> int >= 1), got {samples!r}")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
     specs = [spec if isinstance(spec, SuiteSpec) else SuiteSpec.parse(spec) for spec in suites]
+    check_grid(methods, budgets, [(spec, n) for spec in specs for n in _lengths_for(spec, lengths)])
     data = dict(data or {})
     check_lengths(model.config, [(spec, n) for spec in specs for n in _lengths_for(spec, lengths)], max_new_tokens)
     if batch_size is None:
