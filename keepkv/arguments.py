@@ -19,22 +19,20 @@ DEMO_BUDGETS = (0.5, 0.25, 0.1)
 
 def budget_arg(text: str) -> int | float:
     """'0.1' -> 0.1 (fraction), '128' -> 128 (entries); out of range is refused as the arguments are
-    parsed (before torch is imported)."""
-    wanted = f"budget must be a float in (0, 1] (a fraction of the prompt) or an int in [1, 2**48] (entries), got {text!r}"
+    parsed (before torch is imported), in ``keepkv.checks.validate_budget``'s words."""
+    from .checks import validate_budget
+
     try:
         value = int(text)
-        if not 1 <= value <= 2**48:
-            raise argparse.ArgumentTypeError(wanted)
-        return value
     except ValueError:
-        pass
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"budget must be a float in (0, 1] or an int in [1, 2**48], got {text!r}") from None
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(wanted) from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(wanted)
-    return value
+        return validate_budget(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _unset(default) -> bool:

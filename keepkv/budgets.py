@@ -63,9 +63,10 @@ def check_full_budget(method, budget: int | float) -> None:
                          "it at 1.0, or name a method that compresses")
 
 
-def budget_for(method: str, budget: int | float) -> int | float:
-    """The budget a method runs at beside others (a bench row): ``budget``, or 1.0 for ``full``."""
-    return 1.0 if method.split("+")[0] == "full" else budget
+def budget_for(spec: str, budget: int | float) -> int | float:
+    """The budget a method (a name or variant) runs at beside others (a bench row): ``budget``, or
+    1.0 for ``full``."""
+    return 1.0 if spec.split("+")[0] == "full" else budget
 
 
 def floor_warning(method, budget: int | float) -> str | None:

@@ -1,4 +1,4 @@
-"""`keepkv --help` and every argument error come before torch loads (issue 52): the command line
+"""`keepkv --help` and every argument error come before torch loads the command line
 checks what it can without torch, each refusal one line. (How long they take is measured, not
 tested: docs/record/2026-11-27-cli-start.md.)"""
 

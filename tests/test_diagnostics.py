@@ -96,7 +96,7 @@ def test_context_length_warning(gqa_model):
 
 @pytest.mark.parametrize("method", ["full", "snapkv", "kvzip"])
 def test_prompt_longer_than_the_context_is_refused_in_one_line(gqa_model, method):
-    """Refused before its prefill, for generate and compress alike (issue 52)."""
+    """Refused before its prefill, for generate and compress alike."""
     gqa_model.config.max_position_embeddings = 30
     budget = 1.0 if method == "full" else 0.5
     with pytest.raises(ValueError, match=r"^the prompt has 31 tokens, more than the model's context of 30") as error:

@@ -1,4 +1,4 @@
-"""Misuse refused in one line at the first call that can tell (issue 52, item 4)."""
+"""Misuse refused in one line at the first call that can tell."""
 
 import pytest
 import torch

@@ -588,13 +588,13 @@ def test_summary_round_trips_missing_values_as_none(tmp_path):
     (["--budgets", "2", "--quick"], r"at budget 2: .* too small for .*kvreviver"),
     (["--budgets", "8", "--methods", "snapkv"], r"snapkv at budget 8: budget 8 .* fewer than snapkv's 32 protected"),
     (["--methods", "snapkv+nonsense=1"], r"unknown parameter"),
-    (["--budgets", "1.5"], r"must be in \(0, 1\]"),
     (["--suite", "needle+variant=nonsense"], r"variant"),
     (["--reference", "h2o", "--methods", "snapkv"], r"--reference h2o is not among the methods run"),
     (["--data", "jsonl=/nonexistent/file.jsonl"], r"no such file"),
 ])
 def test_eval_checks_everything_before_the_model_loads(monkeypatch, tmp_path, argv, message):
-    """Issue 52: `keepkv eval --budgets 2 --quick` ran for minutes, then lost its work."""
+    """What eval cannot run is refused in one line before the model loads, nothing written (a budget
+    out of range is refused earlier still, as the arguments are parsed: tests/test_cli_speed.py)."""
     def no_model(*args, **kwargs):
         raise AssertionError("the model loaded before the arguments were checked")
 
@@ -613,7 +613,7 @@ def test_a_stopped_run_keeps_its_finished_cells_and_resumes(model, tokenizer, tm
     argv = ["--suite", "needle", "fidelity", "--methods", "window", "--budgets", "0.3", "--samples", "2",
             "--lengths", "120", "--max-new-tokens", "4", "--out", str(out), "--no-progress", "--workers", "1"]
     groups = []
-    real_run = runner_module._Group.run
+    real_run = runner_module._SuiteAtLength.run
 
     def stop_in_the_second(group, bar):
         groups.append(group.spec.label)
@@ -621,17 +621,17 @@ def test_a_stopped_run_keeps_its_finished_cells_and_resumes(model, tokenizer, tm
             raise KeyboardInterrupt  # Ctrl-C in the middle of the run
         return real_run(group, bar)
 
-    monkeypatch.setattr(runner_module._Group, "run", stop_in_the_second)
+    monkeypatch.setattr(runner_module._SuiteAtLength, "run", stop_in_the_second)
     with pytest.raises(KeyboardInterrupt):
         eval_cli.run(_cli_args(*argv))
     kept = sorted(path.name for path in (out / "cells").glob("*.json"))
     assert kept == ["needle-120-full-1.0.json", "needle-120-window-0.3.json"]
     stamps = {name: (out / "cells" / name).stat().st_mtime_ns for name in kept}
-    monkeypatch.setattr(runner_module._Group, "run", real_run)
+    monkeypatch.setattr(runner_module._SuiteAtLength, "run", real_run)
     with pytest.raises(ValueError, match="holds the cells of an earlier run: pass --resume"):
         eval_cli.run(_cli_args(*argv))
-    computed, real_write = [], runner_module._Group.write
-    monkeypatch.setattr(runner_module._Group, "write", lambda group, cell: (computed.append(cell.path.name),
+    computed, real_write = [], runner_module._SuiteAtLength.write
+    monkeypatch.setattr(runner_module._SuiteAtLength, "write", lambda group, cell: (computed.append(cell.path.name),
                                                                            real_write(group, cell)))
     rows = eval_cli.run(_cli_args(*argv, "--resume"))
     assert sorted(computed) == ["fidelity-120-full-1.0.json", "fidelity-120-window-0.3.json"]

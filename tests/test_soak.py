@@ -55,7 +55,7 @@ def test_cli_soak_rejects_bad_steps(capsys):
 
 
 def test_a_long_greedy_text_stays_bounded_and_no_more_repetitive_than_full():
-    """Issue 52's 1,500-token check at a smaller size (a tiny random model, 64-token prompt, 160
+    """The 1,500-token check of `keepkv bench --soak --soak-text` at a smaller size (a tiny random model, 64-token prompt, 160
     tokens, budget 16), every method: each compressing cache holds no more bytes at the end than
     at its first checkpoint (KVReviver: within its documented growth), and its text repeats its
     4-grams no more than the full cache's text does, give or take 0.05. The full figures, on the
