@@ -51,6 +51,7 @@ from pathlib import Path
 
 from . import DEFAULT_GENERATED
 from ..arguments import budget_arg
+from .settings import BIND, thread_binding
 
 SERVER = "vllm.entrypoints.openai.api_server"
 DEFAULT_BUDGET = 0.1
@@ -58,7 +59,9 @@ READY = "Application startup complete"  # the server's line once it answers
 PROGRESS_EVERY = 30.0  # seconds between "warming up" lines
 # vLLM's flags for what keepkv.vllm does not serve (keepkv.vllm.settings.REFUSED names why).
 SPECULATIVE = ("--speculative-config", "-sc", "--spec-method", "--spec-model", "--spec-tokens")
-PARALLEL = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp")
+TENSOR_PARALLEL = ("--tensor-parallel-size", "-tp")
+PIPELINE_PARALLEL = ("--pipeline-parallel-size", "-pp")
+PARALLEL = TENSOR_PARALLEL + PIPELINE_PARALLEL
 # Flags that choose between eager and compiled, besides -O<n>.
 COMPILATION = ("--enforce-eager", "--no-enforce-eager", "--compilation-config", "-cc", "--optimization-level")
 OFF_BY_DEFAULT = ["--no-enable-prefix-caching"]  # a method that compresses prompts, unless the flag is given either way
@@ -125,15 +128,31 @@ def refused_flag(given: dict[str, str | None], method: str, keep_prompt: bool = 
         return refusal("prefix caching")
     if any(name in given for name in SPECULATIVE):
         return refusal("speculative decoding")
-    for name in PARALLEL:
-        value = given.get(name)
-        if value is not None and value.isdigit() and int(value) > 1:
-            return refusal("tensor or pipeline parallelism > 1")
+    if ranks(given, PIPELINE_PARALLEL) > 1:
+        return refusal("pipeline parallelism > 1")
     if "--enable-lora" in given and (given["--enable-lora"] or "true").lower() not in ("false", "0"):
         return refusal("LoRA")
     if (given.get("--kv-cache-dtype") or "").startswith("fp8"):
         return refusal("an fp8 KV cache")
     return None
+
+
+def ranks(given: dict[str, str | None], names: tuple[str, ...]) -> int:
+    """The size vLLM's flags ``names`` (one of :data:`TENSOR_PARALLEL`, :data:`PIPELINE_PARALLEL`) give, 1 if none."""
+    values = [given.get(name) for name in names if (given.get(name) or "").isdigit()]
+    return int(values[-1]) if values else 1
+
+
+def kv_heads(model: Path) -> int | None:
+    """The KV heads of the model directory's ``config.json`` (its text config's, for a multimodal
+    one), None where it does not say."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    heads = config.get("num_key_value_heads", config.get("num_attention_heads"))
+    return heads if isinstance(heads, int) else None
 
 
 def model_name(source: Path) -> str:
@@ -176,6 +195,12 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
 
     source = embedded_gguf_path() if args.model is None else Path(args.model).expanduser()
     model = model_directory(source, convert=convert)
+    tensor_parallel = ranks(given, TENSOR_PARALLEL)
+    heads = kv_heads(Path(model)) if args.method != "full" and tensor_parallel > 1 else None
+    if heads is not None and tensor_parallel > heads:  # (a model not converted yet is checked as the engine starts)
+        from .settings import refusal
+
+        raise ValueError(refusal("KV heads replicated over ranks") + f" ({tensor_parallel} ranks, {heads} KV heads)")
     off = [] if args.method == "full" or keep_prompt else OFF_BY_DEFAULT  # keep_prompt shares prompts
     added_flags += [flag for flag in off if flag not in given and flag.replace("--no-", "--") not in given]
     if cpu and not any(name in given for name in COMPILATION) and not any(name.startswith("-O") for name in given):
@@ -187,6 +212,9 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
         added["VLLM_CPU_KVCACHE_SPACE"] = "1"
     if "HF_HUB_OFFLINE" not in environ:
         added["HF_HUB_OFFLINE"] = "1"
+    workers = tensor_parallel * ranks(given, PIPELINE_PARALLEL)
+    if cpu and environ.get(BIND, "auto") == "auto" and thread_binding(workers) is not None:
+        added[BIND] = thread_binding(workers)  # vLLM's default needs a NUMA node per worker
     return [sys.executable, "-m", SERVER, "--model", str(model), *added_flags, *server_args], added
 
 
