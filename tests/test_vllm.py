@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import keepkv  # noqa: E402
-from keepkv.paged import SERVED_METHODS, PagedCompression  # noqa: E402
+from keepkv.paged import SERVED_METHODS, PagedCompression, rank_config  # noqa: E402
 from keepkv.vllm import SERVING_INTERVAL  # noqa: E402
 
 NEW_TOKENS = 24
@@ -528,6 +528,30 @@ def test_the_start_up_line_counts_slots_and_requests_against_stock(method, budge
         assert (f"{prompt:,} + {generated:,}" in line.split("no gain for")[-1]) == (mine <= theirs)
     assert gains[1]  # a chat turn: more requests at once than stock in every mode
     assert gains[0] == (not keep_prompt)  # a long document's answer gains only when its prompt is compressed
+
+
+def test_the_start_up_line_gives_each_ranks_figures_and_the_total():
+    """Under tensor parallelism every rank holds the same blocks for its own KV heads: the line says
+    how many ranks, the heads each holds, each rank's KV bytes and all ranks' together, then the
+    slots and requests at once that every rank's blocks give."""
+    from keepkv.vllm.backend import VllmCpuKernel
+    from keepkv.vllm.spec import KeepKVSpec
+
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+    paged = PagedCompression(rank_config(smollm2, 3, 1), served("snapkv"), 0.1, kernel=VllmCpuKernel())
+    content = paged.content_bytes(64, torch.bfloat16)
+    spec = KeepKVSpec(block_size=128, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, state_content_bytes=content,
+                      method=served("snapkv"), budget=0.1, num_layers=30, max_model_len=8192, tensor_parallel_size=3)
+    rank_bytes = 329 * 30 * 128 * content  # blocks x layers x a block's slots of one KV head
+    line = spec.capacity_line(num_blocks=329)
+    assert (f"keepkv: snapkv+interval=16 at budget 0.1, tensor parallel over 3 ranks, each holding 1 of the model's "
+            f"3 KV heads in {rank_bytes / 2**20:,.1f} MiB of KV cache ({3 * rank_bytes / 2**20:,.1f} MiB on all 3); "
+            f"on every rank: KV cache of {329 * 128:,} slots") in line
+    single = KeepKVSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, state_content_bytes=content,
+                        method=served("snapkv"), budget=0.1, num_layers=30, max_model_len=8192)
+    assert line.split("requests at once: ")[1] == single.capacity_line(num_blocks=329).split("requests at once: ")[1]
 
 
 def test_keepkv_serve_knows_the_flags_it_reads():
