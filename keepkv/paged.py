@@ -35,6 +35,7 @@ import functools
 import math
 import threading
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -64,6 +65,24 @@ def servable_method(spec: str) -> ComposedMethod:
 
 
 SERVED_METHODS = tuple(sorted(served_names()[0]))  # what the refusal names, for callers that list them
+
+
+def rank_config(config, num_heads: int, num_kv_heads: int) -> SimpleNamespace:
+    """The model's ``config`` as one tensor-parallel rank holds it: the model's depth, and the
+    ``num_heads`` query heads and ``num_kv_heads`` KV heads of the rank (vLLM gives a rank
+    ``num_attention_heads // tp`` and ``num_key_value_heads // tp``). A :class:`PagedCompression`
+    given it shapes its budgets [L, B, H_kv], its slots' words and its stores by the rank's heads.
+
+    Each rank's query heads must be whole groups of its KV heads (``num_heads`` a multiple of
+    ``num_kv_heads``, the model's group size): a KV head replicated over ranks, each holding part of
+    its group, is not such a rank (ValueError, in one line).
+    """
+    group = config.num_attention_heads // config.num_key_value_heads
+    if num_kv_heads < 1 or num_heads != group * num_kv_heads:
+        raise ValueError(f"a rank of {num_heads} query heads and {num_kv_heads} KV heads does not hold whole groups of "
+                         f"the model's {group} query heads per KV head")
+    return SimpleNamespace(num_hidden_layers=config.num_hidden_layers, num_attention_heads=num_heads,
+                           num_key_value_heads=num_kv_heads)
 
 
 # Intra-op threads of a compression's method work: hundreds of small tensor ops over [R, H_kv, S];
@@ -143,7 +162,8 @@ class PagedCompression:
     Parameters
     ----------
     config : transformers.PretrainedConfig
-        The model's config (depth, heads and KV heads).
+        The model's config (depth, heads and KV heads), or one tensor-parallel rank's view of it
+        (:func:`rank_config`): budgets, words and stores are shaped by the heads it names.
     method : str
         A method of :data:`SERVED_METHODS`, or a variant (``"snapkv+window=16"``).
     budget : float or int

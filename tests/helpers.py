@@ -130,3 +130,16 @@ def request_state(paged, first_block: int, layer: int) -> dict:
     slabs = paged._slabs.get(layer, {})
     joined.update({name: slab.index_select(0, row) for name, slab in slabs.items() if slab is not None})
     return joined
+
+
+def slot_positions(paged, kv_cache: torch.Tensor, blocks: torch.Tensor, size: int, head_dim: int) -> torch.Tensor:
+    """[H_kv, size] int64: the position word of a request's slots 0..size-1, per KV head, in
+    ``kv_cache`` [blocks, H_kv, block_size, C] laid out by ``paged`` (a PagedCompression) for a model
+    head of ``head_dim``; ``blocks`` [n] int64: the request's block table."""
+    kv_heads, block_size = kv_cache.shape[1:3]
+    layout = paged.layout(block_size, kv_heads, head_dim, kv_cache.dtype)
+    _, _, words = layout.planes(kv_cache)
+    slots = torch.arange(size)
+    index = layout.word_index(blocks[slots // block_size][None, :], torch.arange(kv_heads)[:, None],
+                              (slots % block_size)[None, :])
+    return words[index].long()

@@ -11,10 +11,10 @@ from transformers import LlamaConfig
 import keepkv.paged as paged_module
 from keepkv import CompressedCache
 from keepkv.budgets import budget_floor, row_budgets
-from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression
+from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression, rank_config
 from keepkv.step import LayerStep
 
-from helpers import request_state
+from helpers import request_state, slot_positions
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 CONFIG = LlamaConfig(
@@ -29,12 +29,13 @@ class Engine:
     """A minimal engine: a block pool, each request's block table capped at its capacity, the
     paged cache filled with garbage so that a read of a stale slot shows."""
 
-    def __init__(self, paged: PagedCompression, blocks: int = 64, seed: int = 0, dtype=torch.float32):
+    def __init__(self, paged: PagedCompression, blocks: int = 64, seed: int = 0, dtype=torch.float32, device="cpu"):
         self.paged = paged
         generator = torch.Generator().manual_seed(seed)
         size = torch.finfo(dtype).bits // 8
         cell = paged.content_bytes(HEAD_DIM, dtype, BLOCK) // size  # a slot's key, value and fp32 words
-        self.kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, cell, generator=generator).to(dtype)
+        kv_heads = paged.config.num_key_value_heads  # the model's, or one tensor-parallel rank's
+        self.kv_cache = torch.randn(blocks, kv_heads, BLOCK, cell, generator=generator).to(device, dtype)
         self.free = torch.randperm(blocks - 1, generator=generator).add(1).tolist()  # block 0: the null block
         self.tables: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
@@ -132,6 +133,48 @@ def test_paged_requests_decode_as_alone(method, budget):
             layer = references[request].layers[0]
             assert int(layer.live_counts().max()) == paged.stored(engine.prompt[request], engine.computed[request])
     assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
+
+
+@pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "keepkv+interval=3"])
+@pytest.mark.parametrize("budget", [0.5, 3])
+def test_tensor_parallel_ranks_compress_their_own_heads_as_the_whole_model(method, budget):
+    """Two tensor-parallel ranks, each holding one KV head and its query group (``rank_config``),
+    fed their heads' slices of the same requests (unequal prompts, one joining mid-way), with no
+    communication: every step each rank's output and the positions each of its slots holds are the
+    whole model's for those heads, in the model's last layer (PyramidKV's smallest budget)."""
+    generator = torch.Generator().manual_seed(3)
+    layer = CONFIG.num_hidden_layers - 1
+    whole = Engine(PagedCompression(CONFIG, method, budget))
+    ranks = [Engine(PagedCompression(rank_config(CONFIG, HEADS // KV_HEADS, 1), method, budget))
+             for _ in range(KV_HEADS)]
+    group = HEADS // KV_HEADS
+    prompts = {0: 9, 1: 14}
+    for step in range(10):
+        new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
+        if step == 4:
+            new[2] = tokens(generator, 11)
+        outputs = whole.step(new, layer)
+        for rank, engine in enumerate(ranks):
+            mine = {r: (q[:, rank * group : (rank + 1) * group], k[:, rank : rank + 1], v[:, rank : rank + 1])
+                    for r, (q, k, v) in new.items()}
+            got = engine.step(mine, layer)
+            for request in new:
+                assert torch.equal(got[request], outputs[request][:, rank * group : (rank + 1) * group])
+                held = whole.paged.stored(whole.prompt[request], whole.computed[request], layer)
+                expected = slot_positions(whole.paged, whole.kv_cache, torch.tensor(whole.tables[request]), held, HEAD_DIM)
+                positions = slot_positions(engine.paged, engine.kv_cache, torch.tensor(engine.tables[request]), held,
+                                           HEAD_DIM)
+                assert torch.equal(positions, expected[rank : rank + 1])
+
+
+def test_a_rank_holds_whole_query_groups():
+    """A rank's query heads are whole groups of its KV heads: a KV head replicated over ranks (each
+    holding part of its group) is refused in one line."""
+    assert vars(rank_config(CONFIG, 2, 1)) == {"num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1}
+    for heads, kv_heads in ((1, 1), (2, 2), (4, 0)):
+        with pytest.raises(ValueError, match="does not hold whole groups of the model's 2 query heads per KV head") as raised:
+            rank_config(CONFIG, heads, kv_heads)
+        assert "\n" not in str(raised.value)
 
 
 @pytest.mark.parametrize("method", ["snapkv", "keepkv", "h2o+interval=3"])

@@ -147,9 +147,8 @@ def test_a_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
     ([], {"VLLM_PLUGINS": ""}, "leaves out keepkv's plugin"),
     (["--speculative-config", '{"method": "ngram"}'], {}, "does not support speculative decoding"),
     (["--spec-method=ngram"], {}, "does not support speculative decoding"),
-    (["-tp", "3"], {}, r"does not support tensor or pipeline parallelism > 1"),
-    (["--tensor_parallel_size=2"], {}, r"parallelism > 1"),
-    (["--pipeline-parallel-size", "2"], {}, r"parallelism > 1"),
+    (["--pipeline-parallel-size", "2"], {}, r"does not support pipeline parallelism > 1: vLLM 0.32.0's CPU build dies"),
+    (["-pp=2", "-tp", "3"], {}, r"intermediate_tensors is not None.* \(--pipeline-parallel-size 1\)"),
     (["--enable-lora"], {}, "does not support LoRA"),
     (["--kv-cache-dtype", "fp8_e4m3"], {}, "does not support an fp8 KV cache"),
 ])
@@ -159,12 +158,66 @@ def test_serve_refuses_before_starting_anything(tmp_path, monkeypatch, argv, env
     assert "\n" not in str(raised.value)
 
 
+def test_serve_sets_a_thread_binding_for_tensor_parallel_workers_on_too_few_numa_nodes(tmp_path, monkeypatch):
+    """vLLM's default binding gives each CPU worker a NUMA node of its own: on a host with fewer,
+    keepkv serve sets VLLM_CPU_OMP_THREADS_BIND (each worker's cores), for stock vLLM too, unless
+    it is set; with a node per worker it adds nothing."""
+    from keepkv.vllm import settings
+
+    monkeypatch.setattr(settings, "memory_nodes", lambda: 1)
+    assert settings.thread_binding(3, cpus={0, 1}) == "0|1|0"  # fewer cores than workers: they share
+    assert settings.thread_binding(2, cpus=range(5)) == "0,1|2,3,4"
+    assert settings.thread_binding(1, cpus={0, 1}) is None
+    for method in ("snapkv", "full"):
+        _, added = command(["--model", str(tmp_path), "--method", method, "-tp", "3"], monkeypatch=monkeypatch)
+        assert added[settings.BIND] == settings.thread_binding(3)
+    _, added = command(["--model", str(tmp_path), "--tensor-parallel-size=3"], {settings.BIND: "0-1|0-1|0-1"},
+                       monkeypatch=monkeypatch)
+    assert settings.BIND not in added  # the user's
+    _, added = command(["--model", str(tmp_path)], monkeypatch=monkeypatch)
+    assert settings.BIND not in added  # one worker
+    monkeypatch.setattr(settings, "memory_nodes", lambda: 4)
+    _, added = command(["--model", str(tmp_path), "-tp", "3"], monkeypatch=monkeypatch)
+    assert settings.BIND not in added  # a node per worker: vLLM's default binds them
+
+
+def test_serve_refuses_kv_heads_replicated_over_ranks(tmp_path, monkeypatch):
+    """A tensor-parallel size above the model's KV heads (read from its config.json) is refused in
+    one line naming why; one that divides them is served, and stock vLLM takes any."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
+    with pytest.raises(ValueError, match=r"does not support KV heads replicated over ranks: .* \(9 ranks, 3 KV heads\)") as raised:
+        command(["--model", str(tmp_path), "-tp", "9"], monkeypatch=monkeypatch)
+    assert "\n" not in str(raised.value)
+    command(["--model", str(tmp_path), "-tp", "3"], monkeypatch=monkeypatch)
+    command(["--model", str(tmp_path), "--method", "full", "-tp", "9"], monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("method, tensor, pipeline, kv_heads, refused", [
+    ("snapkv", 3, 1, 3, []),
+    ("pyramidkv", 3, 1, 6, []),
+    ("keepkv", 9, 1, 3, ["KV heads replicated over ranks"]),
+    ("snapkv", 1, 2, 3, ["pipeline parallelism > 1"]),
+    ("d2o", 3, 1, 3, ["layer budgets drawn from every layer's scores under tensor parallelism"]),
+    ("d2o", 1, 1, 3, []),
+    ("kvzip+budgets=global", 2, 1, 3, ["layer budgets drawn from every layer's scores under tensor parallelism"]),
+])
+def test_parallel_engines_refuse_what_would_need_communication(method, tensor, pipeline, kv_heads, refused):
+    """Each tensor-parallel rank compresses its own KV heads with no communication: a method whose
+    layer budgets come from every layer's scores (D2O, KVzip's non-uniform budgets) and KV heads
+    replicated over ranks are refused under tensor parallelism, each in its one line."""
+    from keepkv.vllm.settings import parallel_problems, refusal
+
+    assert parallel_problems(method, tensor, pipeline, kv_heads) == refused
+    for name in refused:
+        assert "\n" not in refusal(name)
+
+
 def test_serve_refuses_keepkv_off_the_cpu_build(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="CPU build only .* --method full serves this vLLM stock"):
         command(["--model", str(tmp_path)], cpu=False, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("flag", [["--speculative-config", "{}"], ["-tp", "2"], ["--enable-lora"],
+@pytest.mark.parametrize("flag", [["--speculative-config", "{}"], ["--enable-lora"],
                                   ["--kv-cache-dtype", "fp8"], ["-pp", "2"]])
 def test_serve_refuses_flags_before_torch_or_vllm_is_imported(flag):
     """keepkv serve's flag refusals come from its own process, before torch (or vLLM) is imported:

@@ -9,6 +9,7 @@ import gc
 import json
 import math
 import os
+from dataclasses import dataclass
 
 import pytest
 
@@ -20,10 +21,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import keepkv  # noqa: E402
-from keepkv.paged import PagedCompression  # noqa: E402
+from keepkv.paged import SERVED_METHODS, PagedCompression, rank_config  # noqa: E402
 from keepkv.vllm import SERVING_INTERVAL  # noqa: E402
 
 NEW_TOKENS = 24
+KEPT = "vllm_ranks.KeptEntries"  # tests/vllm_ranks.py: each worker's kept positions, through collective_rpc
 PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None"  # docs/keepkv.md
 SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", PAPER_KEEPKV]
 
@@ -70,16 +72,29 @@ class Engine:
         core = self.llm.llm_engine.engine_core.engine_core
         return core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
 
-    def run(self, prompts, new_tokens=NEW_TOKENS):
-        """Greedy outputs (token ids) of ``prompts``, all in flight at once; asserts after every step
-        that no request holds more blocks than its capacity bound."""
+    def run(self, prompts, new_tokens=NEW_TOKENS, kept=False, logprobs=None):
+        """Greedy outputs (token ids) of ``prompts``, all in flight at once, and the most blocks each
+        held (read from the scheduler after every step). ``kept`` (an engine built with
+        ``worker_extension_cls=KEPT``): after every step, each request's kept positions, read from
+        every rank, into ``self.kept`` {(request index, tokens generated): [L] int32 [H_kv, S_l], the
+        ranks' heads in rank order, the model's head order}, and (one rank) the ranking of every
+        compression into ``self.priorities`` {(layer, newest position): ([H_kv, S] positions,
+        priorities)}; ``logprobs``: the top ones of every step into ``self.logprobs``
+        [request][step] (highest first)."""
+        if kept:
+            self.llm.collective_rpc("keepkv_record", args=(True,))
         engine = self.llm.llm_engine
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=logprobs)
         names = [f"r{i}" for i in range(len(prompts))]
         internal = [engine.add_request(name, {"prompt_token_ids": p}, params) for name, p in zip(names, prompts)]
-        outputs, peak_blocks, last_blocks = {}, {}, {}
+        outputs, peak_blocks, last_blocks, generated = {}, {}, {}, {}
+        self.kept, self.logprobs = {}, {}
         while engine.has_unfinished_requests():
             for output in engine.step():
+                generated[output.request_id] = list(output.outputs[0].token_ids)
+                if logprobs:
+                    self.logprobs[output.request_id] = [sorted((entry.logprob for entry in step.values()), reverse=True)
+                                                        for step in output.outputs[0].logprobs]
                 if output.finished:
                     outputs[output.request_id] = list(output.outputs[0].token_ids)
                     self.cached_tokens[output.request_id] = output.num_cached_tokens  # vLLM's prefix-cache hits
@@ -87,11 +102,28 @@ class Engine:
                 held = sum(not block.is_null for block in blocks)
                 peak_blocks[request_id] = max(peak_blocks.get(request_id, 0), held)
                 last_blocks[request_id] = held
+            if kept:
+                self._read_kept(prompts, names, internal, generated)
         self.last_blocks = [last_blocks[request_id] for request_id in internal]  # held at their last step
+        self.logprobs = [self.logprobs.get(name) for name in names]
+        if kept:
+            self.priorities = self.llm.collective_rpc("keepkv_record", args=(False,))[0]
         return [outputs[name] for name in names], [peak_blocks[request_id] for request_id in internal]
 
+    def _read_kept(self, prompts, names, internal, generated):
+        asked = {request_id: (len(prompt), len(prompt) + len(generated[name]) - 1)
+                 for prompt, name, request_id in zip(prompts, names, internal) if name in generated}
+        ranks = sorted(self.llm.collective_rpc("keepkv_kept", args=(asked,)), key=lambda answer: answer["rank"])
+        self.ranks = [(answer["rank"], answer["kv_heads"]) for answer in ranks]
+        for index, (name, request_id) in enumerate(zip(names, internal)):
+            if all(request_id in answer["kept"] for answer in ranks) and name in generated:
+                layers = zip(*(answer["kept"][request_id] for answer in ranks))
+                self.kept[index, len(generated[name])] = [torch.cat(heads).int() for heads in layers]
+
     def close(self):
+        engine_core = self.llm.llm_engine.engine_core
         del self.llm
+        engine_core.shutdown()  # a parallel engine's workers stop here
         gc.collect()
 
 
@@ -207,16 +239,45 @@ def test_uncompressed_requests_answer_as_stock_vllm(model_dir, prompts, chat_pro
         assert shown == dropped == []
 
 
+@dataclass
+class Run:
+    """One engine's run of the three prompts (:meth:`Engine.run` with ``kept`` and ``logprobs``)."""
+
+    tokens: list
+    blocks: list
+    block_size: int
+    kept: dict
+    logprobs: list
+    ranks: list
+    priorities: dict
+
+
+@pytest.fixture(scope="module")
+def single_process(model_dir, prompts):
+    """keepkv's single-process engine (TP=1, fp32) of a method at budget 0.3 over the three prompts,
+    run once per module, whichever test asks first: ``single_process(method)`` -> :class:`Run`."""
+    runs = {}
+
+    def run(method):
+        if method not in runs:
+            engine = Engine(model_dir, {"method": method, "budget": 0.3}, worker_extension_cls=KEPT)
+            tokens, blocks = engine.run(prompts, kept=True, logprobs=2)
+            runs[method] = Run(tokens, blocks, engine.manager().block_size, engine.kept, engine.logprobs, engine.ranks,
+                               engine.priorities)
+            engine.close()
+        return runs[method]
+
+    return run
+
+
 @pytest.mark.parametrize("method", SERVED)
-def test_matches_hf_path_and_caps_blocks(model_dir, prompts, stock, hf_model, method):
+def test_matches_hf_path_and_caps_blocks(model_dir, prompts, stock, hf_model, single_process, method):
     """Three unequal prompts in one batch: each request's greedy tokens are keepkv's Hugging Face
     path's for that prompt alone, and it never holds more blocks than its capacity bound (fewer than
     stock vLLM's for the long prompts)."""
     budget = 0.3
-    engine = Engine(model_dir, {"method": method, "budget": budget})
-    tokens, blocks = engine.run(prompts)
-    block_size = engine.manager().block_size
-    engine.close()
+    run = single_process(method)
+    tokens, blocks, block_size = run.tokens, run.blocks, run.block_size
     assert tokens != stock[0]  # the compression is real: stock vLLM answers otherwise
     paged = PagedCompression(hf_model.config, served(method), budget)
     for prompt, got, held, stock_held in zip(prompts, tokens, blocks, stock[1]):
@@ -284,6 +345,61 @@ def test_keep_prompt_shares_prompt_blocks_and_matches_the_hf_path(model_dir, pro
         assert held <= math.ceil(paged.capacity(len(prompt)) / block_size)
 
 
+@pytest.fixture
+def bound_threads(monkeypatch):
+    """Three CPU workers' thread binding on this host (vLLM's default needs a NUMA node per worker)."""
+    from keepkv.vllm.settings import BIND, thread_binding
+
+    monkeypatch.setenv(BIND, thread_binding(3) or "auto")
+
+
+@pytest.mark.parametrize("method", SERVED_METHODS)
+def test_tensor_parallel_ranks_keep_their_heads_entries_as_one_process(model_dir, prompts, single_process, method,
+                                                                       bound_threads):
+    """TP=3 in fp32, one KV head and its three query heads per rank, no communication but vLLM's own:
+    after every step, the positions each rank holds in each layer, slot by slot, are the
+    single-process engine's for that KV head, and the requests hold its blocks. TP=3 sums the heads'
+    outputs in another order, so two runs may part at a rounding tie: the greedy tokens are the
+    single process's, or the first that differs has its top two logits within 1e-4 there (and only
+    the steps before it compare); a layer's head may keep other entries only where the single
+    process ranked each entry that differs within 1e-4 of the others, at the compression of that
+    step (from then on that head's entries are its own)."""
+    engine = Engine(model_dir, {"method": method, "budget": 0.3}, tensor_parallel_size=3,
+                    worker_extension_cls=KEPT)
+    tokens, blocks = engine.run(prompts, kept=True)
+    kept, ranks = engine.kept, engine.ranks
+    engine.close()
+    one = single_process(method)
+    assert ranks == [(0, 1), (1, 1), (2, 1)] and one.ranks == [(0, 3)]
+    assert blocks == one.blocks
+    compared, ties = 0, []
+    for index, (prompt, got, expected) in enumerate(zip(prompts, tokens, one.tokens)):
+        first = next((step for step, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        if first is not None:
+            top, second = one.logprobs[index][first][:2]
+            assert top - second < 1e-4, f"request {index} differs at token {first}: {got} against {expected}"
+        parted = set()  # (layer, head) that kept other entries at a tie
+        for generated in range(1, NEW_TOKENS + 1 if first is None else first + 2):  # the tokens before a step agree
+            for layer, (mine, theirs) in enumerate(zip(kept[index, generated], one.kept[index, generated])):
+                for head in range(len(theirs)):
+                    if (layer, head) in parted or torch.equal(mine[head], theirs[head]):
+                        compared += (layer, head) not in parted
+                        continue
+                    where = f"request {index}, {generated} tokens, layer {layer}, head {head}"
+                    only_mine = set(mine[head].tolist()) - set(theirs[head].tolist())
+                    only_theirs = set(theirs[head].tolist()) - set(mine[head].tolist())
+                    assert only_mine and only_theirs, f"{where}: the same entries in other slots"
+                    positions, priorities = one.priorities[layer, len(prompt) + generated - 2]  # this step's compression
+                    rank = dict(zip(positions[head].tolist(), priorities[head].tolist()))
+                    swapped = [rank[position] for position in only_mine | only_theirs]
+                    assert max(swapped) - min(swapped) <= 1e-4 * max(1.0, abs(max(swapped))), (
+                        f"{where}: kept {sorted(only_mine)} for {sorted(only_theirs)}, ranked {swapped} in one process")
+                    parted.add((layer, head))
+                    ties.append(where)
+    assert compared >= 2 * NEW_TOKENS * len(one.kept[0, 1]) * 3
+    assert len(ties) <= 3, ties  # rare: a few of the 270 (request, layer, head) of a run
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monkeypatch, chunked):
     """KV memory for two grown requests and six in flight: the scheduler preempts (a resumed
@@ -345,15 +461,23 @@ def no_engine_core(monkeypatch):
     ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method", "budget" and "keep_prompt"'),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
      "does not support speculative decoding"),
-    ({"tensor_parallel_size": 3}, r"does not support tensor or pipeline parallelism > 1"),
+    ({"tensor_parallel_size": 9}, r"does not support KV heads replicated over ranks: .* all-reduce of their scores"),
+    ({"pipeline_parallel_size": 2}, r"does not support pipeline parallelism > 1: .*intermediate_tensors is not None"),
+    ({"tensor_parallel_size": 3, "unbound": True}, r"3 CPU workers on 1 NUMA node\(s\): .* set VLLM_CPU_OMP_THREADS_BIND="),
     ({"enable_lora": True}, "does not support LoRA"),
     ({"kv_cache_dtype": "fp8"}, "does not support an fp8 KV cache"),
 ])
-def test_rejects_unsupported_settings_before_any_worker_starts(model_dir, no_engine_core, overrides, message):
+def test_rejects_unsupported_settings_before_any_worker_starts(model_dir, no_engine_core, overrides, message,
+                                                               monkeypatch):
     """Refused where the engine's config is built, in one line (not inside a worker's traceback),
-    naming the servable methods or the flag that turns a setting off."""
-    from keepkv.vllm import SettingError
+    naming the servable methods or the flag that turns a setting off; tensor parallelism on a host
+    with fewer NUMA nodes than workers, while VLLM_CPU_OMP_THREADS_BIND is unset, names it."""
+    from keepkv.vllm import SettingError, settings
 
+    overrides = dict(overrides)
+    if overrides.pop("unbound", False):
+        monkeypatch.delenv(settings.BIND, raising=False)
+        monkeypatch.setattr(settings, "memory_nodes", lambda: 1)
     config = overrides.pop("config", {"method": "snapkv", "budget": 0.3})
     with pytest.raises(SettingError, match=message) as raised:
         Engine(model_dir, config, **overrides)
@@ -407,6 +531,30 @@ def test_the_start_up_line_counts_slots_and_requests_against_stock(method, budge
     assert gains[0] == (not keep_prompt)  # a long document's answer gains only when its prompt is compressed
 
 
+def test_the_start_up_line_gives_each_ranks_figures_and_the_total():
+    """Under tensor parallelism every rank holds the same blocks for its own KV heads: the line says
+    how many ranks, the heads each holds, each rank's KV bytes and all ranks' together, then the
+    slots and requests at once that every rank's blocks give."""
+    from keepkv.vllm.backend import VllmCpuKernel
+    from keepkv.vllm.spec import KeepKVSpec
+
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+    paged = PagedCompression(rank_config(smollm2, 3, 1), served("snapkv"), 0.1, kernel=VllmCpuKernel())
+    content = paged.content_bytes(64, torch.bfloat16)
+    spec = KeepKVSpec(block_size=128, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, state_content_bytes=content,
+                      method=served("snapkv"), budget=0.1, num_layers=30, max_model_len=8192, tensor_parallel_size=3)
+    rank_bytes = 329 * 30 * 128 * content  # blocks x layers x a block's slots of one KV head
+    line = spec.capacity_line(num_blocks=329)
+    assert (f"keepkv: snapkv+interval=16 at budget 0.1, tensor parallel over 3 ranks, each holding 1 of the model's "
+            f"3 KV heads in {rank_bytes / 2**20:,.1f} MiB of KV cache ({3 * rank_bytes / 2**20:,.1f} MiB on all 3); "
+            f"on every rank: KV cache of {329 * 128:,} slots") in line
+    single = KeepKVSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, state_content_bytes=content,
+                        method=served("snapkv"), budget=0.1, num_layers=30, max_model_len=8192)
+    assert line.split("requests at once: ")[1] == single.capacity_line(num_blocks=329).split("requests at once: ")[1]
+
+
 def test_keepkv_serve_knows_the_flags_it_reads():
     """The vLLM flags keepkv serve refuses, adds or reads (keepkv.vllm.serve) are vLLM's server's."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -443,49 +591,77 @@ def _stop(process) -> None:
             process.wait(timeout=30)
 
 
+class Server:
+    """`keepkv serve` on 127.0.0.1 with ``flags`` (vLLM's multiprocessing on, no VLLM_CPU_KVCACHE_SPACE
+    given, and neither are the environment's names in ``unset``), its output in ``log``: a context
+    that waits until it answers (``deadline`` s) and stops it, children included."""
+
+    def __init__(self, model_dir, flags, log, unset=(), deadline=300):
+        self.model_dir, self.flags, self.log_path, self.deadline = model_dir, flags, log, deadline
+        self.unset = {"VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", *unset}
+        self.port = _free_port()
+
+    def __enter__(self):
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        env = {name: value for name, value in os.environ.items() if name not in self.unset}
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "keepkv.cli", "serve", "--model", self.model_dir, *self.flags,
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.started = time.monotonic()
+        try:
+            while True:
+                assert self.process.poll() is None, self.log_path.read_text()[-3000:]
+                assert time.monotonic() < self.started + self.deadline, f"server did not start in {self.deadline} s"
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5)
+                    break
+                except OSError:
+                    time.sleep(2)
+        except BaseException:
+            self.__exit__()
+            raise
+        self.start_seconds = time.monotonic() - self.started
+        return self
+
+    def chat(self, messages, max_tokens, **extra) -> dict:
+        """The server's greedy reply (JSON) to a chat request of ``messages``."""
+        import urllib.request
+
+        body = json.dumps({"model": os.path.basename(self.model_dir), "messages": messages, "max_tokens": max_tokens,
+                           "temperature": 0, "ignore_eos": True, **extra}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        return json.load(urllib.request.urlopen(request, timeout=300))
+
+    def __exit__(self, *error):
+        import time
+
+        time.sleep(1)  # the relay's "ready" line follows the server's own
+        _stop(self.process)
+        self.log.close()
+        self.logged = self.log_path.read_text()
+
+
 def test_keepkv_serve_answers_a_chat_request_as_stock(model_dir, hf_model, tmp_path):
     """`keepkv serve` on 127.0.0.1 (vLLM's CPU build, multiprocessing on, no VLLM_CPU_KVCACHE_SPACE
     given, eager by keepkv serve's default): one chat request to the model's name, greedy, answered
     with the tokens of the full cache: a short chat prompt is under snapkv's budget floor at 0.1, so
     it is not compressed (README "Serving"). The log says what the cache holds and when the
     server is ready."""
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
     from transformers import AutoTokenizer
 
-    port = _free_port()
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "keepkv.cli", "serve", "--model", model_dir, "--method", "snapkv", "--budget", "0.1",
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not start in 300 s"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(2)
-        body = json.dumps({"model": os.path.basename(model_dir), "messages": messages, "max_tokens": 12, "temperature": 0,
-                           "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                         {"Content-Type": "application/json"})
-        reply = json.load(urllib.request.urlopen(request, timeout=120))
-        time.sleep(1)  # the relay's "ready" line follows the server's own
-    finally:
-        _stop(server)
-        log.close()
-    logged = (tmp_path / "server.log").read_text()
+    with Server(model_dir, ["--method", "snapkv", "--budget", "0.1", "--dtype", "float32", "--max-model-len", "1024"],
+                tmp_path / "server.log") as server:
+        reply = server.chat(messages, 12)
+    logged = server.logged
     assert "--enforce-eager" in logged.splitlines()[0]  # keepkv serve's command line
     assert "keepkv: snapkv+interval=16 at budget 0.1: KV cache of " in logged and "requests at once: " in logged
     assert "keepkv serve: ready after " in logged
@@ -497,6 +673,42 @@ def test_keepkv_serve_answers_a_chat_request_as_stock(model_dir, hf_model, tmp_p
     stock = hf_greedy(hf_model, prompt, "full", 1.0, new_tokens=12)
     assert text == tokenizer.decode(stock, skip_special_tokens=True)
     assert "Paris" in text
+
+
+TENSOR_PARALLEL_QUESTIONS = 6  # chat prompts asked of both engines at TP=3
+
+
+def test_keepkv_serve_tensor_parallel_answers_under_the_floor_as_stock(model_dir, chat_prompts, prompts, tmp_path,
+                                                                       bound_threads, monkeypatch):
+    """`keepkv serve --tensor-parallel-size 3` in bf16 on this one-node host, VLLM_CPU_OMP_THREADS_BIND
+    unset (keepkv serve sets a binding that starts three workers): its start-up line gives the
+    per-rank and total figures, a long prompt (compressed) is answered, and chat prompts under
+    keepkv's budget floor at 0.1, each asked alone, get the greedy tokens of stock vLLM at TP=3 for
+    that prompt alone in bf16 (TP=3 sums the heads in another order than TP=1: judged at the same TP)."""
+    from transformers import AutoTokenizer
+
+    from keepkv.vllm.settings import BIND
+
+    new_tokens = 16
+    asked = chat_prompts[:TENSOR_PARALLEL_QUESTIONS]
+    stock = Engine(model_dir, dtype="bfloat16", tensor_parallel_size=3, max_model_len=1024, enable_chunked_prefill=True,
+                   max_num_batched_tokens=None)  # keepkv serve's defaults
+    expected = [stock.run([prompt], new_tokens)[0][0] for prompt in asked]
+    stock.close()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    long = tokenizer.decode(prompts[1], skip_special_tokens=True)
+    with Server(model_dir, ["--method", "keepkv", "--budget", "0.1", "--dtype", "bfloat16", "--max-model-len", "1024",
+                            "--tensor-parallel-size", "3"], tmp_path / "server.log", unset=[BIND], deadline=600) as server:
+        compressed = server.chat([{"role": "user", "content": long}], new_tokens, return_token_ids=True)
+        replies = [server.chat([{"role": "user", "content": question}], new_tokens, return_token_ids=True)
+                   for question in QUESTIONS[:TENSOR_PARALLEL_QUESTIONS]]
+    logged = server.logged
+    assert f"{BIND}=" in logged.splitlines()[0]  # keepkv serve's command line: the binding it set
+    assert ("tensor parallel over 3 ranks, each holding 1 of the model's 3 KV heads in " in logged
+            and " MiB on all 3); on every rank: KV cache of " in logged)
+    assert len(compressed["choices"][0]["token_ids"]) == new_tokens
+    assert [reply["prompt_token_ids"] for reply in replies] == asked
+    assert [reply["choices"][0]["token_ids"] for reply in replies] == expected
 
 
 def test_readme_serving_block_runs_as_a_script(tmp_path):

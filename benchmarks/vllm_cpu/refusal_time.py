@@ -23,7 +23,7 @@ CASES = {
     "speculative decoding": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
                              {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                                      "prompt_lookup_max": 2}}),
-    "tensor parallelism 3": (["--tensor-parallel-size", "3"], {"tensor_parallel_size": 3}),
+    "tensor parallelism 9 (SmolLM2's 3 KV heads replicated)": (["--tensor-parallel-size", "9"], {"tensor_parallel_size": 9}),
     "pipeline parallelism 2": (["--pipeline-parallel-size", "2"], {"pipeline_parallel_size": 2}),
     "LoRA": (["--enable-lora"], {"enable_lora": True}),
     "fp8 KV cache": (["--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"}),

@@ -29,7 +29,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     _get_attn_isa,
 )
 
-from ..paged import PagedBatch, PagedCompression
+from ..paged import PagedBatch, PagedCompression, rank_config
 from ..paged_layout import BIAS_WORDS
 from .settings import engine_settings
 from .spec import KeepKVSpec
@@ -118,19 +118,23 @@ _WORKER: dict = {}
 
 
 def compression(vllm_config: VllmConfig) -> PagedCompression | None:
-    """This process's PagedCompression for the engine, or None when keepkv is not configured."""
+    """This process's PagedCompression for the engine, or None when keepkv is not configured:
+    shaped by this rank's heads (under tensor parallelism a worker holds ``num_attention_heads //
+    tp`` query heads and ``num_key_value_heads // tp`` KV heads, and compresses those alone)."""
     chosen = engine_settings(vllm_config)
     if chosen is None:
         _WORKER.clear()  # a stock engine after a keepkv one in this process: its spec is stock's
         return None
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    heads = (model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel))  # this rank's
     key = (chosen["method"], chosen["budget"], chosen["chunked"], chosen.get("keep_prompt", False),
-           str(vllm_config.model_config.dtype))
+           str(model.dtype), heads)
     if key not in _COMPRESSIONS:
         _COMPRESSIONS.clear()
-        _COMPRESSIONS[key] = PagedCompression(vllm_config.model_config.hf_text_config, **chosen,
+        _COMPRESSIONS[key] = PagedCompression(rank_config(model.hf_text_config, *heads), **chosen,
                                               kernel=VllmCpuKernel(str(vllm_config.cache_config.cache_dtype)))
-    _WORKER.update(paged=_COMPRESSIONS[key], num_layers=vllm_config.model_config.hf_text_config.num_hidden_layers,
-                   max_model_len=vllm_config.model_config.max_model_len)
+    _WORKER.update(paged=_COMPRESSIONS[key], num_layers=model.hf_text_config.num_hidden_layers,
+                   max_model_len=model.max_model_len, tensor_parallel_size=parallel.tensor_parallel_size)
     return _COMPRESSIONS[key]
 
 
@@ -164,7 +168,8 @@ class KeepKVBackend(CPUAttentionBackend):
         values = {field.name: getattr(spec, field.name) for field in fields(spec) if field.init}
         values["state_content_bytes"] = paged.content_bytes(spec.head_size, spec.dtype)
         return KeepKVSpec(**values, method=paged.spec, budget=paged.budget, num_layers=_WORKER["num_layers"],
-                          chunked=paged.chunked, max_model_len=_WORKER["max_model_len"], keep_prompt=paged.keep_prompt)
+                          chunked=paged.chunked, max_model_len=_WORKER["max_model_len"], keep_prompt=paged.keep_prompt,
+                          tensor_parallel_size=_WORKER["tensor_parallel_size"])
 
 
 class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):

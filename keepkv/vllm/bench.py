@@ -16,6 +16,9 @@ methods run with ``--keep-prompt`` (prompts kept whole, ``--budget`` generated e
 
     python -m keepkv.vllm.bench --shared-prefix 1024 --prompt-len 32 --requests 16 --gen-len 512 \
         --full-requests 2 --methods snapkv,keepkv --budget 64
+
+With ``--tensor-parallel-size N`` every engine runs N ranks, each with the blocks above for its
+share of the heads; each engine's start time (building ``LLM``) is reported beside its tokens/s.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ BLOCK_SIZE = 128  # vLLM's CPU default
 PROGRESS_EVERY = 10.0  # seconds between progress lines of one engine
 COLUMNS = [("engine", "method"), ("KV blocks", "blocks"), ("peak concurrent requests", "peak_running"),
            ("scheduler steps", "steps"), ("tokens/s", "tokens_per_s"), ("vs stock", "tokens_per_s_vs_full")]
+START = ("start (s)", "start_seconds")
 
 
 def prompt_lengths(count: int, length: int, ragged: bool) -> list[int]:
@@ -61,10 +65,12 @@ def stdlib_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 
 def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None,
-               chunked_prefill: bool = True, prefix_caching: bool = False) -> dict:
-    """Serve every prompt at once with ``blocks`` KV blocks; tokens/s and peak concurrency.
-    ``progress(finished, total, generated, seconds)`` is called every few seconds while it runs.
-    ``chunked_prefill``: vLLM's chunked prefill (its default), with its CPU default of tokens per step."""
+               chunked_prefill: bool = True, prefix_caching: bool = False, tensor_parallel_size: int = 1) -> dict:
+    """Serve every prompt at once with ``blocks`` KV blocks (on each rank); the engine's start time,
+    tokens/s and peak concurrency. ``progress(finished, total, generated, seconds)`` is called every
+    few seconds while it runs. ``chunked_prefill``: vLLM's chunked prefill (its default), with its
+    CPU default of tokens per step; ``tensor_parallel_size``: ranks, each a process holding its share
+    of the heads."""
     import vllm
 
     args = dict(
@@ -73,12 +79,15 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
         seed=0,
         block_size=BLOCK_SIZE,
         max_num_seqs=256,
+        tensor_parallel_size=tensor_parallel_size,
     )
     if not chunked_prefill:  # each prompt in one step
         args["max_num_batched_tokens"] = args["max_model_len"]
     if keepkv:
         args["additional_config"] = {"keepkv": keepkv}
+    began = time.perf_counter()
     llm = vllm.LLM(**args)
+    started = time.perf_counter() - began
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     params = vllm.SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
@@ -102,13 +111,16 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     seconds = time.perf_counter() - start
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     block_bytes = layers * scheduler.kv_cache_manager.coordinator.single_type_managers[0].kv_cache_spec.page_size_bytes
+    engine_core = engine.engine_core
     del llm, engine, scheduler
+    engine_core.shutdown()  # a parallel engine's workers stop before the next engine starts
     gc.collect()
     return {
         "method": keepkv["method"] if keepkv else "full (stock vLLM)",
-        "prefix_cache_hit_tokens": cached if prefix_caching else None,
-        "blocks": blocks, "kv_bytes": blocks * block_bytes, "peak_running": peak, "steps": steps,
-        "seconds": round(seconds, 2), "generated_tokens": generated, "tokens_per_s": round(generated / seconds, 2),
+        "prefix_cache_hit_tokens": cached if prefix_caching else None, "tensor_parallel_size": tensor_parallel_size,
+        "blocks": blocks, "kv_bytes": blocks * block_bytes * tensor_parallel_size, "peak_running": peak, "steps": steps,
+        "start_seconds": round(started, 2), "seconds": round(seconds, 2), "generated_tokens": generated,
+        "tokens_per_s": round(generated / seconds, 2),
     }
 
 
@@ -129,9 +141,12 @@ def main(argv=None) -> None:
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                         help="vLLM's chunked prefill off, for every engine (default: on, vLLM's default; each prompt "
                         "then comes in one step)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="vLLM's tensor parallelism, for every engine: N ranks, each with --full-requests' KV "
+                        "bytes for its share of the heads (default 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    for name in ("requests", "prompt_len", "gen_len", "full_requests"):
+    for name in ("requests", "prompt_len", "gen_len", "full_requests", "tensor_parallel_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     keep_prompt = args.shared_prefix > 0
@@ -146,6 +161,10 @@ def main(argv=None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler is read in-process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .settings import BIND, thread_binding
+
+    if os.environ.get(BIND, "auto") == "auto" and thread_binding(args.tensor_parallel_size):
+        os.environ[BIND] = thread_binding(args.tensor_parallel_size)  # as keepkv serve sets it
 
     import keepkv
     from keepkv.paged import PagedCompression
@@ -174,7 +193,8 @@ def main(argv=None) -> None:
         settings = {"method": method, "budget": args.budget} | ({"keep_prompt": True} if keep_prompt else {})
         engines.append((settings, full_blocks * stock_slot // slot))  # same bytes
     run_all(engines, lambda keepkv, blocks, progress: run_engine(
-        model_dir, prompts, args.gen_len, blocks, keepkv, progress, args.chunked_prefill, keep_prompt),
+        model_dir, prompts, args.gen_len, blocks, keepkv, progress, args.chunked_prefill, keep_prompt,
+        args.tensor_parallel_size),
         vars(args), args.json)
 
 
@@ -205,12 +225,14 @@ def run_all(engines, run, settings: dict, json_path: str | None, out=None, err=N
 
 
 def table(results: list[dict]) -> str:
-    """The results as a Markdown table (docs/serving.md's columns); stock's ratio is 1.00×."""
-    lines = ["| " + " | ".join(title for title, _ in COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 1)]
+    """The results as a Markdown table (docs/serving.md's columns, and each engine's start time when
+    every row has one); stock's ratio is 1.00×."""
+    columns = COLUMNS + [START] * all(START[1] in row for row in results)
+    lines = ["| " + " | ".join(title for title, _ in columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
     for row in results:
         values = {**row, "tokens_per_s_vs_full": f"{row.get('tokens_per_s_vs_full', 1.0):.2f}×"}
         lines.append("| " + " | ".join(f"{values[key]:,}" if isinstance(values[key], int) else str(values[key])
-                                       for _, key in COLUMNS) + " |")
+                                       for _, key in columns) + " |")
     return "\n".join(lines)
 
 

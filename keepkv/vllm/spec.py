@@ -36,7 +36,9 @@ class KeepKVSpec(FullAttentionSpec):
     method, budget: as ``keepkv.CompressedCache``'s; num_layers: the model's depth (the bound
     reads it); chunked: the engine reads prompts in chunks; max_model_len: the engine's context
     length (the start-up line reads it); keep_prompt: prompts are kept whole and ``budget``
-    generated entries per request (its prompt blocks may then be shared: prefix caching).
+    generated entries per request (its prompt blocks may then be shared: prefix caching);
+    tensor_parallel_size: the ranks, each holding ``num_kv_heads`` of the model's KV heads in
+    blocks of its own (every rank's block ids and sizes are the scheduler's one table).
     ``state_content_bytes`` holds each slot's key, value and metadata words.
     """
 
@@ -46,13 +48,15 @@ class KeepKVSpec(FullAttentionSpec):
     chunked: bool = False
     max_model_len: int = 0
     keep_prompt: bool = False
+    tensor_parallel_size: int = 1
 
     @classmethod
     def merge(cls, specs: list["KeepKVSpec"]) -> "KeepKVSpec":
         merged = super().merge(specs)  # builds cls(...) from the base fields only
         first = specs[0]
         return replace(merged, method=first.method, budget=first.budget, num_layers=first.num_layers,
-                       chunked=first.chunked, max_model_len=first.max_model_len, keep_prompt=first.keep_prompt)
+                       chunked=first.chunked, max_model_len=first.max_model_len, keep_prompt=first.keep_prompt,
+                       tensor_parallel_size=first.tensor_parallel_size)
 
     @functools.cached_property
     def compression(self) -> PagedCompression:
@@ -87,6 +91,12 @@ class KeepKVSpec(FullAttentionSpec):
             if mine <= theirs:
                 losing.append(f"{prompt:,} + {generated:,}")
         budget = f"prompts kept whole, {self.budget} generated entries" if self.keep_prompt else f"budget {self.budget}"
+        ranks = self.tensor_parallel_size
+        if ranks > 1:
+            rank_bytes = num_blocks * self.num_layers * self.page_size_bytes
+            budget += (f", tensor parallel over {ranks} ranks, each holding {self.num_kv_heads} of the model's "
+                       f"{ranks * self.num_kv_heads} KV heads in {rank_bytes / 2**20:,.1f} MiB of KV cache "
+                       f"({ranks * rank_bytes / 2**20:,.1f} MiB on all {ranks}); on every rank")
         line = (f"keepkv: {self.method} at {budget}: KV cache of {slots:,} slots (stock vLLM would hold "
                 f"{stock_tokens:,} tokens in the same memory: each slot also holds {self.state_content_bytes - stock_bytes} "
                 f"bytes of scores and votes per KV head); requests at once: {'; '.join(counted)}")
