@@ -442,6 +442,70 @@ def test_preempted_requests_keeping_their_prompts_finish_within_their_blocks(mod
     assert max(blocks) <= math.ceil((100 + 160 + 64 + SERVING_INTERVAL) / block_size)
 
 
+FAULT_NEW_TOKENS = 64
+
+
+@pytest.mark.parametrize("keep_prompt", [False, True], ids=["compressed", "kept-prompt"])
+@pytest.mark.parametrize("method", SERVED_METHODS)
+def test_a_server_under_faults_stays_up_frees_its_blocks_and_answers_as_a_quiet_run(model_dir, prompts, monkeypatch,
+                                                                                   method, keep_prompt):
+    """Eight requests of 60-420 prompt tokens at once on 6 blocks of 128 slots, prompts read in
+    chunks of 64 (prefix caching on and a shared 256-token prefix when prompts are kept whole): the
+    scheduler preempts; one request is aborted mid-prompt, one mid-answer. The engine stays up,
+    every other request gets all its tokens, the KV cache is empty once they end, and each request
+    never preempted answers as it does alone on the same engine afterwards. (A preempted request
+    is recomputed from its tokens and compressed anew, so its answer may differ from a quiet
+    run's: docs/serving.md.)"""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted = set()
+    preempt = Scheduler._preempt_request
+    monkeypatch.setattr(Scheduler, "_preempt_request",
+                        lambda self, request, *a, **k: preempted.add(request.request_id) or preempt(self, request, *a, **k))
+    source = prompts[1]
+    if keep_prompt:  # the shared prefix, then each request's own tokens
+        own = [source[300 + 20 * i: 300 + 20 * i + length] for i, length in enumerate((8, 160, 120, 16, 80, 40, 24, 60))]
+        texts = [source[:256] + part for part in own]
+        config = {"method": method, "budget": 32, "keep_prompt": True}
+    else:
+        texts = [source[17 * i: 17 * i + length] for i, length in enumerate((60, 420, 140, 300, 90, 260, 180, 120))]
+        config = {"method": method, "budget": 200}  # requests grow past a block before they are compressed
+    mid_prompt, mid_answer = "f1", "f2"  # f1: 420 tokens, or 160 past the shared prefix; 64 a step
+    engine = Engine(model_dir, config, num_gpu_blocks_override=6, max_model_len=600, enable_chunked_prefill=True,
+                    max_num_batched_tokens=64, enable_prefix_caching=keep_prompt)
+    try:
+        llm_engine, core = engine.llm.llm_engine, engine.llm.llm_engine.engine_core.engine_core
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=FAULT_NEW_TOKENS, ignore_eos=True)
+        names = [f"f{i}" for i in range(len(texts))]
+        internal = {name: llm_engine.add_request(name, {"prompt_token_ids": text}, params)
+                    for name, text in zip(names, texts)}
+        aborted, outputs = set(), {}
+        while llm_engine.has_unfinished_requests():
+            for output in llm_engine.step():
+                if output.finished:
+                    outputs[output.request_id] = list(output.outputs[0].token_ids)
+                elif output.request_id == mid_answer and len(output.outputs[0].token_ids) >= 5:
+                    llm_engine.abort_request([mid_answer])
+                    aborted.add(mid_answer)
+            request = core.scheduler.requests.get(internal[mid_prompt])
+            if request is not None and 0 < request.num_computed_tokens < request.num_prompt_tokens:
+                llm_engine.abort_request([mid_prompt])
+                aborted.add(mid_prompt)
+        assert aborted == {mid_prompt, mid_answer}
+        assert preempted, "the scheduler never preempted: the test no longer loads the engine"
+        answered = [name for name in names if name not in aborted]
+        assert {name: len(outputs.get(name, ())) for name in answered} == {name: FAULT_NEW_TOKENS for name in answered}
+        assert core.scheduler.kv_cache_manager.usage == 0 and not engine.manager().req_to_blocks
+        quiet = [name for name in answered if internal[name] not in preempted]
+        assert len(quiet) >= 2, (quiet, preempted)
+        for name in quiet:  # the engine still serves: each request alone
+            alone, _ = engine.run([texts[names.index(name)]], new_tokens=FAULT_NEW_TOKENS)
+            assert outputs[name] == alone[0], name
+        assert core.scheduler.kv_cache_manager.usage == 0
+    finally:
+        engine.close()
+
+
 @pytest.fixture
 def no_engine_core(monkeypatch):
     """Records every EngineCore started (in this process: multiprocessing is off here)."""
