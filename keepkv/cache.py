@@ -404,7 +404,7 @@ class CompressedCache(Cache):
                 )
             self.step.start(layer)
             # A chunked prefill's buffers take the whole prompt at once, not a growth step per chunk.
-            layer.headroom = self.prefill_tokens - block if self.prefill_tokens > block else None
+            layer.reserve(self.prefill_tokens - block if self.prefill_tokens > block else None)
         is_real = block_mask[:, 0, -1, :]
         if layer.seen < self.prefill_tokens:  # a block of an announced prompt may be all padding
             is_real = self.prompt_mask[:, layer.seen : layer.seen + block].to(is_real.device)
@@ -615,7 +615,7 @@ class CompressedCache(Cache):
                 i, core, {}, seen=source.seen, real_seen=source.real_seen.clone(),
                 binary=source.binary_bias(), shared=cache.layers[i].shared,
             )
-            layer.pending = source.pending
+            layer.resume(pending=source.pending)
             cache.layers[i] = layer
             cache.step.start(layer)
             cache.step.observe_prompt(layer, source.prefill_stats)

@@ -59,15 +59,15 @@ class LayerStep:
         compressed, keeps its prompt whole (``decoding="keep_prompt"``, ``frozen`` [B] the prompt
         lengths), or is left to grow (``decoding="append"``). ``stats``: the prompt's statistics,
         which the compression may read."""
-        layer.headroom = None
+        layer.reserve(None)
         if self.decoding == "keep_prompt":  # nothing to compress yet: the prompt is kept whole
             layer.set_budget(budget, row_budget, frozen)
-            layer.headroom = self.method.interval
+            layer.reserve(self.method.interval)
         elif budget is not None:
             layer.set_budget(budget, row_budget)
-            layer.headroom = self.method.interval if self.decoding == "compress" else None
+            layer.reserve(self.method.interval if self.decoding == "compress" else None)
             self.method.compress(layer, stats)
-        layer.pending = 0
+        layer.restart_interval()
 
     def compresses(self, layer) -> bool:
         """Whether the decode step now running compresses the layer: it has a budget, decoding
@@ -85,7 +85,7 @@ class LayerStep:
         compress = self.compresses(layer)
         self._method_step(self.method, layer, stats, compress)  # decode shapes are stable: compiled once
         if compress:
-            layer.pending = 0
+            layer.restart_interval()
 
 
 def generated_share(layer, stats):

@@ -232,6 +232,15 @@ class LayerStore(CacheLayerMixin):
         else:
             self.capacity, self.min_budget = int(budget.max()), int(budget.min())
 
+    def reserve(self, headroom: int | None) -> None:
+        """Spare slots each (re)allocation of the buffers gets (:meth:`spare_slots`); None: grow in
+        proportion to the entries held."""
+        self.headroom = headroom
+
+    def restart_interval(self) -> None:
+        """A compression just ran (or the prompt closed): no token is pending since."""
+        self.pending = 0
+
     def resume(self, *, state: dict | None = None, pending: int | None = None) -> None:
         """Take up a sequence whose layer was rebuilt between steps (``from_entries``: a serving
         engine's request): the method's per-layer ``state`` it had (added to ``self.state``) and the
