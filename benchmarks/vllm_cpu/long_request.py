@@ -63,6 +63,13 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=1, help="rounds, each stock then every method (default 1)")
     parser.add_argument("--no-chunked-prefill", dest="chunked", action="store_false")
     args = parser.parse_args()
+    from keepkv.checks import as_int
+
+    try:  # before the model loads
+        for name in ("prompt", "generated", "rounds"):
+            as_int(f"--{name}", getattr(args, name), low=1)
+    except ValueError as error:
+        parser.error(str(error))
     model, tokenizer = keepkv.load_model()
     model_dir = tempfile.mkdtemp(prefix="keepkv-vllm-")
     model.save_pretrained(model_dir)

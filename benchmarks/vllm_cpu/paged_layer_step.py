@@ -24,6 +24,7 @@ import time
 import torch
 from transformers import LlamaConfig
 
+from keepkv.checks import as_int
 from keepkv.paged import PagedCompression
 from keepkv.vllm.backend import VllmCpuKernel
 
@@ -111,11 +112,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
+    try:
+        as_int("--threads", args.threads, low=1)
+        intervals = [as_int("--intervals", int(i) if i.strip().lstrip("-").isdigit() else i, low=1)
+                     for i in args.intervals.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     requests, prompt, budget = MODES[args.mode]
     generator = torch.Generator().manual_seed(0)
-    intervals = [int(i) for i in args.intervals.split(",")]
     steps = 2 * max(intervals)
     rows = []
     stock = stock_steps(requests, prompt + (budget if args.mode == "keep_prompt" else 0), steps, dtype, generator)
