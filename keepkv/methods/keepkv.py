@@ -36,6 +36,7 @@ from .snapkv import ObservationWindow
 SCORE_MODES = ("ema", "exact")
 SCORE_NORMS = ("none", "row")
 PREFILL_ORDERS = ("merge_first", "evict_first")
+SIMILARITIES = ("key", "key_value")
 
 
 def merge_first_targets(
@@ -103,6 +104,20 @@ class ZipMerge(Merge):
     max_share : float
         Weight cap δ in [0, 1]: a target takes its merges only if they bring at most δ of the
         merged weight, Σ w_e / Σ w <= δ (else they are evicted). 1: no cap.
+    protect_window : bool
+        True: the selection's own protected entries (its sinks and window) take no merges either,
+        so with ``protect=s`` merges go only into the lowest-ranked 1 - s of the scored kept
+        entries, slots of their own, and every other kept entry is never altered. False: they
+        may take merges.
+    similarity : str
+        Target rule: "key", the kept entry whose key is most cosine-similar (KeepKV, D2O);
+        "key_value", the one most similar in key and value alike, by the mean of the two cosine
+        similarities, which ``threshold`` then bounds (an entry whose value differs is not
+        merged into, however similar its key).
+    min_mass : float
+        An evicted entry merges only if it carries at least this share in [0, 1] of its row and
+        head's attention mass by the merge's weights, p_e ŝ_e / Σ_j p_j ŝ_j (else it is evicted).
+        0: every evicted entry may merge.
     """
 
     name = "zip"
@@ -113,10 +128,15 @@ class ZipMerge(Merge):
     protect: float = 0.0
     max_value_change: float | None = None
     max_share: float = 1.0
+    protect_window: bool = False
+    similarity: str = "key"
+    min_mass: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
         check_range("threshold", self.threshold, -1.0, 1.0)
+        check_choice("similarity", self.similarity, SIMILARITIES)
+        check_range("min_mass", self.min_mass, 0.0, 1.0)
         if self.zip_key not in KEY_RULES:
             raise ValueError(f"zip_key must be one of {', '.join(map(repr, KEY_RULES))}, got {self.zip_key!r}")
         check_range("protect", self.protect, 0.0, 1.0)
@@ -130,8 +150,29 @@ class ZipMerge(Merge):
         entry merges into the most cosine-similar of them if it is at least ``threshold`` similar;
         the value gate and the weight cap apply where the rows merge (:meth:`gates`)."""
         allowed = plan.kept & ~plan.top_kept(self.protect) if self.protect > 0 else plan.kept
+        if self.protect_window:
+            allowed = allowed & torch.isfinite(plan.priority)  # the selection's sinks and window: +inf
         frozen = layer.frozen_entries()
         return allowed if frozen is None else allowed & ~frozen
+
+    def nearest(self, layer, plan: EvictionPlan, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target slot, similarity) [B, H_kv, E] of each evicted entry by the ``similarity`` rule:
+        the cosine of keys, or the mean of the cosines of keys and of values (the cosine of the
+        unit key and unit value side by side)."""
+        if self.similarity == "key":
+            return cosine_nearest(layer.keys, plan.evict_idx, candidates, plan.candidate_idx())
+        both = torch.cat([F.normalize(layer.keys.float(), dim=-1), F.normalize(layer.values.float(), dim=-1)], -1)
+        return cosine_nearest(both, plan.evict_idx, candidates, plan.candidate_idx())
+
+    def worth_merging(self, layer, plan: EvictionPlan, pooled: torch.Tensor) -> torch.Tensor | bool:
+        """[B, H_kv, E] bool: the evicted entries that carry at least ``min_mass`` of their row and
+        head's attention mass, ln p + ln ŝ (``pooled`` [B, H_kv, S]) normalised over the live
+        entries (True for all when ``min_mass`` is 0)."""
+        if self.min_mass <= 0:
+            return True
+        mass = (layer.bias + pooled).masked_fill(~layer.live(), NEG_INF)
+        share = mass - torch.logsumexp(mass, dim=-1, keepdim=True)
+        return share.gather(-1, plan.evict_idx.clamp_min(0)) >= math.log(self.min_mass)
 
     def gates(self) -> tuple[float, float]:
         """(ε, δ): the value gate and the weight cap as :func:`keepkv.merging.zip_rows` takes them."""
@@ -151,8 +192,8 @@ class ZipMerge(Merge):
                 logits = stats.logits[:, :, :, -1]
             logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
             pooled = pool_log_scores(logits, layer.bias)
-            dst, similarity = cosine_nearest(layer.keys, plan.evict_idx, candidates, plan.candidate_idx())
-            merge = plan.evict_valid & (similarity >= self.threshold)
+            dst, similarity = self.nearest(layer, plan, candidates)
+            merge = plan.evict_valid & (similarity >= self.threshold) & self.worth_merging(layer, plan, pooled)
             layer.merge_into(zip_rows(
                 layer.keys, layer.values, layer.bias, plan.evict_idx, dst, merge, logits, query, stats.scaling,
                 self.zip_key, pooled, *self.gates(),
@@ -509,8 +550,8 @@ class KeepKVMerge(ZipMerge):
             log_scale, ema = self._log_scale(layer), plan.merge_scores
             candidates = self.merge_candidates(layer, plan)
             weights = self.merge_weights(layer, ema, stats)
-            dst, similarity = cosine_nearest(layer.keys, plan.evict_idx, candidates, plan.candidate_idx())
-            merge = plan.evict_valid & (similarity >= self.threshold)
+            dst, similarity = self.nearest(layer, plan, candidates)
+            merge = plan.evict_valid & (similarity >= self.threshold) & self.worth_merging(layer, plan, weights.pooled)
             rows = zip_rows_with_ema(
                 layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], plan.evict_idx, dst, merge, weights,
                 ema.heads, stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale, *self.gates(),
