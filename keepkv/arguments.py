@@ -13,7 +13,7 @@ import argparse
 # that wins with the question inside (snapkv) and keepkv on it, the cheap question-agnostic
 # baseline (keydiff), and the context-reconstruction selection with and without KeepKV's merge.
 DEMO_METHODS = ("streamingllm", "h2o", "snapkv", "keepkv")
-DEMO_AGNOSTIC_METHODS = ("snapkv", "keepkv", "keydiff", "kvzip", "keepkv+selection=kvzip")
+DEMO_AGNOSTIC_METHODS = ("snapkv", "keydiff", "kvzip", "keepkv")
 DEMO_BUDGETS = (0.5, 0.25, 0.1)
 
 

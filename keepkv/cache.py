@@ -24,15 +24,16 @@ from .step import DECODING, LayerStep
 from .store import LayerStore
 
 
-def method_of(method, method_params: dict) -> Method:
-    """The Method of a registered name or variant built with ``method_params``, or ``method`` itself
-    (then without parameters); ValueError in one line otherwise."""
+def method_of(method, method_params: dict, compress_once: bool = False) -> Method:
+    """The Method of a registered name or variant built with ``method_params`` (on its compress-once
+    selection with ``compress_once``, :func:`keepkv.methods.get_method`), or ``method`` itself (then
+    without parameters); ValueError in one line otherwise."""
     if isinstance(method, Method):
         if method_params:
             raise ValueError("pass method parameters either to get_method() or here, not with an instance")
         return method
     if isinstance(method, str):
-        return get_method(method, **method_params)
+        return get_method(method, compress_once=compress_once, **method_params)
     raise ValueError(f"method must be a method name or variant (str, see keepkv.describe_methods()) or a "
                      f"keepkv.Method, got {shown(method)}")
 
@@ -107,6 +108,10 @@ class CompressedCache(Cache):
         instead of hundreds of operations, and no host sync, after a one-off compilation per
         layer shape (inductor's cache shortens it in later processes); eager, with one warning,
         where compiling fails.
+    compress_once : bool
+        The cache holds a context compressed before any question is seen (:func:`keepkv.compress`
+        sets it): a method given by name runs on its compress-once selection where it names one
+        (``keepkv``: KVzip's), unless ``selection=NAME`` is given.
     **method_params
         Parameters of the method when it is given by name.
 
@@ -138,7 +143,8 @@ class CompressedCache(Cache):
 
     def __init__(
         self, config, method: str | Method = "full", budget: int | float = 1.0, record: Needs | None = None,
-        compile: bool = False, decoding: str = "compress", kernel: str = "torch", **method_params,
+        compile: bool = False, decoding: str = "compress", kernel: str = "torch", compress_once: bool = False,
+        **method_params,
     ):
         if isinstance(config, torch.nn.Module) and hasattr(config, "config"):
             config = config.config  # the model, for its config
@@ -159,7 +165,7 @@ class CompressedCache(Cache):
             decode_kernel_for(kernel, "cuda" if torch.cuda.is_available() else "cpu")
         self.kernel = kernel
         self._decode_kernels: dict = {}  # device -> the decode kernel ``kernel`` names, resolved once
-        self.method = method_of(method, method_params)
+        self.method = method_of(method, method_params, as_bool("compress_once", compress_once))
         self.step = LayerStep(self.method, decoding, self.compile)  # what the method does to a layer, by phase
         self.method_spec = method if isinstance(method, str) else method.name  # the variant as given
         self.budget = budget

@@ -248,7 +248,9 @@ def compress(
     context's copy is discarded after each question); "compress" keeps the budget while they come
     in, so a method that compresses while decoding evicts (or merges) context entries to make room.
     On the embedded model's question-agnostic pass keys, "append" keeps facts that "compress" loses
-    (docs/results.md). The answer equals that of prefilling context + question in one sequence
+    (docs/results.md). A method named by a string runs on its compress-once selection where it has
+    one: ``"keepkv"`` here is KeepKV's merge on KVzip's selection (``"keepkv+selection=snapkv"``
+    names another). The answer equals that of prefilling context + question in one sequence
     with the compression triggered at the context's end (``tests/test_compress_once.py``).
     """
     check_model(model)
@@ -256,11 +258,11 @@ def compress(
     context = as_text("context", context, empty_ok=False)
     chat = as_bool("chat", chat)
     prefill_chunk = as_int("prefill_chunk", prefill_chunk, 1, none_ok=True)
-    method_of(method, method_params)
+    method_of(method, method_params, compress_once=True)
     if decoding == "keep_prompt":
         raise ValueError("keepkv.compress compresses the context: decoding must be 'append' or 'compress' "
                          "(keep_prompt keeps a prompt whole: keepkv.generate or CompressedCache)")
-    cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
+    cache = CompressedCache(model.config, method, budget, decoding=decoding, compress_once=True, **method_params)
     check_budget_holds(cache.method, cache.budget)
     cache.method.prepare(model)
     device = next(model.parameters()).device
@@ -360,7 +362,7 @@ def generate(
     check_tokenizer(tokenizer)
     if past_key_values is not None:
         return _ask(model, tokenizer, prompts, past_key_values, max_new_tokens, answer_prefix, progress)
-    cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
+    cache = CompressedCache(model.config, method, budget, decoding=decoding, compress_once=True, **method_params)
     check_budget_holds(cache.method, cache.budget)
     cache.method.prepare(model)
     device = next(model.parameters()).device

@@ -147,3 +147,21 @@ def test_decoding_append_lets_the_question_in_and_evicts_nothing_of_the_context(
         [result] = keepkv.generate(model, tokenizer, "what runs?", max_new_tokens=4, past_key_values=cache)
         # append: the question and every answer token but the last (generate feeds it no more) join the 40
         assert result.kept_entries == (40 + len(tail) + result.new_tokens - 1 if decoding == "append" else 40)
+
+
+def test_keepkv_runs_on_the_best_selection_of_each_setting(model, tokenizer):
+    """keepkv.compress (a context compressed before its question) runs KeepKV's merge on KVzip's
+    selection; CompressedCache and keepkv.generate (the question inside the prompt, a long
+    generation) on SnapKV's; a named selection wins in both; other methods are what they are."""
+    context = "the quick brown fox jumps over the lazy dog and runs away. " * 3
+    once = keepkv.compress(model, tokenizer, context, method="keepkv", budget=40)
+    assert (once.method.selection.name, once.method.merging.name) == ("kvzip", "keepkv")
+    assert once.method_spec == "keepkv"
+    named = keepkv.compress(model, tokenizer, context, method="keepkv+selection=snapkv", budget=40)
+    assert named.method.selection.name == "snapkv"
+    assert keepkv.compress(model, tokenizer, context, method="keepkv", budget=40, threshold=0.9).method.merging.threshold == 0.9
+    assert keepkv.CompressedCache(model.config, "keepkv", 40).method.selection.name == "snapkv"
+    assert keepkv.get_method("keepkv").selection.name == "snapkv"
+    assert keepkv.get_method("snapkv", compress_once=True) == keepkv.get_method("snapkv")
+    [result] = keepkv.generate(model, tokenizer, context, method="keepkv", budget=40, max_new_tokens=2)
+    assert result.method == "keepkv"

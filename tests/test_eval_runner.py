@@ -443,6 +443,11 @@ def test_question_agnostic_cells_answer_what_compress_once_ask_answers(model, to
                 max_new_tokens=max(1, len(record["output_ids"])), past_key_values=cache,
             )
             assert answer.answer == record["prediction"], (method, sample.id)
+    # keepkv runs on kvzip's selection where the context is compressed before the question
+    selection = {suite: json.loads((cells / f"{suite}-160-keepkv-0.3.json").read_text())["params"]["selection"]
+                 for suite in ("needle", "needle+setting=agnostic")}
+    assert selection == {"needle": "snapkv", "needle+setting=agnostic": "kvzip"}
+    assert json.loads((tmp_path / "config.json").read_text())["compress_once_params"]["keepkv"]["selection"] == "kvzip"
 
 
 def test_the_setting_is_a_suite_variant():

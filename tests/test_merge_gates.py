@@ -201,3 +201,79 @@ def test_top_kept_is_the_stable_sorts_top_share(seed, size, share, levels):
     kept = torch.rand(2, 3, size, generator=generator) < 0.7
     plan = EvictionPlan(kept, size, torch.zeros(2, 3, 0, dtype=torch.long), torch.zeros(2, 3, 0, dtype=torch.bool), priority)
     assert torch.equal(plan.top_kept(share), _top_kept_by_sort(kept, priority, share))
+
+
+@pytest.mark.parametrize("method", ["keepkv", "snapkv+merge=zip"])
+def test_protect_window_keeps_every_kept_entry_outside_the_merge_slots_exact(method):
+    """protect_window=True: the selection's window (and sinks) take no merges either, so only the
+    lowest-ranked 1 - protect of the scored kept entries change; without it the window takes some
+    (so the test can fail)."""
+    ids, _ = random_batch(batch=1, length=80, pad=(0,), seed=5)
+    window = 32
+    for protect_window in (True, False):
+        full, cache = compressed_prefill(method, 44, ids, threshold=-1.0, protect=0.5, protect_window=protect_window)
+        window_exact, changed = True, 0
+        for full_layer, layer in zip(full.layers, cache.layers):
+            same = ((layer.values == at_positions(full_layer.values, layer.positions)).all(-1)
+                    & (layer.keys == at_positions(full_layer.keys, layer.positions)).all(-1) & (layer.bias == 0))
+            in_window = layer.positions >= ids.shape[1] - window
+            window_exact &= bool(same[in_window].all())
+            scored = (layer.positions >= 0) & ~in_window
+            changed += int((~same & scored).sum())
+            # at most the lowest-ranked half of the scored kept entries took merges
+            assert (~same & scored).sum(-1).le(scored.sum(-1) - (scored.sum(-1) * 0.5).ceil()).all()
+        assert window_exact == protect_window
+        assert changed > 0  # the merge slots took merges
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), evicted=st.integers(1, SIZE - 1))
+def test_key_value_similarity_picks_the_target_alike_in_key_and_value(seed, evicted):
+    """similarity="key_value": each evicted entry's target is the candidate of the largest mean of
+    key and value cosine, and the similarity it reports is that mean."""
+    from types import SimpleNamespace
+
+    from keepkv.methods.keepkv import ZipMerge
+
+    keys, values, _, _, src, _, _ = random_plan(seed, evicted)
+    candidates = torch.ones(1, HEADS, SIZE, dtype=torch.bool).scatter(-1, src, False)
+    layer = SimpleNamespace(keys=keys, values=values)
+    plan = SimpleNamespace(evict_idx=src, candidate_idx=lambda: None)
+    dst, similarity = ZipMerge(similarity="key_value").nearest(layer, plan, candidates)
+    unit = lambda x: torch.nn.functional.normalize(x, dim=-1)  # noqa: E731
+    mean_cos = (unit(keys) @ unit(keys).transpose(-1, -2) + unit(values) @ unit(values).transpose(-1, -2)) / 2
+    mean_cos = mean_cos.gather(2, src[..., None].expand(-1, -1, -1, SIZE)).masked_fill(~candidates[:, :, None], -2)
+    best, _ = mean_cos.max(-1)
+    torch.testing.assert_close(similarity, best, atol=1e-5, rtol=0)
+    torch.testing.assert_close(mean_cos.gather(-1, dst[..., None])[..., 0], best, atol=1e-5, rtol=0)
+
+
+def test_key_value_similarity_merges_fewer_than_key_alone():
+    """At the same T, a target must be alike in value too: fewer entries take merges than by key
+    alone on the same prefill."""
+    ids, _ = random_batch(batch=1, length=80, pad=(0,), seed=8)
+    merged = {}
+    for similarity in ("key_value", "key"):
+        _, cache = compressed_prefill("keepkv", 40, ids, threshold=0.3, protect=0.0, max_value_change=None,
+                                      similarity=similarity)
+        merged[similarity] = sum(int((layer.bias > 0).sum()) for layer in cache.layers)
+    assert merged["key"] > merged["key_value"] > 0
+
+
+def test_min_mass_merges_only_entries_worth_their_mass():
+    """min_mass=1: no evicted entry carries all of its row's mass, so nothing merges (every kept
+    entry keeps one vote) where min_mass=0 merges some."""
+    ids, _ = random_batch(batch=1, length=80, pad=(0,), seed=9)
+    votes = {}
+    for min_mass in (1.0, 1e-6, 0.0):
+        _, cache = compressed_prefill("keepkv", 40, ids, threshold=-1.0, protect=0.0, max_value_change=None,
+                                      min_mass=min_mass)
+        votes[min_mass] = sum(int((layer.bias > 0).sum()) for layer in cache.layers)
+    assert votes[1.0] == 0 and votes[0.0] > 0
+    assert 0 < votes[1e-6] <= votes[0.0]
+
+
+@pytest.mark.parametrize("params", [{"similarity": "value"}, {"min_mass": 1.5}, {"min_mass": -0.1}])
+def test_bad_candidate_parameters_raise_one_line(params):
+    with pytest.raises(ValueError, match=next(iter(params))):
+        keepkv.get_method("keepkv", **params)

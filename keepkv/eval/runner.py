@@ -390,6 +390,8 @@ class _SuiteAtLength:
 
     def __init__(self, runner: "_Runner", spec: SuiteSpec, length: int):
         self.runner, self.spec, self.length = runner, spec, length
+        # compressed before the question: a method runs on its compress-once selection (KeepKV: kvzip's)
+        self.compress_once = spec.setting == "agnostic"
         count = _samples_for(spec, runner.samples)
         self.samples = make_samples(spec, count, length, runner.seed, runner.tokens, runner.data)
         if not self.samples:
@@ -397,7 +399,7 @@ class _SuiteAtLength:
         ids = [s.id for s in self.samples]
         self.cells: list[Cell] = []
         for method, budget in runner.grid():
-            instance = get_method(method)
+            instance = get_method(method, compress_once=self.compress_once)
             params = instance.params()
             key = {
                 "suite": spec.label, "length": length, "method": method, "budget": budget, "params": params,
@@ -467,7 +469,7 @@ class _SuiteAtLength:
         """(records, seconds, CPU seconds) of every cell in ``todo`` over ``samples``."""
         for cell in todo:
             cell.records, cell.seconds, cell.cpu_seconds = [], 0.0, 0.0
-        needs = Needs.union([get_method(cell.method).needs(True) for cell in todo])
+        needs = Needs.union([get_method(cell.method, compress_once=self.compress_once).needs(True) for cell in todo])
         size = self.runner.batch_size
         self.progress = progress
         if self.spec.setting == "agnostic":
@@ -506,7 +508,7 @@ class _SuiteAtLength:
             # The full cache runs alone first: the other cells are teacher-forced with its answer.
             full, rest = todo[0], todo[1:]
             logps = []
-            cache = record.fork(self.runner.instance(full.method), full.budget)
+            cache = record.fork(self.runner.instance(full.method, self.compress_once), full.budget)
             out = greedy_decode(
                 model, cache, first_logits, mask, limits, eos, progress=self.progress,
                 observe=lambda t, logits: logps.append(torch.log_softmax(logits[:rows], -1)),
@@ -518,7 +520,7 @@ class _SuiteAtLength:
         if fidelity:
             force = torch.cat([torch.full_like(reference[0], -1), reference[0]], dim=0)
         for chunk in _chunks(rest, runner.joint_cells):
-            caches = [record.fork(self.runner.instance(cell.method), cell.budget, self.spec.decoding) for cell in chunk]
+            caches = [record.fork(self.runner.instance(cell.method, self.compress_once), cell.budget, self.spec.decoding) for cell in chunk]
             logps = []
             observe = None
             if fidelity:
@@ -575,7 +577,7 @@ class _SuiteAtLength:
         prefill(model, record, input_ids, mask, runner.tokenizer)
         clock.share(todo)
         for chunk in _chunks(todo, runner.joint_cells):
-            caches = [record.fork(self.runner.instance(cell.method), cell.budget, self.spec.decoding) for cell in chunk]
+            caches = [record.fork(self.runner.instance(cell.method, self.compress_once), cell.budget, self.spec.decoding) for cell in chunk]
             outs = decode_cells(model, caches, None, mask, limits, eos, question=question, progress=self.progress)
             for cell, cache, out in zip(chunk, caches, outs):
                 cell.records.extend(self._answer_records(batch, out, cache, full_mask))
@@ -668,7 +670,7 @@ class _SuiteAtLength:
         full, rest = todo[0], todo[1:]
         for number, chunk in enumerate(_chunks(rest, runner.joint_cells) if rest else [[]]):
             cells = [full, *chunk]
-            caches = [record.fork(self.runner.instance(cell.method), cell.budget, self.spec.decoding) for cell in cells]
+            caches = [record.fork(self.runner.instance(cell.method, self.compress_once), cell.budget, self.spec.decoding) for cell in cells]
             kl, nll = [], []
 
             def observe(t, logits):
@@ -703,7 +705,7 @@ class _SuiteAtLength:
         rows = len(batch)
         for chunk in _chunks(todo, runner.joint_cells):
             entries = [budget_for(cell.method, ppl_entries(cell.budget, length)) for cell in chunk]
-            caches = [record.fork(self.runner.instance(cell.method), count, self.spec.decoding) for cell, count in zip(chunk, entries)]
+            caches = [record.fork(self.runner.instance(cell.method, self.compress_once), count, self.spec.decoding) for cell, count in zip(chunk, entries)]
             nll = []
 
             def observe(t, logits):
@@ -823,13 +825,15 @@ class _Runner:
         self.eos = tokenizer.eos_token_id
         self._instances: dict = {}
 
-    def instance(self, spec: str):
-        """The method ``spec`` names, prepared for the model once (KVReviver's Fisher layer scores
-        live on the instance), shared by every cell of it."""
-        if spec not in self._instances:
-            self._instances[spec] = get_method(spec)
-            self._instances[spec].prepare(self.model)
-        return self._instances[spec]
+    def instance(self, spec: str, compress_once: bool = False):
+        """The method ``spec`` names (on its compress-once selection with ``compress_once``: a
+        question-agnostic suite), prepared for the model once (KVReviver's Fisher layer scores live
+        on the instance), shared by every cell of it."""
+        key = (spec, compress_once)
+        if key not in self._instances:
+            self._instances[key] = get_method(spec, compress_once=compress_once)
+            self._instances[key].prepare(self.model)
+        return self._instances[key]
 
     def grid(self) -> list[tuple[str, int | float]]:
         cells = [("full", 1.0)]
@@ -919,7 +923,8 @@ def check_grid(methods, budgets, plan: list[tuple[SuiteSpec, int]]) -> None:
     entry budgets (a fraction of its text) included. The full cache runs at 1.0 alone."""
     budgets = [validate_budget(budget) for budget in budgets]
     lengths = sorted({length for spec, length in plan if spec.name == "ppl"})
-    built = [(name, get_method(name)) for name in methods]  # every name and variant first
+    # every name and variant first, on its compress-once selection too (a question-agnostic suite's)
+    built = [(name, get_method(name, compress_once=once)) for name in methods for once in (False, True)]
     for budget in budgets:
         refused = []
         for name, method in built:
@@ -932,7 +937,7 @@ def check_grid(methods, budgets, plan: list[tuple[SuiteSpec, int]]) -> None:
             except ValueError as error:
                 refused.append((name, str(error)))
         if refused:
-            (name, why), others = refused[0], [other for other, _ in refused[1:]]
+            (name, why), others = refused[0], [o for o in dict.fromkeys(n for n, _ in refused) if o != refused[0][0]]
             also = f"; too small for {', '.join(others)} too" if others else ""
             raise ValueError(f"{name} at budget {budget}: {why}{also}")
 
@@ -1062,6 +1067,11 @@ def run_eval(
         "fidelity_new_tokens": FIDELITY_NEW_TOKENS, "answer_slack": ANSWER_SLACK, "data": data,
         "model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
         "method_params": {m: dataclasses.asdict(get_method(m)) for m in ["full", *methods]},
+        # where a question-agnostic suite runs a method on another selection (keepkv: kvzip's)
+        "compress_once_params": {
+            m: get_method(m, compress_once=True).params() for m in methods
+            if get_method(m, compress_once=True).params() != get_method(m).params()
+        },
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=1, default=_json_default))
 

@@ -81,9 +81,14 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), params
 
 
-def get_method(name: str, **params) -> "Method":
+def get_method(name: str, *, compress_once: bool = False, **params) -> "Method":
     """Return the method registered as ``name`` (or a variant ``name+key=value+...``), built with
     ``params``.
+
+    ``compress_once``: the method will compress a context before any question is seen
+    (:func:`keepkv.compress`, the eval's question-agnostic setting). A composed method that names
+    a selection for that setting (``compress_once_selection``, KeepKV's: kvzip) then runs on it,
+    unless ``selection=NAME`` is given.
 
     For a method that pairs a selection with a merge, ``selection=NAME`` and ``merge=NAME`` swap
     either part for a registered one (``keepkv describe``), and every other parameter goes to the
@@ -96,6 +101,8 @@ def get_method(name: str, **params) -> "Method":
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
     cls = METHODS[name]
     if issubclass(cls, ComposedMethod):
+        if compress_once and cls.compress_once_selection is not None:
+            params.setdefault("selection", cls.compress_once_selection)
         return cls.compose(**params)
     valid = [field.name for field in dataclasses.fields(cls)]
     unknown = sorted(set(params) - set(valid))
@@ -529,6 +536,9 @@ class ComposedMethod(Method):
 
     selection: Selection = field(default_factory=Selection)
     merging: Merge = field(default_factory=Merge)
+    compress_once_selection: ClassVar[str | None] = None
+    """The selection it runs on when it compresses a context before any question is seen and no
+    selection is named (:func:`get_method`'s ``compress_once``); None: its default selection."""
 
     def __post_init__(self):
         super().__post_init__()

@@ -155,24 +155,27 @@ class ZipMerge(Merge):
         frozen = layer.frozen_entries()
         return allowed if frozen is None else allowed & ~frozen
 
-    def nearest(self, layer, plan: EvictionPlan, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(target slot, similarity) [B, H_kv, E] of each evicted entry by the ``similarity`` rule:
-        the cosine of keys, or the mean of the cosines of keys and of values (the cosine of the
-        unit key and unit value side by side)."""
+    def nearest(self, layer, plan: EvictionPlan, candidates: torch.Tensor, candidate_idx: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target slot, similarity) [B, H_kv, E] of each evicted entry among ``candidates`` (searched
+        at ``candidate_idx`` [B, H_kv, K] if given, else at the plan's), by the ``similarity`` rule: the
+        cosine of keys, or the mean of the cosines of keys and of values (the cosine of the unit key
+        and unit value side by side)."""
+        candidate_idx = plan.candidate_idx() if candidate_idx is None else candidate_idx
         if self.similarity == "key":
-            return cosine_nearest(layer.keys, plan.evict_idx, candidates, plan.candidate_idx())
+            return cosine_nearest(layer.keys, plan.evict_idx, candidates, candidate_idx)
         both = torch.cat([F.normalize(layer.keys.float(), dim=-1), F.normalize(layer.values.float(), dim=-1)], -1)
-        return cosine_nearest(both, plan.evict_idx, candidates, plan.candidate_idx())
+        return cosine_nearest(both, plan.evict_idx, candidates, candidate_idx)
 
-    def worth_merging(self, layer, plan: EvictionPlan, pooled: torch.Tensor) -> torch.Tensor | bool:
-        """[B, H_kv, E] bool: the evicted entries that carry at least ``min_mass`` of their row and
-        head's attention mass, ln p + ln ŝ (``pooled`` [B, H_kv, S]) normalised over the live
-        entries (True for all when ``min_mass`` is 0)."""
+    def worth_merging(self, layer, plan: EvictionPlan, pooled: torch.Tensor, merge: torch.Tensor) -> torch.Tensor:
+        """``merge`` [B, H_kv, E] bool, less the evicted entries that carry under ``min_mass`` of
+        their row and head's attention mass, ln p + ln ŝ (``pooled`` [B, H_kv, S]) normalised over
+        the live entries (``merge`` itself when ``min_mass`` is 0)."""
         if self.min_mass <= 0:
-            return True
+            return merge
         mass = (layer.bias + pooled).masked_fill(~layer.live(), NEG_INF)
         share = mass - torch.logsumexp(mass, dim=-1, keepdim=True)
-        return share.gather(-1, plan.evict_idx.clamp_min(0)) >= math.log(self.min_mass)
+        return merge & (share.gather(-1, plan.evict_idx.clamp_min(0)) >= math.log(self.min_mass))
 
     def gates(self) -> tuple[float, float]:
         """(ε, δ): the value gate and the weight cap as :func:`keepkv.merging.zip_rows` takes them."""
@@ -193,7 +196,7 @@ class ZipMerge(Merge):
             logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
             pooled = pool_log_scores(logits, layer.bias)
             dst, similarity = self.nearest(layer, plan, candidates)
-            merge = plan.evict_valid & (similarity >= self.threshold) & self.worth_merging(layer, plan, pooled)
+            merge = self.worth_merging(layer, plan, pooled, plan.evict_valid & (similarity >= self.threshold))
             layer.merge_into(zip_rows(
                 layer.keys, layer.values, layer.bias, plan.evict_idx, dst, merge, logits, query, stats.scaling,
                 self.zip_key, pooled, *self.gates(),
@@ -542,27 +545,50 @@ class KeepKVMerge(ZipMerge):
 
     def apply(self, layer, plan: EvictionPlan, stats: StepStats) -> None:
         """Merge each evicted entry into its most similar kept one (>= ``threshold``, gated), count
-        the votes of those dropped (``layer.state["lost_votes"]``), then keep the plan's entries."""
+        the votes of those dropped (``layer.state["lost_votes"]``), then keep the plan's entries.
+
+        While decoding the merge always runs, on every device: reading "does anything merge?" would
+        be a host sync, and an empty merge changes nothing, bit for bit. At a prompt's end (a
+        prefill or a refresh: one compression of many entries, where a sync costs nothing) the
+        evicted keys are compared with the merge candidates only, and only the entries that merge
+        go through ZIP; the result is the same."""
         if plan.evict_idx.shape[-1] > 0:
-            # Always run the merge, on every device: reading "does anything merge?" would be a
-            # host sync, and an empty merge changes nothing, bit for bit. The gates weigh as
-            # the merge does. An evicted slot is no merge's target: its votes read the same after.
             log_scale, ema = self._log_scale(layer), plan.merge_scores
             candidates = self.merge_candidates(layer, plan)
-            weights = self.merge_weights(layer, ema, stats)
-            dst, similarity = self.nearest(layer, plan, candidates)
-            merge = plan.evict_valid & (similarity >= self.threshold) & self.worth_merging(layer, plan, weights.pooled)
-            rows = zip_rows_with_ema(
-                layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], plan.evict_idx, dst, merge, weights,
-                ema.heads, stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale, *self.gates(),
-            )
-            dropped = plan.evict_valid & ~rows.merge
-            layer.state["lost_votes"] += (layer.bias.gather(-1, plan.evict_idx).exp() * dropped).sum(-1)
-            layer.merge_into(rows)
+            candidate_idx = plan.candidate_idx()
+            if stats.is_prefill:
+                count = int(candidates.sum(-1).max())
+                candidate_idx = slots_of(candidates, count)[0] if count > 0 else None
+            if not stats.is_prefill or candidate_idx is not None:
+                self._merge(layer, plan, stats, candidates, candidate_idx, ema, log_scale)
         if plan.keeps_order:  # the selection's pooled ranking needs slots in position order
             layer.select(plan.keep_idx, plan.keep_valid)
         else:
             layer.keep(plan.kept, plan.slots)
+
+    def _merge(self, layer, plan: EvictionPlan, stats: StepStats, candidates: torch.Tensor,
+               candidate_idx: torch.Tensor | None, ema: LogScores, log_scale) -> None:
+        """ZIP-merge the plan's evicted entries into ``candidates`` (see :meth:`apply`). The gates weigh
+        as the merge does. An evicted slot is no merge's target: its votes read the same after."""
+        weights = self.merge_weights(layer, ema, stats)
+        dst, similarity = self.nearest(layer, plan, candidates, candidate_idx)
+        src = plan.evict_idx
+        merge = self.worth_merging(layer, plan, weights.pooled, plan.evict_valid & (similarity >= self.threshold))
+        order = None
+        if stats.is_prefill:  # only the entries that merge go through ZIP
+            order, merge = slots_of(merge, int(merge.sum(-1).max()))
+            src, dst = src.gather(-1, order), dst.gather(-1, order)
+        if merge.shape[-1] == 0:  # nothing merges: every evicted entry's votes are lost
+            layer.state["lost_votes"] += (layer.bias.gather(-1, plan.evict_idx).exp() * plan.evict_valid).sum(-1)
+            return
+        rows = zip_rows_with_ema(
+            layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], src, dst, merge, weights,
+            ema.heads, stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale, *self.gates(),
+        )
+        merged = rows.merge if order is None else torch.zeros_like(plan.evict_valid).scatter_(-1, order, rows.merge)
+        dropped = plan.evict_valid & ~merged
+        layer.state["lost_votes"] += (layer.bias.gather(-1, plan.evict_idx).exp() * dropped).sum(-1)
+        layer.merge_into(rows)
 
     # -- periodic refresh --------------------------------------------------------------------
     def refresh(self, layer, stats: StepStats) -> StepStats | None:
@@ -590,11 +616,12 @@ class KeepKV(ComposedMethod):
     Efficient LLM Inference", arXiv 2504.09936).
 
     A selection plus KeepKV's merge (:class:`KeepKVMerge`: ZIP-merging with Electoral Votes, EMA
-    scores, merge gates). What is kept is the selection's choice: the default is SnapKV's
-    (``selection=snapkv``; docs/keepkv.md, "KeepKV ablation", says why); KeepKV's own is ``selection=ema``
-    (:class:`EmaAttention`); the paper's runs select with PyramidInfer. Any registered selection
-    pairs with it (``keepkv+selection=kvzip`` for a context compressed before its question).
-    ``merge=none`` is the selection alone.
+    scores, merge gates). What is kept is the selection's choice: SnapKV's by default
+    (``selection=snapkv``), and KVzip's for a context compressed before its question is seen
+    (:func:`keepkv.compress`, the eval's agnostic setting; ``compress_once_selection``): the best
+    measured selection of each setting (docs/keepkv.md, "Measured choices"). KeepKV's own is
+    ``selection=ema`` (:class:`EmaAttention`); the paper's runs select with PyramidInfer. Any
+    registered selection pairs with it. ``merge=none`` is the selection alone.
 
     The paper-literal configuration is
     ``keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None``.
@@ -602,5 +629,6 @@ class KeepKV(ComposedMethod):
 
     name = "keepkv"
     paper = "Tian et al. 2025, arXiv 2504.09936"
+    compress_once_selection = "kvzip"
     selection: Selection = field(default_factory=ObservationWindow)
     merging: Merge = field(default_factory=KeepKVMerge)
