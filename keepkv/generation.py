@@ -362,7 +362,7 @@ def generate(
     check_tokenizer(tokenizer)
     if past_key_values is not None:
         return _ask(model, tokenizer, prompts, past_key_values, max_new_tokens, answer_prefix, progress)
-    cache = CompressedCache(model.config, method, budget, decoding=decoding, compress_once=True, **method_params)
+    cache = CompressedCache(model.config, method, budget, decoding=decoding, **method_params)
     check_budget_holds(cache.method, cache.budget)
     cache.method.prepare(model)
     device = next(model.parameters()).device

@@ -163,5 +163,6 @@ def test_keepkv_runs_on_the_best_selection_of_each_setting(model, tokenizer):
     assert keepkv.CompressedCache(model.config, "keepkv", 40).method.selection.name == "snapkv"
     assert keepkv.get_method("keepkv").selection.name == "snapkv"
     assert keepkv.get_method("snapkv", compress_once=True) == keepkv.get_method("snapkv")
-    [result] = keepkv.generate(model, tokenizer, context, method="keepkv", budget=40, max_new_tokens=2)
-    assert result.method == "keepkv"
+    [result] = keepkv.generate(model, tokenizer, context, method="keepkv", budget=40, max_new_tokens=4)
+    [snap] = keepkv.generate(model, tokenizer, context, method="keepkv+selection=snapkv", budget=40, max_new_tokens=4)
+    assert result.method == "keepkv" and (result.answer, result.kept_entries) == (snap.answer, snap.kept_entries)
