@@ -220,7 +220,7 @@ def test_every_selection_pairs_with_every_merge_or_is_refused_in_one_line(select
 
 
 # Each merge made to merge whatever it can, so that a decode step's compression exercises it.
-EAGER = {"zip": "+threshold=-1.0", "keepkv": "+threshold=-1.0+protect=0+max_value_change=None", "pivot": "+threshold=-1.0"}
+EAGER = {"zip": "+threshold=-1.0", "keepkv": "+threshold=-1.0+protect=0+max_value_change=None+min_mass=0", "pivot": "+threshold=-1.0"}
 
 
 def serving_rule_breaks(spec: str) -> list[str]:

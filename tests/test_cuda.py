@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or KEEPKV_CUDA_TESTS_ON=cpu)"),
     pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning"),
 ]
-EMA = "keepkv+selection=ema+protect=0+max_value_change=None"
+EMA = "keepkv+selection=ema+protect=0+max_value_change=None+min_mass=0"
 
 
 def on_device(kind: str, dtype: torch.dtype, layers: int = 2):

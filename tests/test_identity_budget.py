@@ -30,7 +30,7 @@ VARIANTS = sorted(
     {*METHODS}
     | {pairing for pairing in PAIRINGS if builds(pairing)}
     | {
-        "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None",  # paper-literal
+        "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0",  # paper-literal
         "keepkv+selection=ema+refresh_interval=4",
         "keepkv+interval=3",
         "d2o+allocation=code+merge_rule=code",

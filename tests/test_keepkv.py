@@ -23,7 +23,7 @@ from conftest import decode_loop, random_batch, tiny_model
 # KeepKV with its own EMA selection and ungated merges (every kept entry may take merges, as in
 # the paper): the theorems and the EMA are tested on it (the registered default selects with
 # SnapKV and gates its merges; tests/test_zip_merging.py and test_merge_gates.py cover those).
-EMA = "keepkv+selection=ema+protect=0+max_value_change=None"
+EMA = "keepkv+selection=ema+protect=0+max_value_change=None+min_mass=0"
 
 
 @pytest.fixture(autouse=True)

@@ -108,7 +108,7 @@ def alone(cache: CompressedCache, query, key, value, layer_idx: int = 0) -> torc
     return out[0]
 
 
-PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None"  # docs/keepkv.md
+PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0"  # docs/keepkv.md
 
 
 @pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2", PAPER_KEEPKV, "keepkv+interval=3"])
@@ -319,7 +319,7 @@ def test_an_uncompressed_request_holds_what_stock_vllm_holds(method, budget):
     del stock
 
 
-@pytest.mark.parametrize("method", ["snapkv", "h2o", "keepkv", "keepkv+threshold=-1.0+protect=0+max_value_change=None",
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "keepkv", "keepkv+threshold=-1.0+protect=0+max_value_change=None+min_mass=0",
                                     "snapkv+interval=4", "keepkv+interval=4"])
 def test_a_decode_step_moves_only_what_changed(method):
     """A decode step writes the key and value of its new token only (one slot per request); a step

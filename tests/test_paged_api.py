@@ -35,7 +35,7 @@ def builds(spec: str) -> bool:
 VARIANTS = [
     *METHODS, *(spec for s in SELECTIONS for m in MERGES if builds(spec := f"keepkv+selection={s}+merge={m}")),
     "snapkv+merge=zip", "snapkv+merge=keepkv", "h2o+interval=3", "keepkv+interval=3",
-    "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None",
+    "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0",
 ]
 
 

@@ -34,7 +34,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 32  # sizes vLLM's CPU kernel takes
 CONFIG = LlamaConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                      num_hidden_layers=2, intermediate_size=16, vocab_size=32)
 SCALING = HEAD_DIM**-0.5
-MERGING = "keepkv+threshold=-1.0+protect=0+max_value_change=None"  # merges whatever it evicts: votes
+MERGING = "keepkv+threshold=-1.0+protect=0+max_value_change=None+min_mass=0"  # merges whatever it evicts: votes
 
 
 @pytest.mark.parametrize("kernel_type", kernels())

@@ -26,7 +26,7 @@ from keepkv.vllm import SERVING_INTERVAL  # noqa: E402
 
 NEW_TOKENS = 24
 KEPT = "vllm_ranks.KeptEntries"  # tests/vllm_ranks.py: each worker's kept positions, through collective_rpc
-PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None"  # docs/keepkv.md
+PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0"  # docs/keepkv.md
 SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", PAPER_KEEPKV]
 
 

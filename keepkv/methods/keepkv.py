@@ -312,10 +312,11 @@ class KeepKVMerge(ZipMerge):
     ----------
     threshold, zip_key, max_share
         As ZIP's (:class:`ZipMerge`; T = 0.8 as the paper's).
-    protect, max_value_change : float
-        Merge gates of evict-then-merge; here 0.75 and 1.0: the top 3/4 of the entries kept by
-        score take no merges, the others move by at most their norm (docs/keepkv.md, "Merge
-        gates"). ``protect=0+max_value_change=None``: the paper's merge.
+    protect, max_value_change, min_mass : float
+        Merge gates of evict-then-merge; here 0.75, 1.0 and 0.001: the top 3/4 of the entries
+        kept by score take no merges, the others move by at most their norm, and only an evicted
+        entry with at least 0.1% of its row and head's attention mass merges (docs/keepkv.md,
+        "Merge gates"). ``protect=0+max_value_change=None+min_mass=0``: the paper's merge.
     alpha : float
         EMA decay α in (0, 1). Default 0.94 ≈ 1 - 2/(w + 1) for w = 32: the EMA whose centre of
         mass matches a w-row window (so the prefill window carries 86% of the initial weight).
@@ -350,6 +351,7 @@ class KeepKVMerge(ZipMerge):
     keeps_scores = True
     protect: float = 0.75
     max_value_change: float | None = 1.0
+    min_mass: float = 0.001
     alpha: float = 0.94
     window: int = 32
     score_norm: str = "none"
@@ -624,7 +626,7 @@ class KeepKV(ComposedMethod):
     registered selection pairs with it. ``merge=none`` is the selection alone.
 
     The paper-literal configuration is
-    ``keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None``.
+    ``keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0``.
     """
 
     name = "keepkv"
