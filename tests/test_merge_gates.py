@@ -273,7 +273,8 @@ def test_min_mass_merges_only_entries_worth_their_mass():
     assert 0 < votes[1e-6] <= votes[0.0]
 
 
-@pytest.mark.parametrize("params", [{"similarity": "value"}, {"min_mass": 1.5}, {"min_mass": -0.1}])
+@pytest.mark.parametrize("params", [{"similarity": "value"}, {"similarity": 3}, {"min_mass": 1.5}, {"min_mass": -0.1},
+                                    {"min_mass": "x"}, {"protect_window": "yes"}])
 def test_bad_candidate_parameters_raise_one_line(params):
     with pytest.raises(ValueError, match=next(iter(params))):
         keepkv.get_method("keepkv", **params)

@@ -1069,8 +1069,7 @@ def run_eval(
         "method_params": {m: dataclasses.asdict(get_method(m)) for m in ["full", *methods]},
         # where a question-agnostic suite runs a method on another selection (keepkv: kvzip's)
         "compress_once_params": {
-            m: get_method(m, compress_once=True).params() for m in methods
-            if get_method(m, compress_once=True).params() != get_method(m).params()
+            m: once for m in methods if (once := get_method(m, compress_once=True).params()) != get_method(m).params()
         },
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=1, default=_json_default))
