@@ -189,7 +189,11 @@ def test_timing_proxies_are_removed_and_change_nothing():
     plain = run_once(model, "h2o", 0.5, prompt_len=24, gen_len=4, batch=2)
     timed = run_once(model, "h2o", 0.5, prompt_len=24, gen_len=4, batch=2, overhead_steps=3, profile_steps=2)
     assert plain["cache_bytes"] == run_once(model, "h2o", 0.5, prompt_len=24, gen_len=4, batch=2)["cache_bytes"]
-    assert timed["overhead"]["steps"] == 3 and timed["overhead"]["compress_ms"] >= 0
+    assert timed["overhead"]["steps"] == 3
+    # full never observes or compresses: its timers stay at 0, h2o's count what it ran
+    full = run_once(model, "full", 0.5, prompt_len=24, gen_len=4, batch=2, overhead_steps=3)["overhead"]
+    assert full["compress_ms"] == full["observe_ms"] == 0 < timed["overhead"]["compress_ms"]
+    assert 0 < timed["overhead"]["observe_ms"] < timed["overhead"]["step_ms"]
     cache = keepkv.CompressedCache(model.config, "h2o", 0.5)
     timer = MethodTimer("cpu")
     timer.install(cache)

@@ -35,8 +35,12 @@ def test_row_figures_add_up_to_the_cache_bytes(method, budget):
         live = sum(int(layer.live_counts()[row].sum()) * slot_bytes(layer) for layer in cache.layers)
         assert summary.entry_bytes[row] == live
         assert min(getattr(summary, part)[row] for part in PARTS) >= 0
+        assert summary.spare_bytes[row] > 0  # every layer keeps room for the next append
     # the short row holds what it keeps; the slots the long row fills beside it are its padding
     assert summary.padding_bytes[1] > summary.padding_bytes[0]
+    # methods that keep no per-row state beside their entries count none
+    if method in ("full", "h2o", "snapkv", "window", "streamingllm"):
+        assert summary.state_bytes == [0, 0]
     if method == "full":
         kv_bytes = 2 * cache.layers[0].keys.shape[-1] * 4  # one token of one head, keys + values, fp32
         share = slot_bytes(cache.layers[0]) / kv_bytes  # bias and position ride along each entry

@@ -14,7 +14,7 @@ from keepkv.budgets import budget_floor, row_budgets
 from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression, rank_config
 from keepkv.step import LayerStep
 
-from helpers import request_state, slot_positions
+from helpers import assert_equal_up_to_rounding, request_state, slot_positions
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 CONFIG = LlamaConfig(
@@ -141,7 +141,9 @@ def test_tensor_parallel_ranks_compress_their_own_heads_as_the_whole_model(metho
     """Two tensor-parallel ranks, each holding one KV head and its query group (``rank_config``),
     fed their heads' slices of the same requests (unequal prompts, one joining mid-way), with no
     communication: every step each rank's output and the positions each of its slots holds are the
-    whole model's for those heads, in the model's last layer (PyramidKV's smallest budget)."""
+    whole model's for those heads, in the model's last layer (PyramidKV's smallest budget). The
+    outputs agree up to fp32 rounding (a head slice may take another matmul kernel than all the
+    heads), the kept positions exactly: the random inputs leave no score within rounding of a tie."""
     generator = torch.Generator().manual_seed(3)
     layer = CONFIG.num_hidden_layers - 1
     whole = Engine(PagedCompression(CONFIG, method, budget))
@@ -159,7 +161,8 @@ def test_tensor_parallel_ranks_compress_their_own_heads_as_the_whole_model(metho
                     for r, (q, k, v) in new.items()}
             got = engine.step(mine, layer)
             for request in new:
-                assert torch.equal(got[request], outputs[request][:, rank * group : (rank + 1) * group])
+                assert_equal_up_to_rounding(got[request], outputs[request][:, rank * group : (rank + 1) * group],
+                                            msg=f"step {step} rank {rank} request {request}")
                 held = whole.paged.stored(whole.prompt[request], whole.computed[request], layer)
                 expected = slot_positions(whole.paged, whole.kv_cache, torch.tensor(whole.tables[request]), held, HEAD_DIM)
                 positions = slot_positions(engine.paged, engine.kv_cache, torch.tensor(engine.tables[request]), held,

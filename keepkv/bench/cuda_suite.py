@@ -8,7 +8,8 @@ the time budget (default 570 s, under the 10 minutes of one H100 session):
    ``tests/test_decode_kernel.py``: the Triton kernel natively against the torch path;
    ``tests/test_gpu_path_on_cpu.py`` and ``tests/test_sketch.py``: the fp32-output GEMM, the
    deterministic sketch; ``tests/test_tensor_parallel.py``: the TP=2 case, two ranks with NCCL,
-   one GPU each, where the machine has two). Counts from pytest's JUnit XML.
+   one GPU each, where the machine has two; ``tests/test_contract.py``'s reference logits of every
+   method on CUDA as well as the CPU). Counts from pytest's JUnit XML.
 2. ``ops``: ``keepkv bench --ops`` on the device (operation and sync counts per layer-step; the
    operation counts should equal the CPU's, and a ``.cpu()`` is a real sync there).
 3. ``bench``: the issue's fixed-batch target, ``llama2-7b`` shapes with random weights, bf16,
@@ -44,7 +45,7 @@ import xml.etree.ElementTree as ET
 import torch
 
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_decode_kernel.py", "tests/test_gpu_path_on_cpu.py", "tests/test_sketch.py",
-              "tests/test_tensor_parallel.py"]
+              "tests/test_tensor_parallel.py", "tests/test_contract.py::test_logits_equal_the_reference"]
 BENCH = [
     "--config", "llama2-7b", "--dtype", "bfloat16", "--methods", "full,h2o,keepkv", "--budget", "0.2",
     "--prompt-len", "4096", "--gen-len", "1024", "--batch", "8", "--repeats", "1", "--warmup", "1",
