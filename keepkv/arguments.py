@@ -35,6 +35,20 @@ def budget_arg(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def check_device_option(device) -> None:
+    """Refuse, in one line naming the flag, a ``--device`` (``keepkv eval``, ``keepkv bench``) torch
+    cannot use here: not a device name, or a CUDA device on a torch without CUDA (imports torch)."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {device}: not a device; give cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available here (torch {torch.__version__}): "
+                         "use --device cpu")
+
+
 def _unset(default) -> bool:
     """A default that means "not given" (0 is a value: ``0 == False`` must not hide it)."""
     return default is None or default is False or default is argparse.SUPPRESS or default in ([], "")

@@ -48,6 +48,9 @@ METHOD_NAMES = (
     "cam", "d2o", "full", "h2o", "keepkv", "keydiff", "kvmerger", "kvreviver", "kvzip", "pyramidkv", "snapkv",
     "streamingllm", "window", "zeromerge",
 )
+# The methods keepkv.vllm serves (keepkv.paged.SERVED_METHODS, which imports torch): what `keepkv serve
+# --help` lists. tests/test_serve.py checks that this is the paged adapter's list.
+SERVED_METHOD_NAMES = ("h2o", "keepkv", "keydiff", "pyramidkv", "snapkv", "streamingllm", "window")
 
 
 def check_method_name(spec) -> None:

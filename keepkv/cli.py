@@ -70,6 +70,13 @@ def _check_method(args) -> None:
     parse_dtype(args.dtype)
 
 
+def _set_threads(args) -> None:
+    """torch's threads: ``--threads`` (checked by ``_check_plain``)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+
 def _prompt(args, default=None) -> str | None:
     """The prompt given as an argument or in --prompt-file (not both), else ``default``."""
     if args.prompt is not None and args.prompt_file:
@@ -105,6 +112,7 @@ def cmd_generate(args) -> None:
     _check_method(args)
     check_arguments(prompt, args.method, args.budget, args.max_new_tokens, not args.raw, args.answer_prefix,
                     prefill_chunk=args.prefill_chunk, **dict(args.param))
+    _set_threads(args)
     model, tokenizer = _load(args)
     result = generate(
         model, tokenizer, prompt, method=args.method, budget=args.budget, max_new_tokens=args.max_new_tokens,
@@ -133,8 +141,6 @@ def memory_line(result) -> str:
 
 def cmd_demo(args) -> None:
     _check_plain(args)
-    import torch
-
     from .budgets import validate_budget
     from .demo import format_demo, run_demo
     from .methods import get_method
@@ -143,9 +149,7 @@ def cmd_demo(args) -> None:
         validate_budget(budget)
     for name in [*args.methods, *args.agnostic_methods]:
         get_method(name)
-    if args.threads < 1:
-        raise ValueError(f"--threads must be an int >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
+    _set_threads(args)
     model, tokenizer = _load(args)
     settings = ("aware", "agnostic") if args.setting == "both" else (args.setting,)
     result = run_demo(model, tokenizer, methods=args.methods, budgets=args.budgets, progress=not args.json,
@@ -210,9 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = OneLineParser(prog="keepkv", description="KV-cache compression for Hugging Face LLMs",
                            formatter_class=DefaultsFormatter)
-    common = argparse.ArgumentParser(add_help=False)
+    json_args = argparse.ArgumentParser(add_help=False)
+    json_args.add_argument("--json", action="store_true", help="print JSON")
+    common = argparse.ArgumentParser(add_help=False, parents=[json_args])
     common.add_argument("--model", help="local HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    common.add_argument("--json", action="store_true", help="print JSON")
+    threads_args = argparse.ArgumentParser(add_help=False)
+    threads_args.add_argument("--threads", type=int, default=1,
+                              help="torch threads (on a busy machine more threads wait for each other)")
     dtype_args = argparse.ArgumentParser(add_help=False)
     dtype_args.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
     method_args = argparse.ArgumentParser(add_help=False)
@@ -225,10 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_command = partial(commands.add_parser, formatter_class=DefaultsFormatter)  # --help shows defaults
 
-    methods = add_command("methods", parents=[common], help="list methods, parameters and defaults")
+    methods = add_command("methods", parents=[json_args], help="list methods, parameters and defaults")
     methods.set_defaults(func=cmd_methods)
 
-    gen = add_command("generate", parents=[common, dtype_args, method_args], help="answer a prompt")
+    gen = add_command("generate", parents=[common, dtype_args, method_args, threads_args], help="answer a prompt")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--prompt-file", help="read the prompt from a file")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
@@ -242,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     demo = add_command(
-        "demo", parents=[common, dtype_args], help="hidden pass key: memory kept against correctness, per method and budget"
+        "demo", parents=[common, dtype_args, threads_args],
+        help="hidden pass key: memory kept against correctness, per method and budget",
     )
     demo.add_argument("--budgets", type=budget_arg, nargs="+", default=list(DEMO_BUDGETS), metavar="B",
                       help="budgets to try")
@@ -252,8 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="methods besides the full cache, the question asked after the document is compressed")
     demo.add_argument("--setting", choices=("aware", "agnostic", "both"), default="both",
                       help="the question inside the compressed prompt (aware), after it (agnostic), or both")
-    demo.add_argument("--threads", type=int, default=1,
-                      help="torch threads (on a busy machine more threads wait for each other)")
     demo.set_defaults(func=cmd_demo)
 
     pert = add_command(

@@ -112,3 +112,28 @@ def test_cli_and_python_defaults_are_the_ones_the_readme_gives():
     cli_line = f"--method {cli_defaults['method']} --budget {DEFAULT_BUDGET}"
     assert python_line in readme and cli_line in readme
     assert re.search(r"defaults differ", readme)
+
+
+def test_generate_takes_threads_as_demo_does(monkeypatch):
+    """`keepkv generate --threads N` sets torch's threads before the model loads, with demo's
+    default (1: on a busy machine more threads wait for each other)."""
+    from keepkv import cli
+
+    commands = subcommands()
+    defaults = {name: {a.dest: a.default for a in commands[name]._actions}["threads"] for name in ("generate", "demo")}
+    assert defaults == {"generate": 1, "demo": 1}
+    seen = []
+
+    def load(args):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(cli, "_load", load)
+    before = torch.get_num_threads()
+    try:
+        for argv, threads in ((["--threads", "2"], 2), ([], 1)):
+            torch.set_num_threads(3)
+            assert cli.main(["generate", "Q", "--method", "snapkv", *argv]) == 2
+            assert seen[-1] == threads
+    finally:
+        torch.set_num_threads(before)

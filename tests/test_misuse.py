@@ -306,6 +306,49 @@ def test_argparse_errors_are_the_one_line_form(argv, argument, capsys, monkeypat
     assert argument in err and "usage:" not in err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--device", "cuda"], "--device cuda: no CUDA device is available here"),
+        (["eval", "--device", "cuda"], "--device cuda: no CUDA device is available here"),
+        (["bench", "--device", "nodevice"], "--device nodevice: not a device; give cpu, cuda or cuda:N"),
+        (["eval", "--suite", "jsonl"], "the jsonl suite needs a file: --data FILE.jsonl"),
+        (["eval", "--suite", "longbench", "--quick"], "the longbench suite needs a directory: --data DIR"),
+        (["bench", "--kernel", "triton", "--device", "cpu"], "kernel='triton' needs Triton"),
+        (["bench", "--ops", "--reconstruction"], "--ops and --reconstruction are separate runs: pass one of --soak, "),
+        (["bench", "--soak", "--ops"], "--soak and --ops are separate runs"),
+        (["bench", "--ops", "--kernel", "triton"], "--kernel is an option of the timing run, and --ops runs instead"),
+        (["bench", "--soak", "--memory-cap", "1", "--overhead"], "--memory-cap, --overhead are options of the timing run"),
+        (["bench", "--soak-text"], "--soak-text is an option of --soak: pass --soak too"),
+        (["bench", "--overhead-steps", "4"], "--overhead-steps is an option of --overhead"),
+        (["generate", "Q", "--method", "snapkv+window=4+window=8"], "'snapkv+window=4+window=8' gives window twice"),
+        (["generate", "Q", "--threads", "0"], "threads must be an int >= 1"),
+        (["methods", "--model", "/nonexistent/model"], "unrecognized arguments: --model /nonexistent/model"),
+        (["report", "{plain}"], "is not an eval summary.csv (no suite, length, method, budget, score column)"),
+        (["report", "{empty}"], "is not an eval summary.csv"),
+    ],
+)
+def test_a_misused_command_is_refused_in_one_line_before_the_model_loads(argv, message, tmp_path, capsys, monkeypatch):
+    """Each refused in one line (exit status 2) before any model loads; nothing silently ignored."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the Triton kernel then needs CUDA
+    (tmp_path / "plain.txt").write_text("some notes\nnot a table\n")
+    (tmp_path / "empty.csv").write_text("")
+    argv = [arg.format(plain=tmp_path / "plain.txt", empty=tmp_path / "empty.csv") for arg in argv]
+    assert message in _cli_error(argv, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (None, "method must be a method name or variant (a str such as 'snapkv'"),
+        (3, "`keepkv methods` lists them), got 3"),
+        ("snapkv+window=4+window=8", "gives window twice: give each parameter once"),
+    ],
+)
+def test_get_method_names_what_it_takes(name, message):
+    assert message in _refused(lambda: keepkv.get_method(name), "method")
+
+
 # --------------------------------------------------------------------- 6. result.method
 @pytest.mark.parametrize("method", ["keepkv+protect=0.9", "snapkv+window=8", "h2o"])
 def test_result_method_is_the_variant_as_given(method):

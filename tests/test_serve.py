@@ -151,6 +151,14 @@ def test_a_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
     (["-pp=2", "-tp", "3"], {}, r"intermediate_tensors is not None.* \(--pipeline-parallel-size 1\)"),
     (["--enable-lora"], {}, "does not support LoRA"),
     (["--kv-cache-dtype", "fp8_e4m3"], {}, "does not support an fp8 KV cache"),
+    (["--port", "notaport"], {}, r"^--port takes an int in \[1, 65535\], got 'notaport'$"),
+    (["--port", "65536"], {}, r"^--port takes an int in \[1, 65535\], got '65536'$"),
+    (["--host", "0.0.0.0", "--port"], {}, r"^--port takes an int in \[1, 65535\], got no value$"),
+    (["-tp", "two"], {}, r"^-tp takes an int >= 1, got 'two'$"),
+    (["--max-num-seqs=0"], {}, r"^--max-num-seqs takes an int >= 1, got '0'$"),
+    (["--method", "full", "--tensor-parallel-size", "0"], {}, r"^--tensor-parallel-size takes an int >= 1"),
+    (["--keep-prompt", "--budget", "0.1"], {}, r"^--keep-prompt keeps every prompt whole and --budget generated "
+                                               r"entries per layer and head: give --budget an int, got 0.1$"),
 ])
 def test_serve_refuses_before_starting_anything(tmp_path, monkeypatch, argv, environ, message):
     with pytest.raises((ValueError, RuntimeError), match=message) as raised:
@@ -181,15 +189,50 @@ def test_serve_sets_a_thread_binding_for_tensor_parallel_workers_on_too_few_numa
     assert settings.BIND not in added  # a node per worker: vLLM's default binds them
 
 
-def test_serve_refuses_kv_heads_replicated_over_ranks(tmp_path, monkeypatch):
-    """A tensor-parallel size above the model's KV heads (read from its config.json) is refused in
-    one line naming why; one that divides them is served, and stock vLLM takes any."""
+@pytest.mark.parametrize("method, size, refused", [
+    ("keepkv", "9", r"does not support KV heads replicated over ranks: .* \(9 ranks, 3 KV heads\)"),
+    ("keepkv", "2", r"^--tensor-parallel-size 2 does not split the model's 9 attention heads and 3 KV heads evenly "
+                    r"over ranks: take 1 or 3$"),
+    ("snapkv", "6", "KV heads replicated over ranks"),
+    ("full", "2", r"^--tensor-parallel-size 2 does not split .* evenly over ranks: take 1, 3 or 9$"),
+    ("full", "4", "take 1, 3 or 9"),
+    ("full", "6", "take 1, 3 or 9"),
+    ("keepkv", "3", None), ("full", "3", None), ("full", "9", None), ("snapkv", "1", None),
+])
+def test_serve_refuses_a_tensor_parallel_size_the_heads_do_not_allow(tmp_path, monkeypatch, method, size, refused):
+    """A tensor-parallel size that does not split the model's heads evenly (read from its
+    config.json; vLLM would refuse it only once started, in a traceback) or, for a keepkv method,
+    above its KV heads is refused in one line naming the sizes that work; stock vLLM also takes a
+    multiple of the KV heads that divides the attention heads (the KV heads are copied)."""
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
-    with pytest.raises(ValueError, match=r"does not support KV heads replicated over ranks: .* \(9 ranks, 3 KV heads\)") as raised:
-        command(["--model", str(tmp_path), "-tp", "9"], monkeypatch=monkeypatch)
+    argv = ["--model", str(tmp_path), "--method", method, "-tp", size]
+    if refused is None:
+        command(argv, monkeypatch=monkeypatch)
+        return
+    with pytest.raises(ValueError, match=refused) as raised:
+        command(argv, monkeypatch=monkeypatch)
     assert "\n" not in str(raised.value)
-    command(["--model", str(tmp_path), "-tp", "3"], monkeypatch=monkeypatch)
-    command(["--model", str(tmp_path), "--method", "full", "-tp", "9"], monkeypatch=monkeypatch)
+
+
+def test_a_gguf_tensor_parallel_size_is_checked_from_its_header_before_any_conversion(tmp_path, monkeypatch):
+    """The embedded GGUF not converted yet: its heads come from the GGUF's header (9 and 3), and
+    nothing is converted or written."""
+    monkeypatch.setenv("KEEPKV_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="9 attention heads and 3 KV heads evenly over ranks: take 1 or 3$"):
+        command(["-tp", "2"], monkeypatch=monkeypatch)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_serve_help_lists_the_served_methods():
+    """The help's list is the paged adapter's (keepkv.paged.SERVED_METHODS), through the torch-free
+    copy that --help reads."""
+    from keepkv.checks import SERVED_METHOD_NAMES
+
+    assert SERVED_METHOD_NAMES == SERVED_METHODS
+    from keepkv.cli import serve_parser
+
+    text = " ".join(serve_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+    assert f"served method: {', '.join(SERVED_METHODS)}, or a variant" in text
 
 
 @pytest.mark.parametrize("method, tensor, pipeline, kv_heads, refused", [
@@ -217,9 +260,14 @@ def test_serve_refuses_keepkv_off_the_cpu_build(tmp_path, monkeypatch):
         command(["--model", str(tmp_path)], cpu=False, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("flag", [["--speculative-config", "{}"], ["--enable-lora"],
-                                  ["--kv-cache-dtype", "fp8"], ["-pp", "2"]])
-def test_serve_refuses_flags_before_torch_or_vllm_is_imported(flag):
+@pytest.mark.parametrize("flag, message", [
+    (["--speculative-config", "{}"], "keepkv.vllm does not support "), (["--enable-lora"], "keepkv.vllm does not support "),
+    (["--kv-cache-dtype", "fp8"], "keepkv.vllm does not support "), (["-pp", "2"], "keepkv.vllm does not support "),
+    (["--port", "notaport"], "--port takes an int in [1, 65535], got 'notaport'"),
+    (["--method", "full", "-tp=2.5"], "-tp takes an int >= 1, got '2.5'"),
+    (["--keep-prompt", "--budget", "0.5"], "--keep-prompt keeps every prompt whole"),
+])
+def test_serve_refuses_flags_before_torch_or_vllm_is_imported(flag, message):
     """keepkv serve's flag refusals come from its own process, before torch (or vLLM) is imported:
     one line on stderr, status 2, whatever the load of the host (the times are in docs/serving.md)."""
     import subprocess
@@ -230,7 +278,7 @@ def test_serve_refuses_flags_before_torch_or_vllm_is_imported(flag):
     done = subprocess.run([sys.executable, "-c", code, *flag], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith("keepkv: error: keepkv.vllm does not support ") and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"keepkv: error: {message}") and done.stderr.count("\n") == 1, done.stderr
 
 
 def test_a_budget_under_the_floor_warns_in_config():
@@ -345,7 +393,7 @@ def test_keep_prompt_serves_with_prefix_caching_and_counts_generated_entries(tmp
     argv, _ = command(["--model", str(model), "--method", "keepkv", "--keep-prompt", "--budget", "64",
                        "--enable-prefix-caching"], monkeypatch=monkeypatch)
     assert json.loads(argv[argv.index("--additional-config") + 1])["keepkv"]["budget"] == 64
-    with pytest.raises(ValueError, match="give an int"):
+    with pytest.raises(ValueError, match="^--keep-prompt .* give --budget an int, got 0.1$"):  # the flag, not the API's name
         command(["--model", str(model), "--keep-prompt", "--budget", "0.1"], monkeypatch=monkeypatch)
     with pytest.raises(ValueError, match="prefix caching.*--keep-prompt"):
         command(["--model", str(model), "--enable-prefix-caching"], monkeypatch=monkeypatch)

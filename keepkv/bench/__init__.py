@@ -102,6 +102,7 @@ One field per line as ``path : type : meaning``; ``[]`` stands for every element
     settings.max_measure_batch : int|null : largest batch measured in memory-cap mode
     settings.overhead_steps : int : decode steps timed by the overhead proxies
     settings.profile_steps : int : decode steps under torch.profiler
+    settings.contention : str|null : the warning of a CPU run started on a busy host (load average against free cores), else null
     fixed : list : one record per (batch, method)
     fixed[].method : str : method name
     fixed[].batch : int : rows

@@ -15,13 +15,14 @@ import warnings
 import torch
 from tqdm.auto import tqdm
 
-from ..arguments import DefaultsFormatter
+from ..arguments import DefaultsFormatter, check_device_option
+from ..attention import decode_kernel_for
 from ..diagnostics import KeepKVWarning
 from ..methods.base import get_method, parse_value
-from ..models import DTYPES
+from ..models import DTYPES, parse_device
 from ..plotting import can_plot
 from .configs import CONFIGS, build_config, param_bytes, random_model
-from .options import QUICK_GEN_LEN, QUICK_METHODS, QUICK_REPEATS, add_arguments  # noqa: F401 (add_arguments: this module's API)
+from .options import QUICK_GEN_LEN, QUICK_METHODS, QUICK_REPEATS, add_arguments, check_modes  # noqa: F401 (add_arguments: this module's API)
 from .setup import package_version, resolve_params, transformers_version
 from .runner import (
     cache_bytes_per_row,
@@ -50,7 +51,7 @@ def documented_fields() -> list[str]:
 def resolve_device(device) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = parse_device(device)  # one line for a CUDA device where torch has no CUDA
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -282,6 +283,7 @@ def run_bench(
 
     load_start = _load_avg()
     device = resolve_device(device)
+    decode_kernel_for(kernel, device)  # refused before the model loads where it cannot run
     dtype = resolve_dtype(dtype, device)
     names = resolve_methods(methods)
     params = resolve_params(names, method_params)
@@ -292,6 +294,9 @@ def run_bench(
 
     log(f"bench: loading model on {device} ({str(dtype).replace('torch.', '')})")
     loaded, info = load_bench_model(model, config, layers, dtype, device, seed)
+    busy = contention(load_start, torch.get_num_threads()) if device.type == "cpu" else None
+    if busy:
+        warnings.warn(busy, KeepKVWarning, stacklevel=2)
     minfo = model_info(loaded, info)
     notes = []
     if minfo["random_weights"]:
@@ -413,6 +418,7 @@ def run_bench(
             "max_measure_batch": memory_cap and memory_cap["max_measure_batch"],
             "overhead_steps": overhead_steps,
             "profile_steps": profile_steps,
+            "contention": busy,
         },
         "fixed": fixed,
         "overhead": overhead,
@@ -531,6 +537,19 @@ def memory_cap_mode(model, names, one, warm, cap_gb, max_measure, weights, devic
     }
 
 
+def contention(load_avg: float | None, threads: int) -> str | None:
+    """The one-line warning of a CPU run that starts on a busy host, or None: when the 1-minute load
+    average (before the run) leaves more than half a core fewer free than the run's torch threads,
+    other work takes turns with them, and each method's time is stretched by how often it waits
+    (docs/performance.md has a measured case)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if load_avg is None or cores - load_avg >= threads - 0.5:
+        return None
+    return (f"the host is busy (load average {load_avg:.1f} on {cores} cores before the run, for {threads} torch "
+            f"thread{'s' if threads > 1 else ''}): times are stretched by other work, unevenly between methods; "
+            f"measure on an idle host{'' if threads == 1 else ', or with --threads 1'}")
+
+
 def _load_avg() -> float | None:
     """1-minute load average of the host (timings on a shared CPU are only as good as this is low)."""
     try:
@@ -565,15 +584,18 @@ def main(args: argparse.Namespace) -> int:
         json_to = "-"
     elif json_to is False:
         json_to = None
+    try:  # before any model loads (keepkv bench has run check_plain, check_modes with it, before torch loaded)
+        check_modes(args)
+        if getattr(args, "device", None) is not None:
+            check_device_option(args.device)
+    except ValueError as error:
+        return _refused(error)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     if getattr(args, "cuda_suite", False):
         from .cuda_suite import main as cuda_main
 
         return cuda_main(["--out", args.out or "runs/cuda"])
-    if getattr(args, "soak", False) and getattr(args, "ops", False):
-        print("keepkv bench: pass either --soak or --ops, not both", file=sys.stderr)
-        return 2
     if getattr(args, "soak", False):
         return _soak_main(args, json_to)
     if getattr(args, "ops", False):
@@ -581,11 +603,9 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "reconstruction", False):
         return _reconstruction_main(args, json_to)
     if args.layers is not None and args.config is None:
-        print("keepkv bench: --layers needs --config", file=sys.stderr)
-        return 2
+        return _refused("--layers needs --config")
     if args.model is not None and args.config is not None:
-        print("keepkv bench: pass either --model or --config, not both", file=sys.stderr)
-        return 2
+        return _refused("pass either --model or --config, not both")
     try:
         result = run_bench(
             args.model,
@@ -613,8 +633,7 @@ def main(args: argparse.Namespace) -> int:
             kernel=args.kernel,
         )
     except ValueError as error:
-        print(f"keepkv bench: {error}", file=sys.stderr)
-        return 2
+        return _refused(error)
     if (args.methods, args.repeats, args.gen_len) == (QUICK_METHODS, QUICK_REPEATS, QUICK_GEN_LEN):
         result["notes"].append(f"a quick run; the full grid: {FULL_GRID}")
     table = format_table(result)
@@ -636,6 +655,12 @@ def main(args: argparse.Namespace) -> int:
         for path in plots:
             save_plot(result, path)
     return 0
+
+
+def _refused(error) -> int:
+    """Print a refusal as the command line's one error line; the exit status of a usage error."""
+    print(f"keepkv: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return 2
 
 
 def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
@@ -663,8 +688,7 @@ def _soak_main(args: argparse.Namespace, json_to: str | None) -> int:
             progress=not args.no_progress, method_params=parse_params(args.param), compile=args.compile,
         )
     except ValueError as error:
-        print(f"keepkv bench: {error}", file=sys.stderr)
-        return 2
+        return _refused(error)
     result["model"].update(source=info["source"], random_weights=info["random_weights"])
     _emit("soak", result, format_soak(result), json_to)
     return 0
@@ -689,8 +713,7 @@ def _text_soak_main(args: argparse.Namespace, json_to: str | None) -> int:
         result = run_text_soak(model, tokenizer, methods, 0.1 if args.budget is None else args.budget, prompt_ids,
                                steps=steps, progress=not args.no_progress, method_params=parse_params(args.param))
     except ValueError as error:
-        print(f"keepkv bench: {error}", file=sys.stderr)
-        return 2
+        return _refused(error)
     _emit("text_soak", result, format_text_soak(result), json_to)
     return 0
 
@@ -714,8 +737,7 @@ def _reconstruction_main(args: argparse.Namespace, json_to: str | None) -> int:
         result = run_reconstruction_bench(model, tokenizer, methods, lengths, repeats=args.repeats,
                                           progress=not args.no_progress)
     except ValueError as error:
-        print(f"keepkv bench: {error}", file=sys.stderr)
-        return 2
+        return _refused(error)
     table = format_reconstruction(result)
     text = _emit("reconstruction", result, table, json_to)
     if args.out:
@@ -769,8 +791,7 @@ def _ops_main(args: argparse.Namespace, json_to: str | None) -> int:
             progress=not args.no_progress, method_params=parse_params(args.param), compile=args.compile,
         )
     except ValueError as error:
-        print(f"keepkv bench: {error}", file=sys.stderr)
-        return 2
+        return _refused(error)
     result["model"].update(source=info["source"], random_weights=info["random_weights"])
     table = format_ops(result)
     text = _emit("ops", result, table, json_to)

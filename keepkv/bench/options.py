@@ -16,6 +16,16 @@ QUICK_GEN_LEN = 64
 # The named model shapes (keepkv.bench.configs.CONFIGS, which builds them with torch):
 # tests/test_cli_speed.py checks that these are its names.
 CONFIG_NAMES = ("llama2-7b", "llama3-8b", "mistral-7b", "qwen2-7b", "smollm2-135m")
+# The runs that replace the timing run: one at a time.
+OTHER_RUNS = ("soak", "ops", "reconstruction", "cuda_suite")
+# Options only the timing run reads, with their defaults (given otherwise, another run refuses them).
+TIMING_ONLY = {"memory_cap": None, "max_measure_batch": None, "overhead": False, "profile": 0, "kernel": "torch",
+               "prefill_chunk": None, "prefill_rows": None}
+OVERHEAD_STEPS = 16
+OPS_STEPS = 1
+# Options of one mode alone: option -> (its default, the mode that reads it).
+MODE_OPTIONS = {"overhead_steps": (OVERHEAD_STEPS, "overhead"), "ops_steps": (OPS_STEPS, "ops"),
+                "soak_steps": (None, "soak"), "soak_text": (False, "soak")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -61,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(modes, "--max-measure-batch", type=int, metavar="B",
         help="largest batch measured in memory-cap mode (default 8 on CPU, none on GPU)")
     add(modes, "--overhead", action="store_true", help="time the method's own code per decode step")
-    add(modes, "--overhead-steps", type=int, default=16, metavar="N", help="steps for --overhead")
+    add(modes, "--overhead-steps", type=int, default=OVERHEAD_STEPS, metavar="N", help="steps for --overhead")
     add(modes, "--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps (0: off)")
     add(modes, "--soak", action="store_true",
         help="soak instead: one long decode per method (every registered one unless --methods names others), "
@@ -81,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="caches with compile=True: each layer's decode-time method step as one torch.compile graph (with "
              "--ops: the launches of that graph are counted; the warm-up runs the timed shapes, so that timed steps "
              "never compile: about a minute per method on CPU)")
-    add(modes, "--ops-steps", type=int, default=1, metavar="N", help="decode steps counted by --ops (averaged)")
+    add(modes, "--ops-steps", type=int, default=OPS_STEPS, metavar="N", help="decode steps counted by --ops (averaged)")
     add(modes, "--cuda-suite", action="store_true",
         help="on a CUDA machine: the CUDA tests, the op count and the GPU bench in one run (under 10 min on one "
              "H100), writing cuda.json and cuda.log into --out (default: runs/cuda); see .ci/cuda")
@@ -99,10 +109,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def flag(name: str) -> str:
+    """``"soak_text"`` -> ``"--soak-text"``."""
+    return "--" + name.replace("_", "-")
+
+
+def check_modes(args: argparse.Namespace) -> None:
+    """Refuse, in one line, options that would be ignored: two of the runs that replace the timing
+    run (:data:`OTHER_RUNS`), one of them with an option of the timing run alone
+    (:data:`TIMING_ONLY`), or an option of a mode without that mode (:data:`MODE_OPTIONS`)."""
+    runs = [flag(name) for name in OTHER_RUNS if getattr(args, name, False)]
+    if len(runs) > 1:
+        raise ValueError(f"{' and '.join(runs)} are separate runs: pass one of {', '.join(map(flag, OTHER_RUNS))}")
+    timing = [flag(name) for name, default in TIMING_ONLY.items() if getattr(args, name, default) != default]
+    if runs and timing:
+        raise ValueError(f"{', '.join(timing)} {'is an option' if len(timing) == 1 else 'are options'} of the timing "
+                         f"run, and {runs[0]} runs instead: drop one")
+    for name, (default, mode) in MODE_OPTIONS.items():
+        if getattr(args, name, default) != default and not getattr(args, mode, False):
+            raise ValueError(f"{flag(name)} is an option of {flag(mode)}: pass {flag(mode)} too, or drop it")
+
+
 def check_plain(args: argparse.Namespace) -> None:
-    """What ``keepkv bench`` can check before torch loads, each refused in one line: the budget,
-    the method names (``--methods``: comma-separated, or ``all``) and the counts."""
+    """What ``keepkv bench`` can check before torch loads, each refused in one line: the modes
+    (:func:`check_modes`), the budget, the method names (``--methods``: comma-separated, or
+    ``all``) and the counts."""
     from ..checks import as_int, check_method_name, validate_budget
+
+    check_modes(args)
 
     if getattr(args, "budget", None) is not None:
         validate_budget(args.budget)

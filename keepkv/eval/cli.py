@@ -15,6 +15,7 @@ import math
 import sys
 from pathlib import Path
 
+from ..arguments import check_device_option
 from ..plotting import have_matplotlib
 from . import runner as _runner
 from .options import REPORT_BEGIN, REPORT_END, _length, _positive, _seed, add_arguments, add_report_arguments  # noqa: F401
@@ -101,10 +102,12 @@ def run(args) -> list[dict]:
 def check_before_work(args, suites: list[str], sizes: dict, data: dict) -> None:
     """Everything ``keepkv eval`` can check before the model loads, each refused in one line:
     suites, methods and variants, budgets against every method's minimum, the reference, the data
-    and model paths, and an output directory holding an earlier run's cells (``--resume``)."""
+    and model paths (a data suite without its --data), the device, and an output directory holding
+    an earlier run's cells (``--resume``)."""
     specs = [_runner.SuiteSpec.parse(suite) for suite in suites]
     for spec in specs:
         _runner.check_suite(spec)
+        _runner.check_data(spec, data)
     methods = args.methods or _runner.default_methods()
     plan = [(spec, length) for spec in specs for length in _runner._lengths_for(spec, sizes["lengths"])]
     _runner.check_grid(methods, sizes["budgets"], plan)
@@ -115,6 +118,7 @@ def check_before_work(args, suites: list[str], sizes: dict, data: dict) -> None:
             raise ValueError(f"--data {name}={path}: no such file or directory")
     if getattr(args, "model", None) and not Path(args.model).exists():
         raise ValueError(f"--model {args.model}: no such file or directory")
+    check_device_option(getattr(args, "device", "cpu") or "cpu")
     cells = Path(sizes["out_dir"]) / "cells"
     if not getattr(args, "resume", False) and cells.is_dir() and any(cells.glob("*.json")):
         raise ValueError(f"{sizes['out_dir']} holds the cells of an earlier run: pass --resume to continue it (its "
@@ -125,12 +129,7 @@ def _load_model(args):
     """The model of --model (default: the embedded one) in --dtype on --device."""
     from .. import models
 
-    device = getattr(args, "device", "cpu") or "cpu"
-    if str(device).startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: no CUDA device is available here (torch {torch.__version__})")
+    device = getattr(args, "device", "cpu") or "cpu"  # checked by check_before_work
     return models.load_model(getattr(args, "model", None), dtype=getattr(args, "dtype", "float32"), device=device)
 
 

@@ -112,6 +112,7 @@ Speed
    decodes cells one by one (same tokens; floats may differ in the last bits).
 3. ``workers`` forked processes (CPU) split each group's samples; one thread each. Decoding
    on this model is bound by per-op overhead, not FLOPs, so two processes beat two threads.
+   A SIGTERM while they run ends them (terminated and joined) before the run exits with 143.
 
 Default suites
 --------------
@@ -126,10 +127,13 @@ docs/record/2026-11-24-default-eval-time.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,7 +159,10 @@ from .tasks import SUITES, Sample, make_suite
 
 # ---------------------------------------------------------------- defaults (fixed before any run)
 
-DATA_SUITES = ("longbench", "jsonl")
+# The local-data suites, and what each reads (its refusal without it names it).
+DATA_NEEDED = {"longbench": "a directory: --data DIR (or data={'longbench': DIR})",
+               "jsonl": "a file: --data FILE.jsonl (or data={'jsonl': FILE})"}
+DATA_SUITES = tuple(DATA_NEEDED)
 # Question-aware (the question inside the compressed prompt; SnapKV's window then is the question)
 # or question-agnostic (the context compressed before the question, as kvpress's leaderboard runs
 # by default, and as a user asking several questions about one document): ``+setting=agnostic``.
@@ -320,15 +327,11 @@ def _truncate_middle(sample: Sample, length: int, tokens: _Tokens) -> Sample:
 
 
 def make_samples(spec: SuiteSpec, samples: int, length: int, seed: int, tokens: _Tokens, data: dict) -> list[Sample]:
-    """The samples of one group."""
+    """The samples of one group (``run_eval`` has checked that ``data`` holds what it reads)."""
     if spec.name == "longbench":
-        if "longbench" not in data:
-            raise ValueError("the longbench suite needs a directory: --data DIR (or data={'longbench': DIR})")
         loaded = load_longbench(data["longbench"], limit=samples)
         return [_truncate_middle(s, length, tokens) for s in loaded]
     if spec.name == "jsonl":
-        if "jsonl" not in data:
-            raise ValueError("the jsonl suite needs a file: --data FILE.jsonl (or data={'jsonl': FILE})")
         return [_truncate_middle(s, length, tokens) for s in load_jsonl(data["jsonl"], limit=samples)]
     if spec.name == "ppl":
         # A little longer than asked, then cut to exactly `length` tokens (no padding needed).
@@ -752,17 +755,37 @@ def _shard_job(index: int):
 
 
 def _fork_map(group, todo, shards) -> list:
-    """Run the shards in forked worker processes (CPU only), one thread each by default."""
+    """Run the shards in forked worker processes (CPU only), one thread each by default. A SIGTERM
+    meanwhile ends the workers with the run (:func:`_exit_on_sigterm`), none left computing."""
     import multiprocessing
 
     global _FORKED
     threads = max(1, group.runner.threads // len(shards))
     _FORKED = (group, todo, shards, threads)
     try:
-        with multiprocessing.get_context("fork").Pool(len(shards)) as pool:
+        with multiprocessing.get_context("fork").Pool(len(shards)) as pool, _exit_on_sigterm():
             return pool.map(_shard_job, range(len(shards)))
     finally:
         _FORKED = None
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm():
+    """While inside (installed after the workers fork, so they keep the default): SIGTERM raises
+    SystemExit(143) in this process, so that the pool's ``with`` terminates and joins its workers
+    on the way out (SIGTERM's default would end this process alone, and leave them computing)."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+
+    def stop(number, frame):
+        raise SystemExit(128 + number)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def ppl_entries(budget, length: int) -> int:
@@ -901,6 +924,12 @@ def check_suite(spec: SuiteSpec) -> None:
             raise ValueError(f"suite {spec.label}: {error}") from None
         except ValueError as error:
             raise ValueError(f"suite {spec.label}: {error}") from None
+
+
+def check_data(spec: SuiteSpec, data: dict) -> None:
+    """Refuse, in one line, a local-data suite (:data:`DATA_SUITES`) that ``data`` gives nothing to read."""
+    if spec.name in DATA_SUITES and spec.name not in data:
+        raise ValueError(f"the {spec.name} suite needs {DATA_NEEDED[spec.name]}")
 
 
 def default_methods() -> list[str]:
@@ -1046,6 +1075,8 @@ def run_eval(
     specs = [spec if isinstance(spec, SuiteSpec) else SuiteSpec.parse(spec) for spec in suites]
     check_grid(methods, budgets, [(spec, n) for spec in specs for n in _lengths_for(spec, lengths)])
     data = dict(data or {})
+    for spec in specs:
+        check_data(spec, data)
     check_lengths(model.config, [(spec, n) for spec in specs for n in _lengths_for(spec, lengths)], max_new_tokens)
     if batch_size is None:
         longest = max(n for spec in specs for n in _lengths_for(spec, lengths))

