@@ -118,7 +118,9 @@ class PagedBatch:
     computed [R]: tokens each request had before this step; prompt [R]: its prompt length (0
     while it is read in chunks); block_table [R, max_blocks] int tensor; phases [R]: "prefill",
     "chunk", "close" or "decode" (:meth:`PagedCompression.batch`; by default "prefill" where
-    nothing was computed, else "decode").
+    nothing was computed, else "decode"); closed [R]: the tokens it held at its close (its first
+    decode step), from which its decode steps count: its prompt length (the default), or more
+    with ``keep_prompt`` when a replay after a preemption recomputed generated tokens too.
     """
 
     query_start: list[int]
@@ -131,6 +133,7 @@ class PagedBatch:
     # [R] where a prompt read in chunks finds its earlier chunks' state, and files this step's
     # (None: first_block; keep_prompt: the last slot's block and the token count, see batch())
     chunk_keys: list | None = None
+    closed: list[int] | None = None
 
     def __post_init__(self):
         if self.first_block is None:
@@ -139,6 +142,8 @@ class PagedBatch:
             self.chunk_keys = [(block, block) for block in self.first_block]
         if self.phases is None:
             self.phases = ["prefill" if done == 0 else "decode" for done in self.computed]
+        if self.closed is None:
+            self.closed = list(self.prompt)
         self.query_lengths = [end - start for start, end in zip(self.query_start, self.query_start[1:])]
 
 
@@ -178,7 +183,8 @@ class PagedCompression:
         As ``CompressedCache(decoding="keep_prompt")``: a prompt is never compressed (its slots
         are never written after its own steps wrote them, so an engine may share its blocks:
         prefix caching), and ``budget`` (an int) of each request's generated entries are kept. A
-        prompt may start past a shared prefix; prompts are read as ``chunked`` ones.
+        prompt may start past a shared prefix; prompts are read as ``chunked`` ones, and each
+        step's :meth:`batch` is given each request's prompt length.
     kernel : PagedKernel
         The engine's cache write and attention (default: :class:`~keepkv.paged_layout.TorchPagedKernel`).
     """
@@ -224,8 +230,8 @@ class PagedCompression:
         self.chunks: dict[tuple, _Prompt] = {}  # (chunk key, layer) -> a prompt read in chunks, so far
         self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
         # keep_prompt: a request's key is the block of its first generated slot (slot P, never
-        # shared: no block holding a generated entry is hashed), block -> prompt length P; and the
-        # chunk keys whose prompt has not reached its first decode step yet.
+        # shared: no block holding a generated entry is hashed), block -> the tokens it held at its
+        # close (P, or more after a replay); and the chunk keys whose prompt has not closed yet.
         self._generated_blocks: dict[int, int] = {}
         self._closing: set = set()
         self._lock = threading.Lock()
@@ -278,14 +284,19 @@ class PagedCompression:
             self._kept[prompt_length] = [MAX_BUDGET] * layers if budgets is None else budgets[:, 0, 0].tolist()
         return self._kept[prompt_length][layer]
 
-    def stored(self, prompt_length: int, computed: int, layer: int = 0) -> int:
+    def stored(self, prompt_length: int, computed: int, layer: int = 0, closed: int | None = None) -> int:
         """Entries ``layer`` of a request holds per head after ``computed`` tokens (prompt included).
 
         A layer keeps min(prompt, budget) after the prefill, takes one entry per decode step and
         shrinks back to its budget every ``interval`` steps: min(P + t, budget + t mod interval)
-        after t decode steps.
+        after t decode steps. ``closed``: the tokens it held at its close when more than its
+        prompt (``keep_prompt``, a replay after a preemption: :class:`PagedBatch`); t counts from
+        there, and every entry is held until its first compression, ``interval`` steps later.
         """
-        return held_entries(self.kept(prompt_length, layer), prompt_length, computed, self.method.interval)
+        closed = prompt_length if closed is None else closed
+        if self.keep_prompt and computed - closed < self.method.interval:
+            return computed  # nothing compressed since its close (a kept prompt's close compresses nothing)
+        return held_entries(self.kept(prompt_length, layer), closed, computed, self.method.interval)
 
     def capacity(self, prompt_length: int) -> int:
         """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
@@ -294,12 +305,14 @@ class PagedCompression:
     # -- one step's phases ------------------------------------------------------------------------
     def batch(
         self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
-        prefilling: list[bool] | None = None, block_size: int | None = None,
+        prefilling: list[bool] | None = None, block_size: int | None = None, prompts: list[int] | None = None,
     ) -> PagedBatch:
         """The step's :class:`PagedBatch`.
 
         ``prefilling`` [R]: whether each request was still reading its prompt before this step
-        (vLLM's ``is_prefilling``; needed when ``chunked``). Each row gets a phase:
+        (vLLM's ``is_prefilling``; needed when ``chunked``). ``prompts`` [R]: each request's prompt
+        length, as the engine's scheduler gave it (vLLM's ``num_prompt_tokens``; needed with
+        ``keep_prompt``, which reads it instead of ``prefilling``). Each row gets a phase:
 
         - "prefill": a whole prompt in one step (not ``chunked``), compressed in this step;
         - "chunk": a part of a prompt (``chunked``), written whole, not compressed yet;
@@ -313,13 +326,14 @@ class PagedCompression:
         """
         lengths = [end - start for start, end in zip(query_start, query_start[1:])]
         computed = [seq - length for seq, length in zip(seq_lens, lengths)]
-        if self.chunked and prefilling is None:
-            raise ValueError("a chunked PagedCompression needs each request's prefilling flag")
         if self.keep_prompt:
-            if block_size is None:
-                raise ValueError("a keep_prompt PagedCompression needs the engine's block_size")
-            batch = self._kept_prompt_batch(query_start, lengths, computed, block_table, prefilling, block_size)
+            if block_size is None or prompts is None:
+                raise ValueError("a keep_prompt PagedCompression needs the engine's block_size and each request's "
+                                 "prompt length")
+            batch = self._kept_prompt_batch(query_start, lengths, computed, block_table, prompts, block_size)
         else:
+            if self.chunked and prefilling is None:
+                raise ValueError("a chunked PagedCompression needs each request's prefilling flag")
             batch = self._prompt_batch(query_start, lengths, computed, block_table, prefilling)
         with self._lock:
             self._steps += 1
@@ -363,23 +377,25 @@ class PagedCompression:
             prompts = [self._prompts[block] or 0 for block in first_blocks]
         return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], first_blocks, phases)
 
-    def _kept_prompt_batch(self, query_start, lengths, computed, block_table, prefilling, block_size) -> PagedBatch:
+    def _kept_prompt_batch(self, query_start, lengths, computed, block_table, prompt_lengths, block_size) -> PagedBatch:
         """:meth:`batch` with ``keep_prompt``: requests may share their leading (prompt) blocks.
 
-        A prompt step is a "chunk" (it may start past a shared prefix); its state is filed under
-        (the block of its last slot, the tokens then held), which no other request writes, and its
-        next chunk or its first decode step ("close") finds it there. At the close, the request's
-        key becomes the block of its first generated slot P, never shared, filed with P; a decode
-        step finds its request's key as the first of its blocks filed at that very index (a block
-        filed for a request that has ended may come back later in another request's table, never
-        before its own key: a chunk step unfiles every block it writes).
+        A step that reads the prompt, or several tokens (a replay after a preemption recomputes
+        the prompt and the tokens generated before it), is a "chunk" (it may start past a shared
+        prefix); its state is filed under (the block of its last slot, the tokens then held),
+        which no other request writes, and its next chunk or its first decode step ("close")
+        finds it there. At the close the request's key becomes the block of its first generated
+        slot P (``prompt_lengths``, the engine's: a replay's generated tokens are never kept as
+        prompt), never shared, filed with the tokens held then; a decode step finds it there (a
+        block filed for a request that has ended may come back in another request's table, but
+        not as its key before its own close refiles it: a chunk step unfiles every block it writes).
         """
         tables = block_table[: len(lengths)].tolist()
-        phases, prompts, keys, chunk_keys = [], [], [], []
+        phases, prompts, keys, chunk_keys, closed = [], [], [], [], []
         with self._lock:
-            for row, (table, done, length) in enumerate(zip(tables, computed, lengths)):
+            for table, done, length, prompt in zip(tables, computed, lengths, prompt_lengths):
                 held = done + length
-                if prefilling[row] or length > 1:  # a resumed request replays its outputs too
+                if done < prompt or length > 1:  # a resumed request replays its outputs too
                     for index in range(done // block_size, (held - 1) // block_size + 1):
                         self._generated_blocks.pop(table[index], None)  # rewritten: no longer a request's key
                     earlier = (table[(done - 1) // block_size], done) if done else None
@@ -390,29 +406,27 @@ class PagedCompression:
                     prompts.append(0)
                     keys.append(None)
                     chunk_keys.append((earlier, chunk_key))
+                    closed.append(0)
                     continue
-                last = (done - 1) // block_size  # the block of the prompt's last slot, if it just closed
+                key = table[prompt // block_size]
+                last = (done - 1) // block_size  # the block of the last slot read, if the prompt just closed
                 earlier = (table[last] if last < len(table) else None, done)
                 if earlier in self._closing:
                     self._closing.discard(earlier)
-                    self._generated_blocks[table[done // block_size]] = done
+                    self._generated_blocks[key] = done
                     phases.append("close")
-                    prompts.append(done)
-                    keys.append(table[done // block_size])
                     chunk_keys.append((earlier, None))
-                    continue
-                prompt = next((self._generated_blocks[block] for index, block in enumerate(table[: done // block_size + 1])
-                               if self._generated_blocks.get(block, -1) // block_size == index
-                               and self._generated_blocks[block] <= done), None)
-                if prompt is None:
+                elif self._generated_blocks.get(key, done + 1) <= done:
+                    phases.append("decode")
+                    chunk_keys.append((None, None))
+                else:
                     raise ValueError(f"paged: a decode step ({done} tokens held) of a request whose prompt this "
                                      "PagedCompression never read")
-                phases.append("decode")
                 prompts.append(prompt)
-                keys.append(table[prompt // block_size])
-                chunk_keys.append((None, None))
+                keys.append(key)
+                closed.append(self._generated_blocks[key])
         return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], keys, phases,
-                          chunk_keys=chunk_keys)
+                          chunk_keys=chunk_keys, closed=closed)
 
     def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float, layer: int = 0):
         """One attention call of every request in ``batch``, for the model's layer ``layer``.
@@ -485,10 +499,10 @@ class PagedCompression:
             return done + length
         if phase == "prefill":  # a whole prompt, compressed in its own step
             return min(length, self.kept(length, layer)) if after else length
-        prompt = done if phase == "close" else batch.prompt[row]
+        prompt, closed = batch.prompt[row], batch.closed[row]
         if after:
-            return self.stored(prompt, done + 1, layer)
-        return self.stored(prompt, done, layer) + 1  # what it held, and the step's token
+            return self.stored(prompt, done + 1, layer, closed)
+        return self.stored(prompt, done, layer, closed) + 1  # what it held, and the step's token
 
     # -- writes and the kernel ---------------------------------------------------------------------
     def _write_new(self, planes, layout: PagedLayout, batch, plan, key, value, layer: int) -> None:
@@ -613,7 +627,7 @@ class PagedCompression:
         before = (store.positions.clone(), store.bias.clone())
         self.step.close_prompt(store, budget, mean, frozen, stats)
         after = self._sizes(batch, rows, layer, "after") if new is not None else tuple(
-            self.stored(batch.computed[r], batch.computed[r], layer) - first for r in rows)
+            self.stored(batch.prompt[r], batch.computed[r], layer, batch.closed[r]) - first for r in rows)
         self._write_back(planes, layout, batch, plan, rows, store, after, before, layer, scaling, first=first)
         self._file_states(store.state, batch, rows, layer)
 
@@ -951,7 +965,7 @@ class _StepPlan:
                 if phase == "close":
                     closing.append(row)
                 decoding.append(row)
-                decoded = done - (done if phase == "close" else batch.prompt[row]) + 1  # decode steps so far, this one too
+                decoded = done - batch.closed[row] + 1  # decode steps so far, this one too
                 if decoded % interval == 0:
                     due.append(row)
             attending.append(row)
@@ -964,8 +978,8 @@ class _StepPlan:
             by_size.setdefault((batch.prompt[row] if paged.keep_prompt else 0, sizes), []).append(row)
         tokens = torch.tensor([batch.query_start[r] for r in decoding], dtype=torch.long)
         slab_rows = torch.tensor([paged._slab_row(batch.first_block[r]) for r in decoding], dtype=torch.long)
-        query_index = torch.tensor([(batch.computed[r] - (batch.computed[r] if batch.phases[r] == "close" else batch.prompt[r]))
-                                    % max(1, paged._query_rows) for r in decoding], dtype=torch.long)
+        query_index = torch.tensor([(batch.computed[r] - batch.closed[r]) % max(1, paged._query_rows) for r in decoding],
+                                   dtype=torch.long)
         return cls(closing, dense, ending, chunks, attending, decoding, list(by_size.values()),
                    tokens.to(device), slab_rows.to(device), query_index.to(device), block_size)
 
@@ -985,12 +999,11 @@ class _StepPlan:
         return self.cache[key]
 
     def starts(self, paged: PagedCompression, batch: PagedBatch, rows: list[int]) -> tuple:
-        """The first slot each row may write: with ``keep_prompt`` the slots a prompt's earlier steps
-        (or another request, a shared prefix) wrote are never written again."""
+        """The first slot each row may write: with ``keep_prompt`` a prompt's slots (which its own
+        steps, or another request's, a shared prefix, wrote) are never written again."""
         if not paged.keep_prompt:
             return (0,) * len(rows)
-        return tuple(batch.prompt[r] if batch.phases[r] == "decode" else
-                     batch.computed[r] if batch.phases[r] == "close" else batch.computed[r] for r in rows)
+        return tuple(batch.prompt[r] for r in rows)
 
     def budgets(self, paged: PagedCompression, batch: PagedBatch, rows: list[int], layer: int, device) -> tuple:
         """([R, H_kv] entries layer ``layer`` keeps, [R] mean budgets, [R] kept prompts or None), as

@@ -2,6 +2,7 @@
 prefix caching) decode as their own CompressedCache(decoding="keep_prompt"), never write a
 prompt's slots after the prompt's own step, and hold at most prompt + budget + interval slots."""
 
+import functools
 import math
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 from keepkv import CompressedCache
 from keepkv.paged import PagedCompression
 
-from test_paged import BLOCK, CONFIG, Engine, alone, tokens
+from helpers import slot_positions
+from test_paged import BLOCK, CONFIG, HEAD_DIM, Engine, alone, tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")
 # Served methods with observation windows that a budget of 8 generated entries holds.
@@ -20,27 +22,45 @@ METHODS = ["snapkv+window=4", "keepkv+selection.window=4", "h2o+interval=3", "wi
 
 class SharingEngine(Engine):
     """A block pool whose requests may start on another request's full prompt blocks (a prefix
-    cache hit): they then skip those tokens, as vLLM does. Unused slots hold garbage."""
+    cache hit): they then skip those tokens, as vLLM does. Unused slots hold garbage. Each step
+    hands the adapter every request's prompt length, as vLLM's runner does; ``self.batch`` is the
+    last step's."""
 
     def __init__(self, paged: PagedCompression, blocks: int = 96, seed: int = 0):
         super().__init__(paged, blocks, seed)
         self.prompt: dict[int, int] = {}
+        self.prefill_end: dict[int, int] = {}
 
-    def admit(self, request: int, prompt: int, shared_from: int | None = None, shared_blocks: int = 0) -> int:
+    def admit(self, request: int, prompt: int, shared_from: int | None = None, shared_blocks: int = 0,
+              replayed: int = 0) -> int:
         """A new request of ``prompt`` tokens; its first ``shared_blocks`` blocks are those of request
-        ``shared_from``. Returns the tokens already computed (the shared prefix)."""
+        ``shared_from``; ``replayed``: the tokens a request resumed after a preemption recomputes
+        before it decodes (vLLM's scheduler then caps its blocks at its prefill end's capacity).
+        Returns the tokens already computed (the shared prefix)."""
         self.tables[request] = list(self.tables[shared_from][:shared_blocks]) if shared_blocks else []
         self.computed[request] = shared_blocks * BLOCK
         self.prompt[request] = prompt
+        self.prefill_end[request] = max(prompt, replayed)
         return self.computed[request]
+
+    def preempt(self, request: int) -> None:
+        """Free a request's blocks (filled with garbage), as vLLM's scheduler does when it preempts it."""
+        blocks = self.tables.pop(request)
+        self.kv_cache[blocks] = torch.randn_like(self.kv_cache[blocks])
+        self.free.extend(blocks)
 
     def step(self, new: dict, layer: int = 0) -> dict:
         for request in new:
-            held = min(self.computed[request] + new[request][0].shape[0], self.paged.capacity(self.prompt[request]))
+            capacity = self.paged.capacity(self.prefill_end[request])
+            held = min(self.computed[request] + new[request][0].shape[0], capacity)
             while len(self.tables[request]) < math.ceil(held / BLOCK):
                 self.tables[request].append(self.free.pop())
-        outputs, batch = self.forward(new, layer)
-        for request, length in zip(new, batch.query_lengths):
+        self.paged.batch = functools.partial(PagedCompression.batch, self.paged, prompts=[self.prompt[r] for r in new])
+        try:
+            outputs, self.batch = self.forward(new, layer)
+        finally:
+            del self.paged.batch
+        for request, length in zip(new, self.batch.query_lengths):
             self.computed[request] += length
         return outputs
 
@@ -108,11 +128,49 @@ def test_a_prompt_read_in_chunks_then_shared():
     assert paged.stored(14, engine.computed[0]) == int(reference.layers[0].live_counts().max())
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_replay_after_a_preemption_keeps_only_its_prompt_whole(method):
+    """A request of a 13-token prompt decodes 17 tokens and is preempted; resumed, it recomputes
+    its 30 tokens in chunks of 8 (one spans the prompt's end, as vLLM's chunked prefill may cut a
+    replay), then decodes 30 more. Every step from its close on, the adapter keeps exactly the
+    13 prompt tokens the engine hands it as prompt, never the 30 replayed: the prompt's slots
+    hold positions 0-12 as the replay wrote them, and the replayed generated entries are
+    compressed with the later ones, so that the request ends within a 13-token prompt's capacity."""
+    generator = torch.Generator().manual_seed(5)
+    paged = PagedCompression(CONFIG, method, 8, keep_prompt=True)
+    engine = SharingEngine(paged)
+    engine.admit(0, 13)
+    fed = [tokens(generator, 13)] + [tokens(generator, 1) for _ in range(17)]
+    for chunk in fed:
+        engine.step({0: chunk})
+    engine.preempt(0)
+    engine.admit(0, 13, replayed=30)
+    replay = [torch.cat(parts) for parts in zip(*fed)]  # query, key, value [30, ...]
+    for start in range(0, 30, 8):
+        engine.step({0: tuple(t[start : start + 8] for t in replay)})
+        assert engine.batch.phases == ["chunk"]
+    prompt_blocks = torch.tensor(engine.tables[0][: 13 // BLOCK])
+    written = engine.kv_cache[prompt_blocks].clone()
+    for step in range(30):
+        engine.step({0: tokens(generator, 1)})
+        batch = engine.batch
+        assert (batch.phases, batch.prompt, batch.closed) == (["close" if step == 0 else "decode"], [13], [30])
+        held = paged.stored(13, engine.computed[0], closed=30)
+        positions = slot_positions(paged, engine.kv_cache, torch.tensor(engine.tables[0]), held, HEAD_DIM)
+        assert torch.equal(positions[:, :13], torch.arange(13).expand(positions.shape[0], -1)), f"step {step}"
+        generated = positions[:, 13:].sort().values
+        assert bool((generated[:, 1:] > generated[:, :-1]).all() and (generated >= 13).all()), f"step {step}"
+        assert torch.equal(engine.kv_cache[prompt_blocks], written), "a prompt block was written"
+    assert 13 < held <= paged.capacity(13) < 30
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="give an int"):
         PagedCompression(CONFIG, "snapkv", 0.1, keep_prompt=True)
     paged = PagedCompression(CONFIG, "snapkv+window=4", 8, keep_prompt=True)
-    with pytest.raises(ValueError, match="block_size"):
-        paged.batch([0, 3], [3], torch.ones(1, 1, dtype=torch.int32), [True])
+    with pytest.raises(ValueError, match="block_size and each request's prompt length"):
+        paged.batch([0, 3], [3], torch.ones(1, 1, dtype=torch.int32), prompts=[3])
+    with pytest.raises(ValueError, match="block_size and each request's prompt length"):
+        paged.batch([0, 3], [3], torch.ones(1, 1, dtype=torch.int32), [True], block_size=BLOCK)
     with pytest.raises(ValueError, match="never read"):
-        paged.batch([0, 1], [9], torch.ones(1, 3, dtype=torch.int32), [False], block_size=BLOCK)
+        paged.batch([0, 1], [9], torch.ones(1, 3, dtype=torch.int32), block_size=BLOCK, prompts=[8])

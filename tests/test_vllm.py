@@ -423,14 +423,26 @@ def test_preempted_requests_finish_within_their_blocks(model_dir, prompts, monke
 
 
 def test_preempted_requests_keeping_their_prompts_finish_within_their_blocks(model_dir, prompts, monkeypatch):
-    """Prompts kept whole, prefix caching on, 6 requests (pairs of equal prompts: they share
-    blocks) growing in 8 blocks: the scheduler preempts, every request finishes, and none holds
-    more than its capacity's blocks (a resumed request keeps its replayed tokens as prompt)."""
+    """Prompts kept whole, prefix caching on, 6 requests of 100 prompt tokens (pairs of equal
+    prompts: they share blocks) growing in 8 blocks: the scheduler preempts, and a resumed request
+    recomputes its prompt and its generated tokens in one step. The worker keeps exactly the 100
+    prompt tokens of every request as its prompt, a resumed one's too (its replayed generated
+    tokens are compressed with the later ones); every request finishes, and none holds more than
+    its capacity's blocks (the scheduler caps a resumed request at its replay's)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     preemptions = []
     preempt = Scheduler._preempt_request
     monkeypatch.setattr(Scheduler, "_preempt_request", lambda self, *a, **k: preemptions.append(1) or preempt(self, *a, **k))
+    rows = []  # (phase, prompt, tokens held at the close) of every row the worker decodes
+    batch = PagedCompression.batch
+
+    def recorded(self, *args, **kwargs):
+        made = batch(self, *args, **kwargs)
+        rows.extend(row for row in zip(made.phases, made.prompt, made.closed) if row[0] != "chunk")
+        return made
+
+    monkeypatch.setattr(PagedCompression, "batch", recorded)  # the worker runs in this process
     short = [prompt[:100] for prompt in prompts[1:]] * 3
     engine = Engine(model_dir, {"method": "h2o", "budget": 64, "keep_prompt": True}, num_gpu_blocks_override=8,
                     max_model_len=600, max_num_batched_tokens=600, enable_prefix_caching=True)
@@ -438,6 +450,8 @@ def test_preempted_requests_keeping_their_prompts_finish_within_their_blocks(mod
     block_size = engine.manager().block_size
     engine.close()
     assert preemptions
+    assert {prompt for _, prompt, _ in rows} == {100}
+    assert [closed for phase, _, closed in rows if phase == "close" and closed > 100], "no replay took generated tokens"
     assert [len(answer) for answer in tokens] == [160] * 6
     assert max(blocks) <= math.ceil((100 + 160 + 64 + SERVING_INTERVAL) / block_size)
 

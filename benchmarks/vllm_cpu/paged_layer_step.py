@@ -83,7 +83,8 @@ def keepkv_steps(method: str, requests: int, prompt: int, budget, steps: int, dt
         query = torch.randn(starts[-1], HEADS, HEAD_DIM, generator=generator).to(dtype)
         key, value = (torch.randn(starts[-1], KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
         begin = time.perf_counter()
-        batch = paged.batch(starts, [computed + length] * requests, table, [prefilling] * requests, block_size=BLOCK)
+        batch = paged.batch(starts, [computed + length] * requests, table, [prefilling] * requests, block_size=BLOCK,
+                            prompts=[prompt] * requests)
         for layer, cache in enumerate(caches):
             paged.forward(cache, query, key, value, batch, HEAD_DIM**-0.5, layer)
         return (time.perf_counter() - begin) / LAYERS

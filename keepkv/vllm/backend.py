@@ -8,7 +8,8 @@ position and the method's scores), the metadata builder turns each step into a
 :meth:`keepkv.paged.PagedCompression.forward` with :class:`VllmCpuKernel`: vLLM's own cache write
 and kernel over the key and value planes of each block (``keepkv.paged_layout``), so a request
 is attended in place, as stock vLLM attends it. keepkv writes the new entries itself (vLLM's slot
-mapping addresses positions, not compacted slots).
+mapping addresses positions, not compacted slots). With prompts kept whole the builder also reads
+each request's prompt length, which vLLM's model runner hands it (:func:`_hand_prompt_lengths`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,32 @@ _COMPRESSIONS: dict[tuple, PagedCompression] = {}
 # The worker's engine, set when its attention layers are built: customize_spec() runs later,
 # outside vLLM's config context.
 _WORKER: dict = {}
+# While vLLM's model runner builds a step's attention metadata: "prompts", its [max_num_reqs] int32
+# host tensor of each batch row's prompt length (InputBatch.num_prompt_tokens_cpu_tensor, the
+# length of the prompt_token_ids the scheduler handed the worker with the request, which a
+# replay after a preemption keeps), which CommonAttentionMetadata carries only as is_prefilling.
+_STEP: dict = {}
+
+
+def _hand_prompt_lengths() -> None:
+    """Wrap vLLM's CPU model runner's ``_build_attention_metadata`` so that the metadata builder
+    finds each row's prompt length in ``_STEP`` while it builds a step. Idempotent."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    original = CPUModelRunner._build_attention_metadata
+    if getattr(original, "_keepkv", False):
+        return
+
+    @functools.wraps(original)
+    def build(self, *args, **kwargs):
+        _STEP["prompts"] = self.input_batch.num_prompt_tokens_cpu_tensor
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _STEP.clear()
+
+    build._keepkv = True
+    CPUModelRunner._build_attention_metadata = build
 
 
 def compression(vllm_config: VllmConfig) -> PagedCompression | None:
@@ -176,6 +203,8 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.paged = compression(vllm_config)
+        if self.paged is not None and self.paged.keep_prompt:
+            _hand_prompt_lengths()
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         if self.paged is None:
@@ -185,11 +214,17 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
         # Host copies vLLM keeps (exact without speculative decoding, which keepkv refuses):
         # nothing waits on the device to build the step.
         seq_lens = common.seq_lens_cpu_upper_bound if common.seq_lens_cpu_upper_bound is not None else common.seq_lens.cpu()
-        # is_prefilling: computed < prompt before the step (a host tensor), read by a chunked engine.
-        prefilling = common.is_prefilling[:rows].tolist() if self.paged.chunked else None
+        prefilling = prompts = None
+        if self.paged.keep_prompt:  # the prompt's length itself: a replay after a preemption may span its end
+            if "prompts" not in _STEP:
+                raise RuntimeError("keepkv.vllm: the model runner handed no prompt lengths (keep_prompt reads them "
+                                   "from vLLM's V1 CPU model runner: VLLM_USE_V2_MODEL_RUNNER=0)")
+            prompts = _STEP["prompts"][:rows].tolist()
+        elif self.paged.chunked:  # is_prefilling: computed < prompt before the step (a host tensor)
+            prefilling = common.is_prefilling[:rows].tolist()
         starts, lengths = common.query_start_loc_cpu[: rows + 1].tolist(), seq_lens[:rows].tolist()
         batch = self.paged.batch(starts, lengths, common.block_table_tensor[:rows], prefilling,
-                                 block_size=self.kv_cache_spec.block_size)
+                                 block_size=self.kv_cache_spec.block_size, prompts=prompts)
         return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch)
 
 
