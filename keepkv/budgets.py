@@ -5,8 +5,9 @@ how many entries a layer holds while it decodes.
   the floor of :func:`budget_floor`, or a count);
 - :func:`layer_budgets`: the method's allocation over layers and heads, fitted to the prompt
   (:func:`fit_to_prompt`);
-- the decode schedule: a layer keeps its budget and takes ``interval`` new tokens before it
-  compresses again (:func:`held_entries`, :func:`capacity_bound`).
+- the decode schedule: a layer compresses every ``interval`` decode steps down to its budget less
+  interval - 1 entries, so that it never holds more than its budget between steps
+  (:func:`compression_target`, :func:`held_entries`, :func:`capacity_bound`).
 
 The cache (keepkv.cache), a serving scheduler (``capacity_bound``) and the paged adapter
 (keepkv.paged) all read these functions.
@@ -170,20 +171,39 @@ def prompt_budgets(
     return layer_budgets(method, layers, kv_heads, budget, prompt_lengths, scores), per_row
 
 
+def decode_interval(interval: int, budgets: torch.Tensor, frozen: torch.Tensor | None = None) -> int:
+    """Every how many decode steps a cache of budgets ``budgets`` [L, B, H_kv] compresses: the
+    method's ``interval``, but no more than its smallest budget (beyond a kept prompt, ``frozen``
+    [B]), so that :func:`compression_target` keeps at least one entry. One host read: at a
+    prompt's end, never in a decode step."""
+    open_budget = budgets if frozen is None else budgets - frozen[:, None].to(budgets.device)
+    return max(1, min(interval, int(open_budget.min())))
+
+
+def compression_target(budget: torch.Tensor, interval: int) -> torch.Tensor:
+    """What a layer of budgets ``budget`` [B, H_kv] keeps after each compression when it compresses
+    every ``interval`` decode steps (:func:`decode_interval`): budget - (interval - 1), so that it
+    never holds more than its budget between steps; the interval's appends bring it to its budget
+    + 1 at the attention call that compresses, the peak of interval 1."""
+    return budget - (interval - 1)
+
+
 def held_entries(kept: int, prompt_length: int, computed: int, interval: int) -> int:
     """Entries a layer of budget ``kept`` holds per head after ``computed`` tokens (prompt
-    included), between attention calls: min(P + t, kept + t mod interval) after t decode steps
-    (it compresses back to ``kept`` every ``interval`` steps)."""
+    included), between attention calls: min(P + t, kept - (interval - 1) + t mod interval) after
+    t decode steps (:func:`compression_target`: it compresses every ``interval`` steps, to
+    ``interval`` - 1 below its budget). A prompt no longer than that target is left whole."""
     decoded = computed - prompt_length
-    return min(computed, kept + decoded % interval)
+    return min(computed, kept - (interval - 1) + decoded % interval)
 
 
 def capacity_bound(method, prompt_length: int, budget: int | float, config, keep_prompt: bool = False) -> list[int] | None:
     """The most entries each layer of one request holds per KV head while it decodes, known before
     the model runs: what a serving scheduler must reserve (``docs/serving.md``).
 
-    A layer keeps its budget and takes ``interval`` new tokens before it compresses again:
-    budget + interval at the attention call that triggers a compression. The prefill holds the
+    A layer compresses every ``interval`` steps to ``interval`` - 1 below its budget
+    (:func:`compression_target`): budget + 1 at the attention call that compresses, whatever the
+    interval. The prefill holds the
     layer's whole prompt once; that peak is the prefill's reservation, not this bound. Layer
     budgets drawn from the prompt's attention (D2O) are bounded by the prompt. None: the method
     never compresses (``full``), and the request grows with every token.
@@ -206,7 +226,7 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config, keep
     lengths = torch.tensor([prompt_length])
     if keep_prompt:
         check_keep_prompt(method, budget)
-        return [prompt_length + budget + method.interval] * layers
+        return [prompt_length + budget + 1] * layers
     if method.allocates_from_all_layers:
         per_row = row_budgets(budget, lengths, budget_floor(method))
         budgets = torch.maximum(per_row, lengths).expand(layers, 1, kv_heads)
@@ -214,4 +234,4 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config, keep
         budgets = layer_budgets(method, layers, kv_heads, budget, lengths)
         if budgets is None:
             return None
-    return (budgets.amax(dim=(1, 2)) + method.interval).tolist()
+    return (budgets.amax(dim=(1, 2)) + 1).tolist()

@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import DECODE_KERNELS, Needs, Reconstruction, attend, decode_kernel_for, hand_over, join_prefill_stats
-from .budgets import check_keep_prompt, prompt_budgets, validate_budget
+from .budgets import check_keep_prompt, decode_interval, prompt_budgets, validate_budget
 from .checks import as_bool, shown
 from .continuation import P, ids_hash
 from .diagnostics import warn_budget
@@ -529,9 +529,10 @@ class CompressedCache(Cache):
             if self.layer_budgets is not None and self.decoding != "keep_prompt":
                 self._warn_budget(self.row_budgets)
         frozen = self.prompt_lengths if self.decoding == "keep_prompt" else None
+        interval = 1 if self.layer_budgets is None else decode_interval(self.method.interval, self.layer_budgets, frozen)
         for layer in layers:
             budget = None if self.layer_budgets is None else self.layer_budgets[layer.layer_idx]
-            self.step.close_prompt(layer, budget, self.row_budgets, frozen, layer.prefill_stats)
+            self.step.close_prompt(layer, budget, self.row_budgets, frozen, layer.prefill_stats, interval)
             if self.record is None:
                 layer.prefill_stats = None
 

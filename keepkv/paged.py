@@ -40,7 +40,8 @@ from types import SimpleNamespace
 import torch
 
 from .attention import Needs, StepStats, attend, group_queries, join_prefill_stats, scaled_logits, softmax_probs
-from .budgets import MAX_BUDGET, capacity_bound, check_keep_prompt, held_entries, prompt_budgets, validate_budget
+from .budgets import (MAX_BUDGET, capacity_bound, check_keep_prompt, decode_interval, held_entries, prompt_budgets,
+                      validate_budget)
 from .methods import METHODS, get_method
 from .methods.base import ComposedMethod, serving_refusal, served_names
 from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
@@ -229,6 +230,7 @@ class PagedCompression:
         self._prompts: dict[int, int | None] = {}  # first block id -> prompt length (None: chunks still coming)
         self.chunks: dict[tuple, _Prompt] = {}  # (chunk key, layer) -> a prompt read in chunks, so far
         self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
+        self._intervals: dict[int, int] = {}  # prompt length -> decode steps between compressions
         # keep_prompt: a request's key is the block of its first generated slot (slot P, never
         # shared: no block holding a generated entry is hashed), block -> the tokens it held at its
         # close (P, or more after a replay); and the chunk keys whose prompt has not closed yet.
@@ -284,19 +286,31 @@ class PagedCompression:
             self._kept[prompt_length] = [MAX_BUDGET] * layers if budgets is None else budgets[:, 0, 0].tolist()
         return self._kept[prompt_length][layer]
 
+    def interval(self, prompt_length: int) -> int:
+        """Decode steps between a request's compressions (``keepkv.budgets.decode_interval``: the
+        method's, but no more than its smallest budget beyond a kept prompt), as the Hugging Face
+        cache of that request alone compresses."""
+        if prompt_length not in self._intervals:
+            budgets = torch.tensor([self.kept(prompt_length, layer) for layer in range(self.config.num_hidden_layers)])
+            self._intervals[prompt_length] = decode_interval(
+                self.method.interval, budgets - (prompt_length if self.keep_prompt else 0))
+        return self._intervals[prompt_length]
+
     def stored(self, prompt_length: int, computed: int, layer: int = 0, closed: int | None = None) -> int:
         """Entries ``layer`` of a request holds per head after ``computed`` tokens (prompt included).
 
-        A layer keeps min(prompt, budget) after the prefill, takes one entry per decode step and
-        shrinks back to its budget every ``interval`` steps: min(P + t, budget + t mod interval)
-        after t decode steps. ``closed``: the tokens it held at its close when more than its
+        A layer keeps min(prompt, budget - (k - 1)) after the prefill, takes one entry per decode
+        step and shrinks back every k = :meth:`interval` steps: min(P + t, budget - (k - 1) + t mod
+        k) after t decode steps (``keepkv.budgets.held_entries``), never more than its budget.
+        ``closed``: the tokens it held at its close when more than its
         prompt (``keep_prompt``, a replay after a preemption: :class:`PagedBatch`); t counts from
         there, and every entry is held until its first compression, ``interval`` steps later.
         """
         closed = prompt_length if closed is None else closed
-        if self.keep_prompt and computed - closed < self.method.interval:
+        interval = self.interval(prompt_length)
+        if self.keep_prompt and computed - closed < interval:
             return computed  # nothing compressed since its close (a kept prompt's close compresses nothing)
-        return held_entries(self.kept(prompt_length, layer), closed, computed, self.method.interval)
+        return held_entries(self.kept(prompt_length, layer), closed, computed, interval)
 
     def capacity(self, prompt_length: int) -> int:
         """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
@@ -498,7 +512,7 @@ class PagedCompression:
         if phase == "chunk":  # a prompt read in chunks is held whole until its close
             return done + length
         if phase == "prefill":  # a whole prompt, compressed in its own step
-            return min(length, self.kept(length, layer)) if after else length
+            return self.stored(length, length, layer) if after else length
         prompt, closed = batch.prompt[row], batch.closed[row]
         if after:
             return self.stored(prompt, done + 1, layer, closed)
@@ -625,7 +639,7 @@ class PagedCompression:
         self.step.observe_prompt(store, stats)
         budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
         before = (store.positions.clone(), store.bias.clone())
-        self.step.close_prompt(store, budget, mean, frozen, stats)
+        self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(self, batch, rows))
         after = self._sizes(batch, rows, layer, "after") if new is not None else tuple(
             self.stored(batch.prompt[r], batch.computed[r], layer, batch.closed[r]) - first for r in rows)
         self._write_back(planes, layout, batch, plan, rows, store, after, before, layer, scaling, first=first)
@@ -649,7 +663,7 @@ class PagedCompression:
         self.step.observe_prompt(store, stats)
         budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
         before = (store.positions.clone(), store.bias.clone())
-        self.step.close_prompt(store, budget, mean, frozen, stats)
+        self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(self, batch, rows))
         self._write_back(planes, layout, batch, plan, rows, store, self._sizes(batch, rows, layer, "after"),
                          before, layer, scaling, everything=True)
         self._file_states(store.state, batch, rows, layer)
@@ -690,8 +704,9 @@ class PagedCompression:
             written = tuple(size - first for size in written)
             budget, frozen = budget - first, None
         store = self._gather(planes, layout, batch, plan, rows, written, layer, seen, first)
-        store.set_budget(budget, mean, frozen)
-        store.resume(state=self._join_states(batch, rows, layer), pending=self.method.interval)
+        interval = plan.interval(self, batch, rows)
+        self.step.set_budget(store, budget, mean, frozen, interval)
+        store.resume(state=self._join_states(batch, rows, layer), pending=interval)
         stats = self._decode_stats(planes, batch, plan, rows, store, query, scaling, layer, layout, first)
         before = (store.positions.clone(), store.bias.clone())
         self.step.decode(store, stats)
@@ -711,7 +726,8 @@ class PagedCompression:
             return StepStats(query=group_queries(query.index_select(0, tokens)[:, :, None], layout.kv_heads),
                              scaling=scaling, is_prefill=False)
         slab_rows = torch.tensor([self._rows[batch.first_block[r]] for r in rows], device=query.device)
-        queries = self._queries[layer].index_select(0, slab_rows)  # [R, N, H, D], oldest first
+        # [R, N, H, D], oldest first: the store's interval N, at most the method's (a small budget's is less)
+        queries = self._queries[layer].index_select(0, slab_rows)[:, : store.interval]
         query_g = group_queries(queries.transpose(1, 2), layout.kv_heads)  # [R, H_kv, g, N, D]
         needs = self.method.needs(False)
         logits = scaled_logits(query_g, store.keys, scaling)  # [R, H_kv, g, N, S]
@@ -949,13 +965,12 @@ class _StepPlan:
 
     @classmethod
     def build(cls, paged: PagedCompression, batch: PagedBatch, block_size: int, device) -> "_StepPlan":
-        interval = paged.method.interval
         closing, dense, ending, chunks, attending, decoding = [], [], [], [], [], []
         due = []
         for row, phase in enumerate(batch.phases):
             length, done = batch.query_lengths[row], batch.computed[row]
             if phase == "prefill":
-                if length > min(paged.kept(length, layer) for layer in range(paged.config.num_hidden_layers)):
+                if length > min(paged.stored(length, length, layer) for layer in range(paged.config.num_hidden_layers)):
                     dense.append([row])
                     continue
                 ending.append([row])
@@ -966,7 +981,7 @@ class _StepPlan:
                     closing.append(row)
                 decoding.append(row)
                 decoded = done - batch.closed[row] + 1  # decode steps so far, this one too
-                if decoded % interval == 0:
+                if decoded % paged.interval(batch.prompt[row]) == 0:
                     due.append(row)
             attending.append(row)
         # Rows due to compress run together when they hold as many entries (their new entries are
@@ -975,11 +990,12 @@ class _StepPlan:
         by_size: dict = {}
         for row in due:
             sizes = tuple(paged._sizes(batch, [row], layer, "written")[0] for layer in range(paged.config.num_hidden_layers))
-            by_size.setdefault((batch.prompt[row] if paged.keep_prompt else 0, sizes), []).append(row)
+            key = (batch.prompt[row] if paged.keep_prompt else 0, paged.interval(batch.prompt[row]), sizes)
+            by_size.setdefault(key, []).append(row)
         tokens = torch.tensor([batch.query_start[r] for r in decoding], dtype=torch.long)
         slab_rows = torch.tensor([paged._slab_row(batch.first_block[r]) for r in decoding], dtype=torch.long)
-        query_index = torch.tensor([(batch.computed[r] - batch.closed[r]) % max(1, paged._query_rows) for r in decoding],
-                                   dtype=torch.long)
+        query_index = torch.tensor([(batch.computed[r] - batch.closed[r]) % paged.interval(batch.prompt[r])
+                                    if paged._query_rows else 0 for r in decoding], dtype=torch.long)
         return cls(closing, dense, ending, chunks, attending, decoding, list(by_size.values()),
                    tokens.to(device), slab_rows.to(device), query_index.to(device), block_size)
 
@@ -1016,6 +1032,13 @@ class _StepPlan:
             frozen = prompts.to(device) if paged.keep_prompt else None
             self.cache[key] = (budgets[layer].to(device), mean.to(device), frozen)
         return self.cache[key]
+
+    @staticmethod
+    def interval(paged: PagedCompression, batch: PagedBatch, rows: list[int]) -> int:
+        """The decode interval of rows compressed together (:meth:`PagedCompression.interval`): the
+        rows due together share it (``due`` groups them by it); rows closing together may not (a
+        budget below the method's interval), and take the shortest."""
+        return min(paged.interval(batch.prompt[r]) for r in rows)
 
     def new_slots(self, paged: PagedCompression, batch: PagedBatch, layer: int):
         """(slots [N] int64, tokens [N] or None: the attending rows' tokens, positions [N] int64):

@@ -27,6 +27,7 @@ from dataclasses import replace
 
 import torch
 
+from .budgets import compression_target
 from .fused import CompiledStep, method_step
 
 DECODING = ("compress", "append", "keep_prompt")
@@ -53,26 +54,37 @@ class LayerStep:
         self.method.observe(layer, stats)
 
     def close_prompt(self, layer, budget: torch.Tensor | None, row_budget: torch.Tensor | None,
-                     frozen: torch.Tensor | None = None, stats=None) -> None:
+                     frozen: torch.Tensor | None = None, stats=None, interval: int = 1) -> None:
         """The end of a layer's prompt, once the method observed it: the layer takes its budgets
-        ([B, H_kv] entries each row and head keeps, None: never compress; [B] mean budgets) and is
+        ([B, H_kv] entries each row and head may hold, None: never compress; [B] mean budgets) and is
         compressed, keeps its prompt whole (``decoding="keep_prompt"``, ``frozen`` [B] the prompt
         lengths), or is left to grow (``decoding="append"``). ``stats``: the prompt's statistics,
-        which the compression may read."""
+        which the compression may read. ``interval``: the cache's decode steps between compressions
+        (:func:`keepkv.budgets.decode_interval`); the layer keeps interval - 1 fewer after each
+        (:func:`keepkv.budgets.compression_target`), so it never holds more than its budget between
+        steps, and its buffers have the room of interval 1."""
         layer.reserve(None)
-        if self.decoding == "keep_prompt":  # nothing to compress yet: the prompt is kept whole
-            layer.set_budget(budget, row_budget, frozen)
-            layer.reserve(self.method.interval)
+        if budget is not None and self.decoding != "append":
+            self.set_budget(layer, budget, row_budget, frozen, interval)
+            layer.reserve(interval)
+            if self.decoding == "compress":
+                self.method.compress(layer, stats)
         elif budget is not None:
             layer.set_budget(budget, row_budget)
-            layer.reserve(self.method.interval if self.decoding == "compress" else None)
             self.method.compress(layer, stats)
         layer.restart_interval()
 
+    @staticmethod
+    def set_budget(layer, budget: torch.Tensor, row_budget: torch.Tensor | None, frozen: torch.Tensor | None,
+                   interval: int) -> None:
+        """Give ``layer`` its budgets [B, H_kv] (the most each row and head may hold between steps)
+        as a layer decoding every ``interval`` steps keeps them: interval - 1 below."""
+        layer.set_budget(compression_target(budget, interval), row_budget, frozen, interval)
+
     def compresses(self, layer) -> bool:
         """Whether the decode step now running compresses the layer: it has a budget, decoding
-        keeps it, and ``interval`` tokens came since the last compression."""
-        return layer.budget is not None and layer.pending >= self.method.interval and self.decoding != "append"
+        keeps it, and its ``interval`` tokens came since the last compression."""
+        return layer.budget is not None and layer.pending >= layer.interval and self.decoding != "append"
 
     def decode(self, layer, stats) -> None:
         """A decode step's method work: the step's statistics, then the compression if due

@@ -97,8 +97,10 @@ class LayerStore(CacheLayerMixin):
     Beside the tensors it tracks
     ``seen``: tokens fed so far, padding included (the logical length HF sees);
     ``real_seen`` [B]: real tokens fed so far per row;
-    ``budget`` [B, H_kv]: entries each row and head may keep after compression (None: unlimited),
+    ``budget`` [B, H_kv]: entries each row and head keeps after a compression (None: unlimited),
     with ``capacity`` and ``min_budget`` its largest and smallest entry (``set_budget``);
+    ``interval``: the decode steps between compressions, so that between steps a row and head
+    holds at most ``bound`` = budget + interval - 1 entries (:func:`keepkv.budgets.compression_target`);
     ``row_budget`` [B]: each row's mean budget over the layers (what a method's recent window is
     a share of);
     ``frozen`` [B] or None: each row's prompt length when its prompt is kept whole
@@ -125,6 +127,7 @@ class LayerStore(CacheLayerMixin):
         self.row_budget: torch.Tensor | None = None
         self.capacity = 0
         self.min_budget = 0
+        self.interval = 1
         self.frozen: torch.Tensor | None = None
         self.pending = 0
         self.prefill_stats = None
@@ -212,14 +215,16 @@ class LayerStore(CacheLayerMixin):
         return 0 if bias is None else bias.shape[-1]
 
     def set_budget(self, budget: torch.Tensor | None, row_budget: torch.Tensor | None = None,
-                   frozen: torch.Tensor | None = None) -> None:
-        """Entries each row and head may keep [B, H_kv] (None: unlimited), and each row's mean
-        budget [B]; ``capacity`` and ``min_budget`` are derived here (one host sync, at the end of a
-        prefill or when rows move). ``frozen`` [B]: the entries of positions below it (the row's
+                   frozen: torch.Tensor | None = None, interval: int = 1) -> None:
+        """Entries each row and head keeps after a compression [B, H_kv] (None: unlimited), each
+        row's mean budget [B], and the decode steps between compressions (``interval``); ``capacity``
+        and ``min_budget`` are derived here (one host sync, at the end of a prefill or when rows
+        move). ``frozen`` [B]: the entries of positions below it (the row's
         prompt) are kept as they are (:meth:`frozen_entries`), unscored: their extras go back to
         their fill values and no later ``add_to`` or ``overwrite`` changes them."""
         self.budget = budget
         self.row_budget = row_budget
+        self.interval = interval
         newly_frozen = frozen is not None and self.frozen is None
         self.frozen = frozen
         if newly_frozen:
@@ -231,6 +236,12 @@ class LayerStore(CacheLayerMixin):
             self.capacity = self.min_budget = 0
         else:
             self.capacity, self.min_budget = int(budget.max()), int(budget.min())
+
+    @property
+    def bound(self) -> torch.Tensor | None:
+        """[B, H_kv] the most entries each row and head holds between steps: its budget at a
+        compression plus the interval's appends before the next, interval - 1 (None: unlimited)."""
+        return None if self.budget is None else self.budget + (self.interval - 1)
 
     def reserve(self, headroom: int | None) -> None:
         """Spare slots each (re)allocation of the buffers gets (:meth:`spare_slots`); None: grow in
@@ -330,7 +341,7 @@ class LayerStore(CacheLayerMixin):
         if self.budget is not None:
             row_budget = None if self.row_budget is None else self.row_budget.index_select(0, index)
             frozen = None if self.frozen is None else self.frozen.index_select(0, index)
-            self.set_budget(self.budget.index_select(0, index), row_budget, frozen)
+            self.set_budget(self.budget.index_select(0, index), row_budget, frozen, self.interval)
         if self.prefill_stats is not None:
             self.prefill_stats = self.prefill_stats.rows(index)
 
@@ -540,7 +551,7 @@ class LayerStore(CacheLayerMixin):
         """Raise ValueError unless ``layers`` can be stacked; returns how each method state joins."""
         if not all(layer.is_initialized for layer in layers):
             raise ValueError("stack: every cache must have seen its prompt")
-        for name in ("seen", "pending", "headroom"):
+        for name in ("seen", "pending", "headroom", "interval"):
             if len({getattr(layer, name) for layer in layers}) > 1:
                 raise ValueError(f"stack: the caches' layers differ in {name!r}: {[getattr(l, name) for l in layers]}")
         if len({(layer.budget is None, tuple(layer.extras)) for layer in layers}) > 1:
@@ -581,7 +592,7 @@ class LayerStore(CacheLayerMixin):
             out.set_budget(
                 torch.cat([layer.budget for layer in layers]),
                 None if any(b is None for b in row_budgets) else torch.cat(row_budgets),
-                None if any(f is None for f in frozen) else torch.cat(frozen),
+                None if any(f is None for f in frozen) else torch.cat(frozen), first.interval,
             )
         return out
 

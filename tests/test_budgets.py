@@ -68,8 +68,9 @@ def test_layer_budgets_fit_the_prompt_and_leave_fitting_rows_alone(method, budge
     steps=st.integers(0, 40),
 )
 def test_what_a_layer_holds_while_decoding_stays_under_capacity_bound(method, budget, prompt, interval, steps):
-    """The decode schedule (held_entries: budget, then one entry a step, back every ``interval``)
-    plus the token being attended never exceeds what capacity_bound reserves, in any layer."""
+    """The decode schedule (held_entries: interval - 1 below the budget after each compression,
+    then one entry a step, back every ``interval``) never holds more than the budget, and with the
+    token being attended never exceeds what capacity_bound reserves (budget + 1), in any layer."""
     method = get_method(f"{method}+interval={interval}")
     config = SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2)
     lengths_t = torch.tensor([prompt])
@@ -80,12 +81,15 @@ def test_what_a_layer_holds_while_decoding_stays_under_capacity_bound(method, bu
     for layer, kept in enumerate(per_layer):
         held = held_entries(kept, prompt, prompt + steps, interval)
         assert held + 1 <= bound[layer]
-        assert held <= max(kept, prompt + steps) and held >= min(kept, prompt)
-    assert max(bound) == max(per_layer) + interval
+        assert held <= kept  # never above the budget
+        assert held >= min(kept - interval + 1, prompt)
+    assert max(bound) == max(per_layer) + 1
 
 
 def test_capacity_bound_is_none_for_the_full_cache_and_math_agrees():
     config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1)
     assert capacity_bound("full", 100, 0.5, config) is None
-    assert held_entries(10, 50, 50, 1) == 10 and held_entries(10, 50, 53, 4) == 13 and held_entries(10, 5, 7, 1) == 7
+    assert held_entries(10, 50, 50, 1) == 10 and held_entries(10, 5, 7, 1) == 7
+    # every 4 steps: 3 below the budget after a compression, at the budget one step before the next
+    assert [held_entries(10, 50, 50 + t, 4) for t in range(9)] == [7, 8, 9, 10, 7, 8, 9, 10, 7]
     assert math.isclose(row_budgets(0.5, torch.tensor([101]))[0].item(), 50)  # round half to even

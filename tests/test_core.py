@@ -82,7 +82,7 @@ def test_per_layer_and_per_head_budgets_and_real_bytes(gqa_model):
         assert layer.size == int(expected.max())  # tensors shrank to the largest head's budget
     # Each per-entry tensor's buffer holds the kept slots plus one interval of spare slots.
     real_bytes = sum(
-        t.numel() * t.element_size() * (layer.size + cache.method.interval) // layer.size
+        t.numel() * t.element_size() * (layer.size + layer.interval) // layer.size
         for layer in cache.layers
         for t in (layer.keys, layer.values, layer.bias, layer.positions, *layer.extras.values())
     )

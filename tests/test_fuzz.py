@@ -143,8 +143,8 @@ FOUND = [
     # was compressed: the row then merged differently from its prompt alone.
     {"method": "zeromerge", "lengths": [1, 1, 17], "budget": 1.0, "interval": 1, "chunk": None, "steps": 2, "seed": 0},
     # A KVReviver row that fitted its budget at its last compression holds every token since, not
-    # its exact share.
-    {"method": "kvreviver", "lengths": [2], "budget": 4, "interval": 2, "chunk": None, "steps": 3, "seed": 0},
+    # its exact share (budget 5 with interval 2: compressions keep 4).
+    {"method": "kvreviver", "lengths": [2], "budget": 5, "interval": 2, "chunk": None, "steps": 3, "seed": 0},
 ]
 
 

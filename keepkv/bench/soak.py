@@ -10,7 +10,7 @@ step) it records the cache's bytes (``cache.nbytes()``), the process's current R
 kept entries per layer and KV head. The growth between the last two checkpoints, per token, is checked against
 what each method documents:
 
-- every compressing method: 0 bytes per token (its cache holds budget + interval entries);
+- every compressing method: 0 bytes per token (its cache holds at most its budget);
 - KVReviver: 8 x H_kv x L bytes per token (an int32 position and an fp32 score per vague token,
   per KV head and layer; its stored entries and sketch stay constant);
 - full: no bound (it keeps every token), reported only.

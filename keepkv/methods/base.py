@@ -204,8 +204,9 @@ class Method:
     Parameters
     ----------
     interval : int
-        During decoding, compress once every ``interval`` new tokens; between compressions a
-        layer holds up to ``budget + interval - 1`` entries.
+        During decoding, compress once every ``interval`` new tokens, each time to
+        ``interval - 1`` below the budget, so that a layer never holds more than its budget
+        between steps (:func:`keepkv.budgets.compression_target`).
     """
 
     name: ClassVar[str] = ""

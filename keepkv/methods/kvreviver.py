@@ -356,11 +356,12 @@ class KVReviver(Method):
 
     def min_budget(self) -> int:
         """Smallest budget whose exact part holds the sinks plus one recent token
-        (for this and every larger budget)."""
+        (for this and every larger budget), once a compression every ``interval`` steps keeps
+        interval - 1 below it (:func:`keepkv.budgets.compression_target`)."""
         need = self.sinks + 1
         if self.vague_share == 0:
-            return need
-        return max(need + self.rows, math.ceil(need / (1.0 - self.vague_share) - 1e-9))
+            return need + self.interval - 1
+        return max(need + self.rows, math.ceil(need / (1.0 - self.vague_share) - 1e-9)) + self.interval - 1
 
     def _check_mean_budget(self, smallest: int) -> None:
         if smallest < self.min_budget():

@@ -101,7 +101,7 @@ class KeepKVSpec(FullAttentionSpec):
                 f"{stock_tokens:,} tokens in the same memory: each slot also holds {self.state_content_bytes - stock_bytes} "
                 f"bytes of scores and votes per KV head); requests at once: {'; '.join(counted)}")
         if losing:
-            gains = ("only requests that generate more than their budget plus interval" if self.keep_prompt else
+            gains = ("only requests that generate more than their budget" if self.keep_prompt else
                      "only requests whose prompt is longer than their budget")
             line += f"; no gain for {', '.join(losing)}: {gains} hold fewer slots than stock's tokens"
         return line
