@@ -203,6 +203,22 @@ def test_top_kept_is_the_stable_sorts_top_share(seed, size, share, levels):
     assert torch.equal(plan.top_kept(share), _top_kept_by_sort(kept, priority, share))
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), size=st.integers(1, 40), share=st.floats(0.0, 1.0),
+       levels=st.sampled_from([3, 1000]))
+def test_open_to_merges_is_the_kept_outside_the_stable_sorts_top_share(seed, size, share, levels):
+    """ZIP's merge candidates (``protect``): the kept entries less the first ceil(share·n) of a stable
+    descending sort of the n scored ones; ties (few levels, ±0.0) in slot order, +inf kept open."""
+    from keepkv.methods.keepkv import open_to_merges
+
+    generator = torch.Generator().manual_seed(seed)
+    priority = torch.randint(-levels, levels, (2, 3, size), generator=generator).float() / 7
+    priority = torch.where(torch.rand(2, 3, size, generator=generator) < 0.1, -0.0, priority)
+    priority = priority.masked_fill(torch.rand(2, 3, size, generator=generator) < 0.1, float("inf"))
+    kept = torch.rand(2, 3, size, generator=generator) < 0.7
+    assert torch.equal(open_to_merges(kept, priority, share), kept & ~_top_kept_by_sort(kept, priority, share))
+
+
 @pytest.mark.parametrize("method", ["keepkv", "snapkv+merge=zip"])
 def test_protect_window_keeps_every_kept_entry_outside_the_merge_slots_exact(method):
     """protect_window=True: the selection's window (and sinks) take no merges either, so only the

@@ -78,6 +78,28 @@ def merge_first_targets(
     return src, dst, merge & (sim_rank < excess[..., None])
 
 
+def _count_lost_votes(layer, plan: EvictionPlan, dropped: torch.Tensor) -> None:
+    """Add the votes p of the plan's evicted entries where ``dropped`` [B, H_kv, E] (evicted, not
+    merged) to ``layer.state["lost_votes"]`` [B, H_kv]."""
+    votes, lost = layer.bias.gather(-1, plan.evict_idx).exp(), layer.state["lost_votes"]
+    if votes.shape[-1] == 1:  # a decode step's one entry: lost += p · dropped, no sum to run
+        lost.addcmul_(votes[..., 0], dropped[..., 0])
+    else:
+        lost += (votes * dropped).sum(-1)
+
+
+def open_to_merges(kept: torch.Tensor, priority: torch.Tensor, protect: float) -> torch.Tensor:
+    """[B, H_kv, S] bool: the ``kept`` entries outside the top ``protect`` share of those the selection
+    ranked by score. Of the n kept entries with a finite ``priority`` (the selection's own sinks and
+    window rank +inf and are not counted), the first ceil(protect · n) of a stable descending sort
+    are protected, equal priorities in slot order. kept, priority [B, H_kv, S]."""
+    scored = kept & torch.isfinite(priority)
+    order = priority.where(scored, NEG_INF).argsort(dim=-1, descending=True, stable=True)  # scored first
+    # The entry at rank r is protected iff r < ceil(protect · n), that is r < protect · n (r is an integer).
+    is_open = torch.arange(order.shape[-1], device=order.device) >= scored.sum(-1, keepdim=True) * protect
+    return kept & kept.scatter(-1, order, is_open)  # order is a permutation: the scatter writes every slot
+
+
 @register_merge
 @dataclass(frozen=True)
 class ZipMerge(Merge):
@@ -149,7 +171,7 @@ class ZipMerge(Merge):
         kept scored entries, the selection's highest-ranked first, nor a kept prompt's. An evicted
         entry merges into the most cosine-similar of them if it is at least ``threshold`` similar;
         the value gate and the weight cap apply where the rows merge (:meth:`gates`)."""
-        allowed = plan.kept & ~plan.top_kept(self.protect) if self.protect > 0 else plan.kept
+        allowed = open_to_merges(plan.kept, plan.priority, self.protect) if self.protect > 0 else plan.kept
         if self.protect_window:
             allowed = allowed & torch.isfinite(plan.priority)  # the selection's sinks and window: +inf
         frozen = layer.frozen_entries()
@@ -173,9 +195,9 @@ class ZipMerge(Merge):
         the live entries (``merge`` itself when ``min_mass`` is 0)."""
         if self.min_mass <= 0:
             return merge
-        mass = (layer.bias + pooled).masked_fill(~layer.live(), NEG_INF)
-        share = mass - torch.logsumexp(mass, dim=-1, keepdim=True)
-        return merge & (share.gather(-1, plan.evict_idx.clamp_min(0)) >= math.log(self.min_mass))
+        mass = layer.bias + pooled  # -inf on every empty slot (its bias): the sum runs over the live ones
+        share = mass.gather(-1, plan.evict_idx) - torch.logsumexp(mass, dim=-1, keepdim=True)
+        return merge & (share >= math.log(self.min_mass))
 
     def gates(self) -> tuple[float, float]:
         """(ε, δ): the value gate and the weight cap as :func:`keepkv.merging.zip_rows` takes them."""
@@ -193,7 +215,7 @@ class ZipMerge(Merge):
                 logits = scaled_logits(query[:, :, :, None], layer.keys, stats.scaling)[:, :, :, 0]
             else:
                 logits = stats.logits[:, :, :, -1]
-            logits = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
+            logits = logits.where(layer.live()[:, :, None], NEG_INF)
             pooled = pool_log_scores(logits, layer.bias)
             dst, similarity = self.nearest(layer, plan, candidates)
             merge = self.worth_merging(layer, plan, pooled, plan.evict_valid & (similarity >= self.threshold))
@@ -370,6 +392,10 @@ class KeepKVMerge(ZipMerge):
         check_choice("scores", self.scores, SCORE_MODES)
         check_choice("prefill_scores", self.prefill_scores, SCORE_MODES)
         check_choice("prefill_order", self.prefill_order, PREFILL_ORDERS)
+        # ln(1 - α), the weight of a new score in the EMA (eq. 8), as a CPU scalar tensor: an op reads it
+        # on any device as a scalar, so a decode step makes no tensor of it (not a field: no parameter).
+        with torch.inference_mode(False):
+            object.__setattr__(self, "_log_fresh", torch.tensor(math.log1p(-self.alpha)))
 
     @property
     def reads_every_entry(self) -> bool:
@@ -441,42 +467,44 @@ class KeepKVMerge(ZipMerge):
         logits [B, H_kv, g, r, S]: their q·k·scaling against the layer's keys, if the attention
         computed them (else computed here). Row r' of r gets weight (1 - α) α^(r-1-r'); the old
         state decays by α^r. A row scores only the live entries at or before its position (causal,
-        padding excluded); a kept prompt's entries stay unscored (``LayerStore.overwrite``).
+        padding excluded); a kept prompt's entries stay unscored (``LayerStore.overwrite``). A slot
+        that holds no entry keeps whatever it held: every reader masks it (:meth:`ranking_scores`),
+        and an entry that takes the slot brings its own (an append: the fill).
         """
         rows = queries.shape[3]
-        live = layer.live()
         if logits is None:  # a prefill or a refresh computes its own window's logits
             logits = scaled_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
         log_fresh = math.log1p(-self.alpha)
         decay = rows * math.log(self.alpha)
-        if rows == 1:  # a decode step: the newest query sees every live entry
-            visible = live[:, :, None, :]  # [B, H_kv, 1, S]
-        else:
+        visible = None  # a decode step: the newest query sees every live entry, and the bias hides the rest
+        if rows > 1:
             key_pos = layer.positions[:, :, None, :]  # [B, H_kv, 1, S]
-            visible = live[:, :, None, :] & (key_pos <= query_pos[:, None, :, None]) & (query_pos >= 0)[:, None, :, None]
+            visible = (layer.live()[:, :, None, :] & (key_pos <= query_pos[:, None, :, None])
+                       & (query_pos >= 0)[:, None, :, None])  # [B, H_kv, r, S]
         scores = logits
         if self.score_norm == "row":
             # ln Z = ln Σ_j p_j s_j of each query row over what it sees: each query then counts
             # equally in the EMA, as in H2O's and SnapKV's sums of attention probabilities.
-            seen = (logits + layer.bias[:, :, None, None]).masked_fill(~visible[:, :, None], NEG_INF)
-            log_z = torch.logsumexp(seen, dim=-1)  # [B, H_kv, g, r]
-            log_z = log_z.where(torch.isfinite(log_z), 0.0)
+            seen = logits + layer.bias[:, :, None, None]  # -inf on empty slots
+            if visible is not None:
+                seen = seen.masked_fill(~visible[:, :, None], NEG_INF)
+            log_z = torch.logsumexp(seen, dim=-1).nan_to_num(0.0, 0.0, 0.0)  # [B, H_kv, g, r]; 0: nothing seen
             scores = logits - log_z[..., None]
             layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see _log_scale
         if rows == 1:
             new_s = scores[:, :, :, 0] + log_fresh
-            new_n = torch.full_like(layer.bias, log_fresh)
+            new_n = self._log_fresh  # the same for every entry: a scalar the update broadcasts
         else:
             ages = torch.arange(rows - 1, -1, -1, device=layer.device, dtype=torch.float32)
             weights = (log_fresh + ages * math.log(self.alpha))[:, None].masked_fill(~visible, NEG_INF)  # [B, H_kv, r, S]
             new_s = torch.logsumexp(weights[:, :, None] + scores, dim=3)  # [B, H_kv, g, S]
             new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
-        # logaddexp on a strided view (the buffers' spare slots) is slow on CPU, so it reads a
-        # contiguous copy (docs/performance.md has the figure); the store writes the result in place.
-        empty = ~live
+        # logaddexp on a strided view (the buffers' spare slots, ln S's [B, H_kv, S, g] order) is slow
+        # on CPU, so it reads contiguous tensors: a [B, H_kv, g, S] copy of ln S, and ln N's sum with the
+        # decay (docs/performance.md has the figure); the store writes the results in place.
         ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S], a view
-        ema_s = torch.logaddexp(ema_s.contiguous() + decay, new_s).masked_fill_(empty[:, :, None], NEG_INF)
-        ema_n = torch.logaddexp(layer.extras["ema_log_n"].contiguous() + decay, new_n).masked_fill_(empty, NEG_INF)
+        ema_s = torch.logaddexp(ema_s.contiguous() + decay, new_s)
+        ema_n = torch.logaddexp(layer.extras["ema_log_n"] + decay, new_n)
         layer.overwrite(ema_log_s=ema_s.permute(0, 1, 3, 2), ema_log_n=ema_n)
         return logits
 
@@ -516,7 +544,7 @@ class KeepKVMerge(ZipMerge):
         else:  # a prompt's end: its last query's row of the logits the EMA started from
             window = min(self.window, stats.query.shape[3])
             logits = scaled_logits(stats.query[:, :, :, -window:], layer.keys, stats.scaling)[:, :, :, -1]
-        heads = logits.masked_fill(~layer.live()[:, :, None], NEG_INF)
+        heads = logits.where(layer.live()[:, :, None], NEG_INF)
         return LogScores(heads, pool_log_scores(heads, layer.bias))
 
     def merge_before_eviction(self, layer, plan: EvictionPlan, stats: StepStats) -> StepStats | None:
@@ -581,15 +609,14 @@ class KeepKVMerge(ZipMerge):
             order, merge = slots_of(merge, int(merge.sum(-1).max()))
             src, dst = src.gather(-1, order), dst.gather(-1, order)
         if merge.shape[-1] == 0:  # nothing merges: every evicted entry's votes are lost
-            layer.state["lost_votes"] += (layer.bias.gather(-1, plan.evict_idx).exp() * plan.evict_valid).sum(-1)
+            _count_lost_votes(layer, plan, plan.evict_valid)
             return
         rows = zip_rows_with_ema(
             layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], src, dst, merge, weights,
             ema.heads, stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale, *self.gates(),
         )
         merged = rows.merge if order is None else torch.zeros_like(plan.evict_valid).scatter_(-1, order, rows.merge)
-        dropped = plan.evict_valid & ~merged
-        layer.state["lost_votes"] += (layer.bias.gather(-1, plan.evict_idx).exp() * dropped).sum(-1)
+        _count_lost_votes(layer, plan, plan.evict_valid ^ merged)  # evict_valid & ~merged: only a valid entry merges
         layer.merge_into(rows)
 
     # -- periodic refresh --------------------------------------------------------------------
