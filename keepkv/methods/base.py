@@ -712,24 +712,6 @@ class EvictionPlan:
         """[B, H_kv, S] bool: the entries the selection keeps whatever their scores (priority +inf)."""
         return self.priority == math.inf
 
-    def top_kept(self, share: float) -> torch.Tensor:
-        """[B, H_kv, S] bool: the ceil(share · n) highest-ranked of the n kept entries that the
-        selection ranked by score (its own protected entries, priority +inf, are not counted);
-        equal priorities rank in slot order, as a stable sort would.
-
-        Not a sort of S: a top-k of the n - ceil(share · n) lowest-ranked, the few that are left
-        out, over keys that order the entries exactly as that stable sort (:func:`rank_keys`).
-        """
-        scored = self.kept & torch.isfinite(self.priority)
-        size = scored.shape[-1]
-        scored_count = scored.sum(-1, keepdim=True)
-        left_out = scored_count - (scored_count * share).ceil().long()  # [B, H_kv, 1]
-        most_left_out = min(size, size - math.floor(share * size))  # a bound on every row's, known on the host
-        keys = rank_keys(self.priority).masked_fill(~scored, torch.iinfo(torch.int64).max)
-        lowest = keys.topk(most_left_out, dim=-1, largest=False).indices
-        is_left_out = torch.arange(most_left_out, device=keys.device) < left_out
-        return scored & ~torch.zeros_like(scored).scatter_(-1, lowest, is_left_out)
-
     @functools.cached_property
     def _keep_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         return slots_of(self.kept, self.slots)
