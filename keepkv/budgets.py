@@ -7,7 +7,7 @@ how many entries a layer holds while it decodes.
   (:func:`fit_to_prompt`);
 - the decode schedule: a layer compresses every ``interval`` decode steps down to its budget less
   interval - 1 entries, so that it never holds more than its budget between steps
-  (:func:`compression_target`, :func:`held_entries`, :func:`capacity_bound`).
+  (``keepkv.step.LayerStep.set_budget``, :func:`held_entries`, :func:`capacity_bound`).
 
 The cache (keepkv.cache), a serving scheduler (``capacity_bound``) and the paged adapter
 (keepkv.paged) all read these functions.
@@ -174,24 +174,17 @@ def prompt_budgets(
 def decode_interval(interval: int, budgets: torch.Tensor, frozen: torch.Tensor | None = None) -> int:
     """Every how many decode steps a cache of budgets ``budgets`` [L, B, H_kv] compresses: the
     method's ``interval``, but no more than its smallest budget (beyond a kept prompt, ``frozen``
-    [B]), so that :func:`compression_target` keeps at least one entry. One host read: at a
+    [B]), so that a compression keeps at least one entry (``LayerStep.set_budget``: budget -
+    (interval - 1)). One host read: at a
     prompt's end, never in a decode step."""
     open_budget = budgets if frozen is None else budgets - frozen[:, None].to(budgets.device)
     return max(1, min(interval, int(open_budget.min())))
 
 
-def compression_target(budget: torch.Tensor, interval: int) -> torch.Tensor:
-    """What a layer of budgets ``budget`` [B, H_kv] keeps after each compression when it compresses
-    every ``interval`` decode steps (:func:`decode_interval`): budget - (interval - 1), so that it
-    never holds more than its budget between steps; the interval's appends bring it to its budget
-    + 1 at the attention call that compresses, the peak of interval 1."""
-    return budget - (interval - 1)
-
-
 def held_entries(kept: int, prompt_length: int, computed: int, interval: int) -> int:
     """Entries a layer of budget ``kept`` holds per head after ``computed`` tokens (prompt
     included), between attention calls: min(P + t, kept - (interval - 1) + t mod interval) after
-    t decode steps (:func:`compression_target`: it compresses every ``interval`` steps, to
+    t decode steps (``keepkv.step.LayerStep.set_budget``: it compresses every ``interval`` steps, to
     ``interval`` - 1 below its budget). A prompt no longer than that target is left whole."""
     decoded = computed - prompt_length
     return min(computed, kept - (interval - 1) + decoded % interval)
@@ -202,7 +195,7 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config, keep
     the model runs: what a serving scheduler must reserve (``docs/serving.md``).
 
     A layer compresses every ``interval`` steps to ``interval`` - 1 below its budget
-    (:func:`compression_target`): budget + 1 at the attention call that compresses, whatever the
+    (``keepkv.step.LayerStep.set_budget``): budget + 1 at the attention call that compresses, whatever the
     interval. The prefill holds the
     layer's whole prompt once; that peak is the prefill's reservation, not this bound. Layer
     budgets drawn from the prompt's attention (D2O) are bounded by the prompt. None: the method

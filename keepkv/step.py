@@ -27,7 +27,6 @@ from dataclasses import replace
 
 import torch
 
-from .budgets import compression_target
 from .fused import CompiledStep, method_step
 
 DECODING = ("compress", "append", "keep_prompt")
@@ -61,7 +60,7 @@ class LayerStep:
         lengths), or is left to grow (``decoding="append"``). ``stats``: the prompt's statistics,
         which the compression may read. ``interval``: the cache's decode steps between compressions
         (:func:`keepkv.budgets.decode_interval`); the layer keeps interval - 1 fewer after each
-        (:func:`keepkv.budgets.compression_target`), so it never holds more than its budget between
+        (:meth:`set_budget`), so it never holds more than its budget between
         steps, and its buffers have the room of interval 1."""
         layer.reserve(None)
         if budget is not None and self.decoding != "append":
@@ -78,8 +77,11 @@ class LayerStep:
     def set_budget(layer, budget: torch.Tensor, row_budget: torch.Tensor | None, frozen: torch.Tensor | None,
                    interval: int) -> None:
         """Give ``layer`` its budgets [B, H_kv] (the most each row and head may hold between steps)
-        as a layer decoding every ``interval`` steps keeps them: interval - 1 below."""
-        layer.set_budget(compression_target(budget, interval), row_budget, frozen, interval)
+        as a layer decoding every ``interval`` steps keeps them: each compression keeps
+        budget - (interval - 1), so the interval's appends bring it back to its budget, and to
+        budget + 1 at the attention call that compresses, the peak of interval 1
+        (``interval``: :func:`keepkv.budgets.decode_interval`)."""
+        layer.set_budget(budget - (interval - 1), row_budget, frozen, interval)
 
     def compresses(self, layer) -> bool:
         """Whether the decode step now running compresses the layer: it has a budget, decoding

@@ -100,7 +100,7 @@ class LayerStore(CacheLayerMixin):
     ``budget`` [B, H_kv]: entries each row and head keeps after a compression (None: unlimited),
     with ``capacity`` and ``min_budget`` its largest and smallest entry (``set_budget``);
     ``interval``: the decode steps between compressions, so that between steps a row and head
-    holds at most ``bound`` = budget + interval - 1 entries (:func:`keepkv.budgets.compression_target`);
+    holds at most ``bound`` = budget + interval - 1 entries (:meth:`keepkv.step.LayerStep.set_budget`);
     ``row_budget`` [B]: each row's mean budget over the layers (what a method's recent window is
     a share of);
     ``frozen`` [B] or None: each row's prompt length when its prompt is kept whole

@@ -206,7 +206,7 @@ class Method:
     interval : int
         During decoding, compress once every ``interval`` new tokens, each time to
         ``interval - 1`` below the budget, so that a layer never holds more than its budget
-        between steps (:func:`keepkv.budgets.compression_target`).
+        between steps (:meth:`keepkv.step.LayerStep.set_budget`).
     """
 
     name: ClassVar[str] = ""

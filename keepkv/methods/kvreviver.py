@@ -357,7 +357,7 @@ class KVReviver(Method):
     def min_budget(self) -> int:
         """Smallest budget whose exact part holds the sinks plus one recent token
         (for this and every larger budget), once a compression every ``interval`` steps keeps
-        interval - 1 below it (:func:`keepkv.budgets.compression_target`)."""
+        interval - 1 below it (:meth:`keepkv.step.LayerStep.set_budget`)."""
         need = self.sinks + 1
         if self.vague_share == 0:
             return need + self.interval - 1
