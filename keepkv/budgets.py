@@ -175,8 +175,7 @@ def decode_interval(interval: int, budgets: torch.Tensor, frozen: torch.Tensor |
     """Every how many decode steps a cache of budgets ``budgets`` [L, B, H_kv] compresses: the
     method's ``interval``, but no more than its smallest budget (beyond a kept prompt, ``frozen``
     [B]), so that a compression keeps at least one entry (``LayerStep.set_budget``: budget -
-    (interval - 1)). One host read: at a
-    prompt's end, never in a decode step."""
+    (interval - 1)). One host read: at a prompt's end, never in a decode step."""
     open_budget = budgets if frozen is None else budgets - frozen[:, None].to(budgets.device)
     return max(1, min(interval, int(open_budget.min())))
 
@@ -195,9 +194,9 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config, keep
     the model runs: what a serving scheduler must reserve (``docs/serving.md``).
 
     A layer compresses every ``interval`` steps to ``interval`` - 1 below its budget
-    (``keepkv.step.LayerStep.set_budget``): budget + 1 at the attention call that compresses, whatever the
-    interval. The prefill holds the
-    layer's whole prompt once; that peak is the prefill's reservation, not this bound. Layer
+    (``keepkv.step.LayerStep.set_budget``): budget + 1 at the attention call that compresses,
+    whatever the interval. The prefill holds the layer's whole prompt once; that peak is the
+    prefill's reservation, not this bound. Layer
     budgets drawn from the prompt's attention (D2O) are bounded by the prompt. None: the method
     never compresses (``full``), and the request grows with every token.
 

@@ -60,8 +60,8 @@ class LayerStep:
         lengths), or is left to grow (``decoding="append"``). ``stats``: the prompt's statistics,
         which the compression may read. ``interval``: the cache's decode steps between compressions
         (:func:`keepkv.budgets.decode_interval`); the layer keeps interval - 1 fewer after each
-        (:meth:`set_budget`), so it never holds more than its budget between
-        steps, and its buffers have the room of interval 1."""
+        (:meth:`set_budget`), so it never holds more than its budget between steps, and its
+        buffers have the room of interval 1."""
         layer.reserve(None)
         if budget is not None and self.decoding != "append":
             self.set_budget(layer, budget, row_budget, frozen, interval)
