@@ -44,6 +44,7 @@ from .budgets import (MAX_BUDGET, capacity_bound, check_keep_prompt, decode_inte
                       validate_budget)
 from .methods import METHODS, get_method
 from .methods.base import ComposedMethod, serving_refusal, served_names
+from .kernels.paged import PagedGeometry, numba_available, numba_threads, paged_decode
 from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
 from .step import LayerStep
 from .store import LayerStore
@@ -457,7 +458,7 @@ class PagedCompression:
         if self.keeps_everything:  # budget 1.0: the full cache, attended in place
             with _threads(STEP_THREADS):
                 self._write_new(planes, layout, batch, plan, key, value, layer)
-            self._attend(planes, layout, batch, plan, query, scaling, layer, output)
+            self._attend(planes, layout, batch, plan, query, scaling, layer, output, kv_cache)
             return output
         for row in plan.closing:  # a prompt read in chunks, whole now: compressed before its first decode token
             with _threads(PROMPT_THREADS):
@@ -468,7 +469,7 @@ class PagedCompression:
         if plan.attending:
             with _threads(STEP_THREADS):  # a few small writes: the new tokens' slots and words
                 self._write_new(planes, layout, batch, plan, key, value, layer)
-            self._attend(planes, layout, batch, plan, query, scaling, layer, output)
+            self._attend(planes, layout, batch, plan, query, scaling, layer, output, kv_cache)
         for rows in plan.prompts_ending:  # a whole prompt within its budget, attended in place: its statistics
             with _threads(PROMPT_THREADS):
                 self._close(planes, layout, batch, plan, rows, scaling, layer, new=(query, key, value))
@@ -503,9 +504,7 @@ class PagedCompression:
     def _layered(self) -> bool:
         """Whether the layers may keep budgets of their own: the selection allocates them (PyramidKV,
         KeepKV's EMA selection); a kept prompt's budgets are the same in every layer."""
-        from .methods.base import Selection
-
-        return not self.keep_prompt and type(self.method.selection).allocate is not Selection.allocate
+        return not self.keep_prompt and self.method.selection.layered
 
     def _held(self, batch: PagedBatch, row: int, layer: int, after: bool) -> int:
         phase, done, length = batch.phases[row], batch.computed[row], batch.query_lengths[row]
@@ -526,30 +525,50 @@ class PagedCompression:
         keys_plane, values_plane, words = planes
         new_keys = key if tokens is None else key.index_select(0, tokens)
         new_values = value if tokens is None else value.index_select(0, tokens)
-        self.kernel.write(keys_plane, values_plane, layout.key_rows(new_keys, None, 1.0),
-                          layout.padded(new_values), slots)
+        self.kernel.write(keys_plane, values_plane, new_keys, new_values, slots)
         index = plan.word_rows(layout, slots)  # [N, H_kv, M]
         fresh = plan.fresh_words(self, layout, positions)  # [N, H_kv, M]
         words.index_put_((index,), fresh)
 
-    def _attend(self, planes, layout: PagedLayout, batch, plan, query, scaling: float, layer: int, output) -> None:
-        """Every attending row in one call of the engine's kernel, over its slots."""
-        call = plan.kernel_call(self, batch, layer, layout, query.shape[1])
-        rows_query = query if call.tokens is None else query.index_select(0, call.tokens)
-        keys_plane, values_plane, _ = planes
-        padded = layout.padded(rows_query, ones=True)
-        if layout.key_dim == layout.head_dim and call.tokens is None and output.is_contiguous():
-            self.kernel.attend(padded, keys_plane, values_plane, call.block_table, call.query_start_loc,
-                               call.seq_lens, call.plan, scaling, output)
-            return
-        attended = padded.new_empty(padded.shape)
-        self.kernel.attend(padded, keys_plane, values_plane, call.block_table, call.query_start_loc, call.seq_lens,
-                           call.plan, scaling, attended)
-        attended = attended[..., : layout.head_dim]
-        if call.tokens is None:
-            output.copy_(attended)
-        else:
-            output.index_copy_(0, call.tokens, attended)
+    def _attend(self, planes, layout: PagedLayout, batch, plan, query, scaling: float, layer: int, output,
+                kv_cache) -> None:
+        """Every attending row, over its slots, in place: a biased method's decoding rows that were
+        compressed through keepkv's paged kernel (their votes are a bias the engine's kernel cannot
+        add; it hands back the step's statistics as well), the rest, whose entries carry no votes,
+        in one call of the engine's kernel (a request under its budget is attended as stock's)."""
+        ours = plan.voted(self, batch, layer) if layout.biased else ()
+        engine_rows = plan.attending if not ours else [row for row in plan.attending if row not in ours]
+        if engine_rows:
+            call = plan.kernel_call(self, batch, layer, layout, query.shape[1], engine_rows)
+            keys_plane, values_plane, _ = planes
+            if call.tokens is None and output.is_contiguous():
+                self.kernel.attend(query, keys_plane, values_plane, call.block_table, call.query_start_loc,
+                                   call.seq_lens, call.plan, scaling, output)
+            else:
+                rows_query = query if call.tokens is None else query.index_select(0, call.tokens)
+                attended = rows_query.new_empty(rows_query.shape)
+                self.kernel.attend(rows_query, keys_plane, values_plane, call.block_table, call.query_start_loc,
+                                   call.seq_lens, call.plan, scaling, attended)
+                output.index_copy_(0, call.tokens, attended)
+        if ours:
+            self._attend_decoding(kv_cache, layout, batch, plan, query, scaling, layer, output)
+
+    def _attend_decoding(self, kv_cache, layout: PagedLayout, batch, plan, query, scaling: float, layer: int,
+                         output) -> None:
+        """The decoding rows through keepkv's paged kernel (:func:`keepkv.kernels.paged.paged_decode`),
+        with each entry's bias; when rows compress this step, the method's statistics of the step's
+        query come back from the same pass (:meth:`_decode_stats` reads them)."""
+        rows = plan.voted(self, batch, layer)
+        call = plan.decode_call(self, batch, rows, layer, layout)
+        needs = self.method.needs(False)
+        want = bool(plan.compressing) and self.method.interval == 1
+        out, probs, logits = paged_decode(query.index_select(0, call.tokens), kv_cache, call.block_table,
+                                          call.seq_lens, scaling, call.geometry, max_len=call.max_len,
+                                          probs=want and needs.probs, logits=want and needs.logits,
+                                          backend=_decode_backend(query.device))
+        output.index_copy_(0, call.tokens, out)
+        if want:
+            plan.cache["stats", layer] = (rows, probs, logits)
 
     # -- prompts ---------------------------------------------------------------------------------
     def _prompt_stats(self, query_g: torch.Tensor, store: LayerStore, scaling: float) -> StepStats:
@@ -725,6 +744,10 @@ class PagedCompression:
         if not self._query_rows:
             return StepStats(query=group_queries(query.index_select(0, tokens)[:, :, None], layout.kv_heads),
                              scaling=scaling, is_prefill=False)
+        attended, *stats = plan.cache.get(("stats", layer), ((),))
+        if store.interval == 1 and set(rows) <= set(attended):  # the kernel's pass gave them
+            return self._kernel_stats(stats, plan.index_among(attended, rows), store, query.index_select(0, tokens),
+                                      scaling, layout, prompt)
         slab_rows = torch.tensor([self._rows[batch.first_block[r]] for r in rows], device=query.device)
         # [R, N, H, D], oldest first: the store's interval N, at most the method's (a small budget's is less)
         queries = self._queries[layer].index_select(0, slab_rows)[:, : store.interval]
@@ -741,6 +764,29 @@ class PagedCompression:
             probs = softmax_probs(biased)  # a kept prompt's entries are not in the store: keepkv.step.generated_share
         return StepStats(query=query_g, scaling=scaling, is_prefill=False, probs=probs,
                          logits=logits if needs.logits else None)
+
+    @staticmethod
+    def _kernel_stats(stats, index, store: LayerStore, query, scaling: float, layout, prompt: int) -> StepStats:
+        """The statistics of the step's query (the store's interval is 1) from keepkv's paged kernel:
+        ``stats`` (probs, logits) [R_decoding, H_kv, g, max_len] over each row's slots; ``index``
+        [R] picks the compressing rows. A store past a kept prompt (``prompt`` > 0) takes its
+        slots and the probabilities among them (:func:`keepkv.step.generated_share`), as the
+        second pass computes them."""
+        size = store.keys.shape[2]
+
+        def rows_of(tensor, fill):
+            if tensor is None:
+                return None
+            picked = tensor.index_select(0, index)[..., prompt : prompt + size]
+            if picked.shape[-1] < size:
+                picked = torch.nn.functional.pad(picked, (0, size - picked.shape[-1]), value=fill)
+            return picked[:, :, :, None]  # [R, H_kv, g, 1, S]
+
+        probs, logits = rows_of(stats[0], 0.0), rows_of(stats[1], NEG_INF)
+        if probs is not None and prompt:
+            probs = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+        return StepStats(query=group_queries(query[:, :, None], layout.kv_heads), scaling=scaling, is_prefill=False,
+                         probs=probs, logits=logits)
 
     # -- reading and writing a request's slots ----------------------------------------------------
     def _gather(self, planes, layout: PagedLayout, batch, plan, rows: list[int], sizes: tuple, layer: int,
@@ -787,9 +833,9 @@ class PagedCompression:
         with torch.inference_mode(False):  # the store's buffers are normal tensors (LayerStore._new_buffer)
             for plane, order in ((keys_plane, key_order), *(((values_plane, value_order),) if values else ())):
                 entries = layout.unpack(plane.index_select(0, blocks.flatten()), order)  # [R·n, H_kv, bs, Dk]
-                entries = entries.view(len(rows), count, layout.kv_heads, width, layout.key_dim).transpose(1, 2)
-                entries = entries.reshape(len(rows), layout.kv_heads, count * width, layout.key_dim)
-                read.append(entries[:, :, first % width : first % width + size, : layout.head_dim])
+                entries = entries.view(len(rows), count, layout.kv_heads, width, layout.head_dim).transpose(1, 2)
+                entries = entries.reshape(len(rows), layout.kv_heads, count * width, layout.head_dim)
+                read.append(entries[:, :, first % width : first % width + size])
         return read[0], read[1] if values else None
 
     def _write_back(self, planes, layout: PagedLayout, batch, plan, rows, store: LayerStore, sizes: tuple,
@@ -841,9 +887,7 @@ class PagedCompression:
             take = source[row_index, :, slot_index - first]  # [N, H_kv]
             picked_keys = store.keys[row_index[:, None], torch.arange(kv_heads)[None, :], take]  # [N, H_kv, D]
             picked_values = store.values[row_index[:, None], torch.arange(kv_heads)[None, :], take]
-            picked_bias = store.bias[row_index[:, None], torch.arange(kv_heads)[None, :], take] if layout.biased else None
-            self.kernel.write(keys_plane, values_plane, layout.key_rows(picked_keys, picked_bias, scaling),
-                              layout.padded(picked_values), flat)
+            self.kernel.write(keys_plane, values_plane, picked_keys, picked_values, flat)
         # Words of every writable slot: position, bias, extras (scores change everywhere).
         row_index, head_index, slot_index = writable.nonzero(as_tuple=True)
         if row_index.numel():
@@ -930,7 +974,10 @@ class PagedCompression:
 
 @functools.lru_cache(maxsize=64)
 def _layout(kernel, block_size, kv_heads, head_dim, dtype, biased, words) -> PagedLayout:
-    return PagedLayout(block_size, kv_heads, head_dim, kernel.key_dim(head_dim, biased), words, dtype, biased)
+    layout = PagedLayout(block_size, kv_heads, head_dim, words, dtype, biased)
+    if biased:  # keepkv's kernel must read the engine's packing: refused here, before any request
+        layout.geometry(*kernel.orders(block_size, head_dim, dtype))
+    return layout
 
 
 @dataclass
@@ -943,6 +990,18 @@ class _KernelCall:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     plan: object
+
+
+@dataclass
+class _DecodeCall:
+    """keepkv's paged kernel's call over decoding rows (their tokens in the step, block table and
+    lengths on the step's device, the longest length, where an entry lives)."""
+
+    tokens: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    max_len: int
+    geometry: PagedGeometry
 
 
 @dataclass
@@ -1011,7 +1070,7 @@ class _StepPlan:
     def orders(self, kernel, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor]:
         key = ("orders", layout)
         if key not in self.cache:
-            self.cache[key] = kernel.orders(layout.block_size, layout.key_dim, layout.dtype)
+            self.cache[key] = kernel.orders(layout.block_size, layout.head_dim, layout.dtype)
         return self.cache[key]
 
     def starts(self, paged: PagedCompression, batch: PagedBatch, rows: list[int]) -> tuple:
@@ -1081,19 +1140,64 @@ class _StepPlan:
         return words[:, None].expand(-1, layout.kv_heads, -1)
 
     def kernel_call(self, paged: PagedCompression, batch: PagedBatch, layer: int, layout: PagedLayout,
-                    num_heads: int) -> _KernelCall:
-        sizes = paged._sizes(batch, self.attending, layer, "written")
-        key = ("call", sizes, layout.key_dim)
+                    num_heads: int, rows: list[int]) -> _KernelCall:
+        """The engine kernel's call over ``rows`` (attending rows, in step order)."""
+        sizes = paged._sizes(batch, rows, layer, "written")
+        key = ("call", tuple(rows), sizes)
         if key not in self.cache:
-            lengths = [batch.query_lengths[r] for r in self.attending]
+            lengths = [batch.query_lengths[r] for r in rows]
             starts = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-            every = len(self.attending) == len(batch.phases)
             tokens = None
-            if not every:
-                tokens = torch.cat([torch.arange(batch.query_start[r], batch.query_start[r + 1]) for r in self.attending])
+            if len(rows) != len(batch.phases):
+                tokens = torch.cat([torch.arange(batch.query_start[r], batch.query_start[r + 1]) for r in rows])
                 tokens = tokens.to(self.decode_tokens.device)
             seq_lens = torch.tensor(sizes, dtype=torch.int32)
-            table = batch.block_table[self.attending].to(torch.int32)
+            table = batch.block_table[rows].to(torch.int32)
             plan = paged.kernel.plan(starts, seq_lens, num_heads, layout)
             self.cache[key] = _KernelCall(tokens, starts, seq_lens, table, plan)
         return self.cache[key]
+
+    def voted(self, paged: PagedCompression, batch: PagedBatch, layer: int) -> tuple[int, ...]:
+        """The decoding rows that layer ``layer`` of a request has compressed (it holds fewer entries
+        than it has seen): the only ones whose entries may carry votes. A request never compressed
+        holds every token, unmerged."""
+        key = ("voted", layer if paged._layered else 0)
+        if key not in self.cache:
+            sizes = paged._sizes(batch, self.decoding, layer, "written")
+            self.cache[key] = tuple(row for row, size in zip(self.decoding, sizes) if size < batch.computed[row] + 1)
+        return self.cache[key]
+
+    def decode_call(self, paged: PagedCompression, batch: PagedBatch, rows: tuple, layer: int,
+                    layout: PagedLayout) -> _DecodeCall:
+        """keepkv's paged kernel's call over decoding ``rows``."""
+        sizes = paged._sizes(batch, rows, layer, "written")
+        key = ("decode", rows, sizes, layout)
+        if key not in self.cache:
+            device = self.decode_tokens.device
+            tokens = torch.tensor([batch.query_start[r] for r in rows], device=device)
+            table = batch.block_table[list(rows)].to(device=device, dtype=torch.int32)
+            seq_lens = torch.tensor(sizes, dtype=torch.int32, device=device)
+            self.cache[key] = _DecodeCall(tokens, table, seq_lens, max(sizes),
+                                          layout.geometry(*self.orders(paged.kernel, layout)))
+        return self.cache[key]
+
+    def index_among(self, attended: tuple, rows: list[int]) -> torch.Tensor:
+        """[R] where ``rows`` are among ``attended`` (rows of one kernel call)."""
+        key = ("index", attended, tuple(rows))
+        if key not in self.cache:
+            where = {row: index for index, row in enumerate(attended)}
+            self.cache[key] = torch.tensor([where[row] for row in rows], device=self.decode_tokens.device)
+        return self.cache[key]
+
+
+@functools.lru_cache(maxsize=4)
+def _decode_backend(device: torch.device) -> str:
+    """The backend of keepkv's paged kernel on ``device``: Triton on CUDA; Numba on CPU where it is
+    installed (the "test" and "vllm" extras bring it), else the torch reference (correct, slower).
+    Numba runs on as many threads as torch's intra-op pool (the engine's)."""
+    if device.type == "cuda":
+        return "triton"
+    if not numba_available():
+        return "torch"
+    numba_threads(torch.get_num_threads())
+    return "numba"

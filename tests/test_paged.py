@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 import keepkv.paged as paged_module
 from keepkv import CompressedCache
 from keepkv.budgets import budget_floor, row_budgets
+from keepkv.methods import SELECTIONS
 from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression, rank_config
 from keepkv.step import LayerStep
 
@@ -276,7 +277,7 @@ def held_slots(engine, request, computed: int | None = None):
     held = paged.stored(engine.prompt[request], done)
     layout = paged.layout(BLOCK, KV_HEADS, HEAD_DIM, engine.kv_cache.dtype)
     keys_plane, values_plane, words = layout.planes(engine.kv_cache)
-    key_order, value_order = paged.kernel.orders(BLOCK, layout.key_dim, layout.dtype)
+    key_order, value_order = paged.kernel.orders(BLOCK, layout.head_dim, layout.dtype)
     slot = torch.arange(held)
     blocks = torch.tensor(engine.tables[request])[slot // BLOCK]
     heads = torch.arange(KV_HEADS)[:, None]
@@ -429,6 +430,24 @@ def test_rejects_what_it_cannot_serve():
         PagedCompression(CONFIG, "snapkv", 0.5, chunked=True).batch([0, 5], [5], torch.ones(1, 2, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("name", sorted(SELECTIONS))
+def test_a_selection_not_declared_layered_gives_every_layer_the_rows_budget(name):
+    """The paged adapter sizes a request once for every layer unless its selection declares
+    ``layered`` budgets: an undeclared one's allocate gives each layer the row's budget, and the
+    served ones that declare it do give layers budgets of their own."""
+    selection = SELECTIONS[name]()
+    row_budget, prompts = torch.tensor([40, 97, 300]), torch.tensor([400, 500, 900])
+    if selection.allocates_from_all_layers:  # D2O: every layer's prompt statistics
+        assert selection.layered
+        return
+    budgets = selection.allocate(6, 2, row_budget, prompts)
+    uniform = bool((budgets == budgets[:1]).all())
+    if not selection.layered:
+        assert uniform and bool((budgets[0] == row_budget[:, None]).all())
+    elif selection.served:
+        assert not uniform
+
+
 @pytest.mark.parametrize("method", ["snapkv", "pyramidkv+window=2", "keepkv"])
 def test_a_step_builds_its_plan_once_for_every_layer(method, monkeypatch):
     """One engine step over every layer of the model: the step's plan (its rows by phase, slots,
@@ -447,6 +466,8 @@ def test_a_step_builds_its_plan_once_for_every_layer(method, monkeypatch):
                         classmethod(lambda cls, *a: built.append(a[1]) or original_build(cls, *a)))
     plan = paged.kernel.plan
     monkeypatch.setattr(paged.kernel, "plan", lambda start, lens, *a: plans.append(tuple(lens.tolist())) or plan(start, lens, *a))
+    decode, calls = paged_module.paged_decode, []  # keepkv's decoding rows: keepkv's paged kernel
+    monkeypatch.setattr(paged_module, "paged_decode", lambda *a, **k: calls.append(a[3]) or decode(*a, **k))
     engine = caches[0]
     new = {0: tokens(generator, 1), 1: tokens(generator, 1)}
     width = max(len(engine.tables[r]) for r in (0, 1))
@@ -457,7 +478,12 @@ def test_a_step_builds_its_plan_once_for_every_layer(method, monkeypatch):
         each.paged.forward(each.kv_cache, query, key, value, batch, SCALING, layer)
     assert built == [batch]  # one plan, built once
     sizes = {tuple(paged.stored(p, c, layer) + 1 for p, c in ((39, 39), (6, 6))) for layer in range(3)}
-    assert sorted(plans) == sorted(sizes)  # one kernel shape per distinct sizes
+    if paged.biased:  # the compressed request goes to keepkv's kernel, the other (6 tokens, under its budget) to
+        # the engine's: each call built once
+        assert sizes == {(17, 7)} and sorted(plans) == [(7,)] and len(calls) == CONFIG.num_hidden_layers
+        assert len({id(lens) for lens in calls}) == 1 and calls[0].tolist() == [17]
+    else:
+        assert sorted(plans) == sorted(sizes)  # one kernel shape per distinct sizes
     assert (len(sizes) > 1) == method.startswith("pyramidkv")
 
 

@@ -1,6 +1,6 @@
 """The engine's kernel reads keepkv's blocks in place: entries with votes (a logit bias) attended
-exactly through the key's bias words, requests decoded through the engine's own kernel as alone
-in a CompressedCache, and no decode step that does not compress copies a request's cache.
+exactly by keepkv's paged kernel over the same planes, requests decoded through the kernels as
+alone in a CompressedCache, and no decode step that does not compress copies a request's cache.
 
 Every test runs with keepkv's reference kernel (plain torch) and, where vLLM's CPU build is
 installed (the serving venv), with vLLM's own cache write and kernel."""
@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 
 from keepkv import CompressedCache
+from keepkv.kernels.paged import paged_decode
 from keepkv.paged import PagedCompression
 from keepkv.paged_layout import PagedLayout, TorchPagedKernel
 
@@ -40,18 +41,20 @@ MERGING = "keepkv+threshold=-1.0+protect=0+max_value_change=None+min_mass=0"  # 
 @pytest.mark.parametrize("kernel_type", kernels())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_entries_with_votes_attend_as_softmax_with_their_bias(kernel_type, dtype):
-    """A biased layout's keys carry each entry's bias (ln p of its votes, -inf for an empty slot) in
-    two words past D that a query padded with ones adds to its logit: the kernel's output is
-    softmax(q·k·scaling + bias)·v, to 1e-5 in fp32 (bf16: its rounding)."""
+    """A biased layout keeps keys and values at the model's head size, as the engine's cache write
+    packs them, and each entry's bias (ln p of its votes, -inf for an empty slot) in its fp32
+    words; keepkv's paged kernel reads both in place through the layout's geometry: its output is
+    softmax(q·k·scaling + bias)·v, to 1e-5 in fp32 (bf16: its rounding), and a slot costs one fp32
+    word more than an unbiased one."""
     kernel = kernel_type()
     generator = torch.Generator().manual_seed(0)
-    layout = PagedLayout(BLOCK, KV_HEADS, HEAD_DIM, kernel.key_dim(HEAD_DIM, True), 3, dtype, True)
+    layout = PagedLayout(BLOCK, KV_HEADS, HEAD_DIM, 3, dtype, True)
+    assert layout.cell_bytes == PagedLayout(BLOCK, KV_HEADS, HEAD_DIM, 2, dtype, False).cell_bytes + 4
     blocks, lengths = 9, [70, 5, 40]
-    cell = layout.cell_bytes * BLOCK // layout.itemsize
-    kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, cell // BLOCK, generator=generator).to(dtype)
-    keys_plane, values_plane, _ = layout.planes(kv_cache)
+    kv_cache = torch.randn(blocks, KV_HEADS, BLOCK, layout.cell // BLOCK, generator=generator).to(dtype)
+    keys_plane, values_plane, words = layout.planes(kv_cache)
     tables = [[3, 7, 1], [5], [8, 2]]
-    outputs, expected = [], []
+    expected = []
     query = torch.randn(len(lengths), HEADS, HEAD_DIM, generator=generator).to(dtype)
     for row, length in enumerate(lengths):
         keys = torch.randn(length, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
@@ -60,20 +63,19 @@ def test_entries_with_votes_attend_as_softmax_with_their_bias(kernel_type, dtype
         bias[torch.rand(length, KV_HEADS, generator=generator) < 0.2] = float("-inf")  # empty slots, per head
         bias[-1] = 0.0  # the newest entry is live in every head
         slots = torch.tensor([tables[row][j // BLOCK] * BLOCK + j % BLOCK for j in range(length)])
-        kernel.write(keys_plane, values_plane, layout.key_rows(keys, bias, SCALING), layout.padded(values), slots)
+        kernel.write(keys_plane, values_plane, keys, values, slots)
+        index = layout.word_index((slots // BLOCK)[:, None], torch.arange(KV_HEADS)[None, :], (slots % BLOCK)[:, None])
+        words[index + 1] = bias
         grouped = query[row].float().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
         logits = torch.einsum("hgd,shd->hgs", grouped, keys.float()) * SCALING + bias.T[:, None]
         expected.append(torch.einsum("hgs,shd->hgd", logits.softmax(-1), values.float()).reshape(HEADS, HEAD_DIM))
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    starts = torch.arange(len(lengths) + 1, dtype=torch.int32)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    padded = layout.padded(query, ones=True)
-    out = torch.empty_like(padded)
-    kernel.attend(padded, keys_plane, values_plane, table, starts, seq_lens,
-                  kernel.plan(starts, seq_lens, HEADS, layout), SCALING, out)
+    geometry = layout.geometry(*kernel.orders(BLOCK, HEAD_DIM, dtype))
+    out, _, _ = paged_decode(query, kv_cache, table, torch.tensor(lengths, dtype=torch.int32), SCALING, geometry,
+                             max_len=max(lengths))
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out[..., :HEAD_DIM].float(), torch.stack(expected), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out.float(), torch.stack(expected), rtol=tolerance, atol=tolerance)
 
 
 class Engine:

@@ -44,8 +44,9 @@ import xml.etree.ElementTree as ET
 
 import torch
 
-CUDA_TESTS = ["tests/test_cuda.py", "tests/test_decode_kernel.py", "tests/test_gpu_path_on_cpu.py", "tests/test_sketch.py",
-              "tests/test_tensor_parallel.py", "tests/test_contract.py::test_logits_equal_the_reference"]
+CUDA_TESTS = ["tests/test_cuda.py", "tests/test_decode_kernel.py", "tests/test_paged_decode.py",
+              "tests/test_gpu_path_on_cpu.py", "tests/test_sketch.py", "tests/test_tensor_parallel.py",
+              "tests/test_contract.py::test_logits_equal_the_reference"]
 BENCH = [
     "--config", "llama2-7b", "--dtype", "bfloat16", "--methods", "full,h2o,keepkv", "--budget", "0.2",
     "--prompt-len", "4096", "--gen-len", "1024", "--batch", "8", "--repeats", "1", "--warmup", "1",

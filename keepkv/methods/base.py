@@ -388,6 +388,10 @@ class Selection:
     ranks_by_merge_scores: ClassVar[bool] = False
     """Whether ``priority`` ranks by the merge's ``ranking_scores`` (KeepKV's ``ema``): it then pairs
     only with a merge that ``keeps_scores``."""
+    layered: ClassVar[bool] = False
+    """Whether ``allocate`` may give the layers budgets of their own (PyramidKV, ``ema``, KVzip's
+    allocations); otherwise every layer keeps the row's budget. Declared by a class that overrides
+    ``allocate``."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -91,6 +91,7 @@ class VarianceBudgets(AccumulatedAttention):
 
     name = "d2o"
     allocates_from_all_layers = True
+    layered = True
     recent_ratio: float = 0.25
     sinks: int = 4
     allocation: str = "paper"

@@ -253,6 +253,7 @@ class EmaAttention(ScoredSelection):
     """
 
     name = "ema"
+    layered = True
     served = True
     ranks_by_merge_scores = True
     sinks: int = 4

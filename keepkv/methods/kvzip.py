@@ -63,6 +63,7 @@ class ContextReconstruction(ScoredSelection):
 
     name = "kvzip"
     scored = True
+    layered = True
     sinks: int = 4
     window: int = 32
     chunk: int = 2048

@@ -24,6 +24,7 @@ class PyramidBudgets(ObservationWindow):
     """
 
     name = "pyramidkv"
+    layered = True
     served = True
     beta: float = 20.0
 

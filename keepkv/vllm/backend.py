@@ -7,7 +7,9 @@ position and the method's scores), the metadata builder turns each step into a
 :class:`~keepkv.paged.PagedBatch`, and the attention call runs
 :meth:`keepkv.paged.PagedCompression.forward` with :class:`VllmCpuKernel`: vLLM's own cache write
 and kernel over the key and value planes of each block (``keepkv.paged_layout``), so a request
-is attended in place, as stock vLLM attends it. keepkv writes the new entries itself (vLLM's slot
+is attended in place, as stock vLLM attends it; a merging method's decoding requests go to
+keepkv's own paged kernel (:mod:`keepkv.kernels.paged`), which reads the same planes and adds
+each entry's bias from its words. keepkv writes the new entries itself (vLLM's slot
 mapping addresses positions, not compacted slots). With prompts kept whole the builder also reads
 each request's prompt length, which vLLM's model runner hands it (:func:`_hand_prompt_lengths`).
 """
@@ -31,7 +33,6 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ..paged import PagedBatch, PagedCompression, rank_config
-from ..paged_layout import BIAS_WORDS
 from .settings import engine_settings
 from .spec import KeepKVSpec
 
@@ -40,50 +41,42 @@ class VllmCpuKernel:
     """vLLM's CPU attention as the paged adapter's kernel (``keepkv.paged_layout.PagedKernel``):
     its cache write (``cpu_attn_reshape_and_cache``, which packs keys per ISA), its scheduler
     metadata and its kernel (``cpu_attention_with_kv_cache``), over views of the key and value
-    planes, which both take as strided tensors [blocks, H_kv, block_size, Dk]."""
+    planes, which both take as strided tensors [blocks, H_kv, block_size, D]."""
 
     def __init__(self, kv_cache_dtype: str = "auto"):
         self.kv_cache_dtype = kv_cache_dtype
 
-    def key_dim(self, head_dim: int, biased: bool) -> int:
-        if not biased:
-            return head_dim
-        wide = [size for size in CPUAttentionBackend.get_supported_head_sizes() if size >= head_dim + BIAS_WORDS]
-        if not wide:
-            raise ValueError(f"keepkv.vllm: no head size of vLLM's CPU kernel holds {head_dim} + {BIAS_WORDS} bias words")
-        return min(wide)
+    @functools.lru_cache(maxsize=16)
+    def isa(self, dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+        return _get_attn_isa(dtype, block_size, head_dim, self.kv_cache_dtype)
 
     @functools.lru_cache(maxsize=16)
-    def isa(self, dtype: torch.dtype, block_size: int, key_dim: int) -> str:
-        return _get_attn_isa(dtype, block_size, key_dim, self.kv_cache_dtype)
-
-    @functools.lru_cache(maxsize=16)
-    def orders(self, block_size: int, key_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def orders(self, block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the cache write puts element (slot, d) of a block, read off one probe block: each
         slot's index written in every dimension, then each dimension's index in every slot (exact
         in any float dtype up to 256), and the raw planes inverted."""
-        isa = self.isa(dtype, block_size, key_dim)
+        isa = self.isa(dtype, block_size, head_dim)
         slots = torch.arange(block_size)
         found = []
-        for coordinate in (slots[:, None].expand(-1, key_dim), torch.arange(key_dim)[None, :].expand(block_size, -1)):
-            planes = torch.zeros(1, 1, 2, block_size * key_dim, dtype=dtype)
-            keys, values = (planes[:, :, i].unflatten(-1, (block_size, key_dim)) for i in (0, 1))
+        for coordinate in (slots[:, None].expand(-1, head_dim), torch.arange(head_dim)[None, :].expand(block_size, -1)):
+            planes = torch.zeros(1, 1, 2, block_size * head_dim, dtype=dtype)
+            keys, values = (planes[:, :, i].unflatten(-1, (block_size, head_dim)) for i in (0, 1))
             probe = coordinate[:, None, :].to(dtype).contiguous()  # [block_size, 1, Dk]
             ops.cpu_attn_reshape_and_cache(probe, probe, keys, values, slots, isa, kv_cache_dtype=self.kv_cache_dtype)
             found.append(planes[0, 0].long())  # [2, block_size * Dk]: the coordinate at each raw element
         orders = []
         for plane in (0, 1):
-            order = torch.full((block_size, key_dim), -1, dtype=torch.long)
-            order[found[0][plane], found[1][plane]] = torch.arange(block_size * key_dim)
+            order = torch.full((block_size, head_dim), -1, dtype=torch.long)
+            order[found[0][plane], found[1][plane]] = torch.arange(block_size * head_dim)
             if bool((order < 0).any()):
                 raise RuntimeError(f"keepkv.vllm: vLLM's {isa!r} cache write does not place each element of a block once")
             orders.append(order)
         return orders[0], orders[1]
 
     @staticmethod
-    def _caches(keys_plane, values_plane, key_dim: int):
-        block_size = keys_plane.shape[-1] // key_dim
-        return keys_plane.unflatten(-1, (block_size, key_dim)), values_plane.unflatten(-1, (block_size, key_dim)), block_size
+    def _caches(keys_plane, values_plane, head_dim: int):
+        block_size = keys_plane.shape[-1] // head_dim
+        return keys_plane.unflatten(-1, (block_size, head_dim)), values_plane.unflatten(-1, (block_size, head_dim)), block_size
 
     def write(self, keys_plane, values_plane, keys, values, slots) -> None:
         key_cache, value_cache, block_size = self._caches(keys_plane, values_plane, keys.shape[-1])
@@ -93,9 +86,9 @@ class VllmCpuKernel:
 
     def plan(self, query_start_loc, seq_lens, num_heads: int, layout):
         return ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(seq_lens), num_heads=num_heads, num_kv_heads=layout.kv_heads, head_dim=layout.key_dim,
+            num_reqs=len(seq_lens), num_heads=num_heads, num_kv_heads=layout.kv_heads, head_dim=layout.head_dim,
             seq_lens=seq_lens, dtype=layout.dtype, query_start_loc=query_start_loc, causal=True,
-            sliding_window_size=-1, isa=self.isa(layout.dtype, layout.block_size, layout.key_dim),
+            sliding_window_size=-1, isa=self.isa(layout.dtype, layout.block_size, layout.head_dim),
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype,
         )
 
