@@ -575,12 +575,17 @@ class PagedCompression:
         """The statistics the method reads of a whole prompt held in ``store`` (its tokens in
         slot order), from its newest query rows ``query_g`` [1, H_kv, g, r, D]: what a prefill of
         the whole prompt gives for a method that reads only its last rows."""
-        rows = query_g.shape[3]
-        mask = torch.ones(rows, rows, dtype=torch.bool, device=query_g.device).tril()[None, None]
-        query = query_g.flatten(1, 2)
         needs = Needs(window=self.method.needs(True).window)
-        _, stats = attend(query, store.keys, store.values, store.bias, mask, scaling, needs, True, store.binary_bias())
-        return stats
+        return self._prompt_attention(query_g.flatten(1, 2), store, scaling, needs)[1]
+
+    def _prompt_attention(self, query: torch.Tensor, store: LayerStore, scaling: float, needs: Needs | None = None):
+        """keepkv's attention of a prompt's query rows [1, H, q, D], the store's last q entries,
+        causal among them and seeing every entry before them: (output, the statistics ``needs``
+        asks for, by default the method's of a prompt)."""
+        rows = query.shape[2]
+        mask = torch.ones(rows, rows, dtype=torch.bool, device=query.device).tril()[None, None]
+        needs = self.method.needs(True) if needs is None else needs
+        return attend(query, store.keys, store.values, store.bias, mask, scaling, needs, True, store.binary_bias())
 
     def _file_chunk(self, planes, layout, batch, plan, row: int, query, key, value, scaling, layer: int) -> None:
         """A prompt's chunk, attended in place: keep what its close will need (the method's state,
@@ -604,10 +609,7 @@ class PagedCompression:
             self.step.start(store)
         else:
             store.resume(state=before.state)
-        q = stop - start
-        mask = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()[None, None]
-        _, stats = attend(rows_query, store.keys, store.values, store.bias, mask, scaling, self.method.needs(True),
-                          True, store.binary_bias())
+        _, stats = self._prompt_attention(rows_query, store, scaling)
         if before is not None and before.stats is not None:
             stats = join_prefill_stats(before.stats, stats, self.method.needs(True).window)
         stats = StepStats(**{**vars(stats), "query": stats.query[:, :, :, -self._prompt_rows :]})
@@ -637,32 +639,22 @@ class PagedCompression:
             start, stop = batch.query_start[row], batch.query_start[row + 1]
             rows_query = query[start:stop].transpose(0, 1)[None]
             if self._sums_prompt:
-                mask = torch.ones(stop - start, stop - start, dtype=torch.bool, device=query.device).tril()[None, None]
-                _, stats = attend(rows_query, store.keys, store.values, store.bias, mask, scaling,
-                                  self.method.needs(True), True, store.binary_bias())
+                _, stats = self._prompt_attention(rows_query, store, scaling)
             else:
                 stats = self._prompt_stats(group_queries(rows_query[:, :, -self._prompt_rows :], layout.kv_heads),
                                            store, scaling)
         elif prompt is not None and prompt.stats is not None:
             stats = prompt.stats
         elif prompt is not None and prompt.queries is not None and self._sums_prompt:  # a kept prompt's newest rows
-            count = prompt.queries.shape[2]
-            mask = torch.ones(count, count, dtype=torch.bool, device=store.device).tril()[None, None]
-            _, stats = attend(prompt.queries, store.keys, store.values, store.bias, mask, scaling,
-                              self.method.needs(True), True, store.binary_bias())
+            _, stats = self._prompt_attention(prompt.queries, store, scaling)
         elif prompt is not None and prompt.queries is not None:
             stats = self._prompt_stats(group_queries(prompt.queries, layout.kv_heads), store, scaling)
         else:  # a prompt whose every token another request wrote (a whole shared prefix): no query of its own
             stats = StepStats(query=store.keys.new_zeros(1, layout.kv_heads, self._group, 0, layout.head_dim),
                               scaling=scaling, is_prefill=True)
-        self.step.observe_prompt(store, stats)
-        budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
-        before = (store.positions.clone(), store.bias.clone())
-        self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(self, batch, rows))
         after = self._sizes(batch, rows, layer, "after") if new is not None else tuple(
             self.stored(batch.prompt[r], batch.computed[r], layer, batch.closed[r]) - first for r in rows)
-        self._write_back(planes, layout, batch, plan, rows, store, after, before, layer, scaling, first=first)
-        self._file_states(store.state, batch, rows, layer)
+        self._end_prompt(planes, layout, batch, plan, rows, store, stats, after, layer, scaling, first=first)
 
     def _dense_prompt(self, planes, layout, batch, plan, rows, query, key, value, scaling, layer, output) -> None:
         """A whole prompt over its budget, read in one step: its blocks hold only what it keeps, so it
@@ -675,16 +667,21 @@ class PagedCompression:
         store.lazy_initialization(new_keys, new_values)
         self.step.start(store)
         store.append(new_keys, new_values, torch.ones(1, q, dtype=torch.bool, device=key.device))
-        mask = torch.ones(q, q, dtype=torch.bool, device=key.device).tril()[None, None]
-        out, stats = attend(query[start:stop].transpose(0, 1)[None], store.keys, store.values, store.bias, mask,
-                            scaling, self.method.needs(True), True, store.binary_bias())
+        out, stats = self._prompt_attention(query[start:stop].transpose(0, 1)[None], store, scaling)
         output[start:stop] = out[0].to(output.dtype)
+        self._end_prompt(planes, layout, batch, plan, rows, store, stats, self._sizes(batch, rows, layer, "after"),
+                         layer, scaling, everything=True)
+
+    def _end_prompt(self, planes, layout, batch, plan, rows, store: LayerStore, stats: StepStats, sizes: tuple,
+                    layer: int, scaling: float, **where) -> None:
+        """A whole prompt's end (``LayerStep.observe_prompt`` then ``close_prompt``, with the budgets
+        the Hugging Face cache sets), its kept entries written back into its first ``sizes`` slots
+        (``where``: :meth:`_write_back`'s ``everything`` or ``first``) and the method's state filed."""
         self.step.observe_prompt(store, stats)
         budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
         before = (store.positions.clone(), store.bias.clone())
         self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(self, batch, rows))
-        self._write_back(planes, layout, batch, plan, rows, store, self._sizes(batch, rows, layer, "after"),
-                         before, layer, scaling, everything=True)
+        self._write_back(planes, layout, batch, plan, rows, store, sizes, before, layer, scaling, **where)
         self._file_states(store.state, batch, rows, layer)
 
     # -- decoding ---------------------------------------------------------------------------------

@@ -551,3 +551,21 @@ def test_a_prompt_aborted_mid_way_leaves_nothing_behind_for_long(monkeypatch):
         engine.step({1: tokens(generator, 5)})
     filed = {key for key, _ in paged.chunks}
     assert len(paged.chunks) == 1 and filed == {engine.tables[1][0]}  # request 1's own, request 0's gone
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 8), (8, 8)])
+def test_a_keepkv_slot_costs_snapkvs_plus_its_bias_and_ema_words(head_dim, dtype, heads, kv_heads):
+    """keepkv's keys and values are as wide as snapkv's whatever the head size (its votes are read
+    from one fp32 word by keepkv's paged kernel, not carried in wider keys): its slot costs snapkv's
+    plus the bias word and the EMA's g + 1 words per KV head (ln S per query head of the group, ln
+    N), which the Hugging Face cache keeps too."""
+    config = rank_config(LlamaConfig(num_hidden_layers=2, hidden_size=heads * head_dim, num_attention_heads=heads,
+                                     num_key_value_heads=kv_heads),
+                         heads, kv_heads)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    snapkv = PagedCompression(config, "snapkv", 64).content_bytes(head_dim, dtype)
+    keepkv = PagedCompression(config, "keepkv", 64).content_bytes(head_dim, dtype)
+    assert snapkv == 2 * head_dim * itemsize + 4 * 2  # key, value, position and score
+    assert keepkv - snapkv == 4 * (1 + heads // kv_heads + 1)

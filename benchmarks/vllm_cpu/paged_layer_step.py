@@ -46,7 +46,7 @@ def stock_steps(requests: int, prompt: int, steps: int, dtype, generator) -> lis
     times = []
     from keepkv.paged_layout import PagedLayout
 
-    layout = PagedLayout(BLOCK, KV_HEADS, HEAD_DIM, HEAD_DIM, 0, dtype, False)
+    layout = PagedLayout(BLOCK, KV_HEADS, HEAD_DIM, 0, dtype, False)
     for t in range(steps):
         held = prompt + t + 1
         query = torch.randn(requests, HEADS, HEAD_DIM, generator=generator).to(dtype)

@@ -115,8 +115,19 @@ def paged_decode_numba(q, cache, words, table, seq_lens, out, stat_logits, stat_
             keys = _plane(cache, cell_at + keys_at, plane, tile, bits)
             first = b * block_size
             count = min(block_size, length - first)
-            if keys_by_dim:
-                for d in range(head_dim):
+            if keys_by_dim:  # four dimensions per sweep over the slots: a quarter of z's loads and stores
+                quad = head_dim - head_dim % 4
+                for d in range(0, quad, 4):
+                    r0 = keys[d * block_size : d * block_size + count]
+                    r1 = keys[(d + 1) * block_size : (d + 1) * block_size + count]
+                    r2 = keys[(d + 2) * block_size : (d + 2) * block_size + count]
+                    r3 = keys[(d + 3) * block_size : (d + 3) * block_size + count]
+                    for i in range(group):
+                        w0, w1, w2, w3 = qg[i, d], qg[i, d + 1], qg[i, d + 2], qg[i, d + 3]
+                        zi = z[i, first : first + count]
+                        for s in range(count):
+                            zi[s] += w0 * r0[s] + w1 * r1[s] + w2 * r2[s] + w3 * r3[s]
+                for d in range(quad, head_dim):
                     row = keys[d * block_size : d * block_size + count]
                     for i in range(group):
                         weight = qg[i, d]
@@ -172,8 +183,20 @@ def paged_decode_numba(q, cache, words, table, seq_lens, out, stat_logits, stat_
                         for s in range(count):
                             total += z[i, first + s] * row[s]
                         acc[i, d] += total
-            else:
-                for s in range(count):
+            else:  # four slots per sweep over the dimensions: a quarter of acc's loads and stores
+                quad = count - count % 4
+                for s in range(0, quad, 4):
+                    v0 = values[s * head_dim : (s + 1) * head_dim]
+                    v1 = values[(s + 1) * head_dim : (s + 2) * head_dim]
+                    v2 = values[(s + 2) * head_dim : (s + 3) * head_dim]
+                    v3 = values[(s + 3) * head_dim : (s + 4) * head_dim]
+                    for i in range(group):
+                        p0, p1 = z[i, first + s], z[i, first + s + 1]
+                        p2, p3 = z[i, first + s + 2], z[i, first + s + 3]
+                        ai = acc[i]
+                        for d in range(head_dim):
+                            ai[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
+                for s in range(quad, count):
                     value = values[s * head_dim : (s + 1) * head_dim]
                     for i in range(group):
                         weight = z[i, first + s]
