@@ -184,7 +184,7 @@ def _numba_decode(query, kv_cache, block_table, seq_lens, scaling, geometry: Pag
     if kv_cache.dtype == torch.float16:
         raise ValueError("the numba backend reads float32 and bfloat16 caches; got float16")
     try:
-        from .paged_numba import paged_decode_numba
+        from .paged_numba import LOCK, paged_decode_numba
     except ImportError as error:
         raise ImportError('keepkv\'s paged CPU kernel needs Numba: pip install numba (the "test" and "vllm" extras '
                           "bring it)") from error
@@ -199,9 +199,10 @@ def _numba_decode(query, kv_cache, block_table, seq_lens, scaling, geometry: Pag
     stats_shape = (rows, geometry.kv_heads, group, max_len)
     logits_out = torch.full(stats_shape, NEG_INF) if logits else torch.empty(0, 0, 0, 0)
     probs_out = torch.zeros(stats_shape) if probs else torch.empty(0, 0, 0, 0)
-    paged_decode_numba(query.float().contiguous().numpy(), cache, words, block_table.to(torch.int32).numpy(),
-                       seq_lens.to(torch.int32).numpy(), out.numpy(), logits_out.numpy(), probs_out.numpy(),
-                       float(scaling), geometry.kv_heads, head_dim, geometry.block_size, geometry.cell,
-                       geometry.keys_at, geometry.values_at, geometry.keys_by_dim, geometry.values_by_dim,
-                       geometry.words_at, geometry.words, geometry.bias_word, cell_words, logits, probs)
+    with LOCK:
+        paged_decode_numba(query.float().contiguous().numpy(), cache, words, block_table.to(torch.int32).numpy(),
+                           seq_lens.to(torch.int32).numpy(), out.numpy(), logits_out.numpy(), probs_out.numpy(),
+                           float(scaling), geometry.kv_heads, head_dim, geometry.block_size, geometry.cell,
+                           geometry.keys_at, geometry.values_at, geometry.keys_by_dim, geometry.values_by_dim,
+                           geometry.words_at, geometry.words, geometry.bias_word, cell_words, logits, probs)
     return out.to(query.dtype), probs_out if probs else None, logits_out if logits else None

@@ -15,6 +15,9 @@ Triton kernel's statistics):
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numba
 import numpy as np
 from numba.extending import overload
@@ -34,6 +37,14 @@ def _answer_vllms_module_scan() -> None:
 
 
 _answer_vllms_module_scan()
+
+# Numba's own thread pool, never its OpenMP layer: in a vLLM worker (torch's OpenMP threads pinned
+# to cores) Numba's "omp" layer made every torch op after the kernel's first call about twice as
+# slow (docs/record/2026-11-29-paged-kernel.md). The workqueue pool runs one parallel call at a
+# time: concurrent callers take turns (LOCK). NUMBA_THREADING_LAYER, when set, is the user's choice.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
+LOCK = threading.Lock()
 
 
 def set_threads(count: int) -> None:
