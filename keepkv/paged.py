@@ -681,7 +681,7 @@ class PagedCompression:
         budget, mean, frozen = plan.budgets(self, batch, rows, layer, store.device)
         before = (store.positions.clone(), store.bias.clone())
         self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(self, batch, rows))
-        self._write_back(planes, layout, batch, plan, rows, store, sizes, before, layer, scaling, **where)
+        self._write_back(planes, layout, batch, plan, rows, store, sizes, before, layer, **where)
         self._file_states(store.state, batch, rows, layer)
 
     # -- decoding ---------------------------------------------------------------------------------
@@ -727,7 +727,7 @@ class PagedCompression:
         before = (store.positions.clone(), store.bias.clone())
         self.step.decode(store, stats)
         after = tuple(size - first for size in self._sizes(batch, rows, layer, "after"))
-        self._write_back(planes, layout, batch, plan, rows, store, after, before, layer, scaling, first=first)
+        self._write_back(planes, layout, batch, plan, rows, store, after, before, layer, first=first)
         self._file_states(store.state, batch, rows, layer)
 
     def _decode_stats(self, planes, batch, plan, rows, store: LayerStore, query, scaling, layer, layout,
@@ -829,14 +829,14 @@ class PagedCompression:
         read = []
         with torch.inference_mode(False):  # the store's buffers are normal tensors (LayerStore._new_buffer)
             for plane, order in ((keys_plane, key_order), *(((values_plane, value_order),) if values else ())):
-                entries = layout.unpack(plane.index_select(0, blocks.flatten()), order)  # [R·n, H_kv, bs, Dk]
+                entries = layout.unpack(plane.index_select(0, blocks.flatten()), order)  # [R·n, H_kv, bs, D]
                 entries = entries.view(len(rows), count, layout.kv_heads, width, layout.head_dim).transpose(1, 2)
                 entries = entries.reshape(len(rows), layout.kv_heads, count * width, layout.head_dim)
                 read.append(entries[:, :, first % width : first % width + size])
         return read[0], read[1] if values else None
 
     def _write_back(self, planes, layout: PagedLayout, batch, plan, rows, store: LayerStore, sizes: tuple,
-                    before: tuple[torch.Tensor, torch.Tensor], layer: int, scaling: float, everything: bool = False,
+                    before: tuple[torch.Tensor, torch.Tensor], layer: int, everything: bool = False,
                     first: int = 0) -> None:
         """Each row's live entries of ``store`` into its first ``sizes`` slots. An entry held in a slot
         below its row's size stays in that slot; the entries past it fill the emptied slots, in slot

@@ -61,9 +61,9 @@ class VllmCpuKernel:
         for coordinate in (slots[:, None].expand(-1, head_dim), torch.arange(head_dim)[None, :].expand(block_size, -1)):
             planes = torch.zeros(1, 1, 2, block_size * head_dim, dtype=dtype)
             keys, values = (planes[:, :, i].unflatten(-1, (block_size, head_dim)) for i in (0, 1))
-            probe = coordinate[:, None, :].to(dtype).contiguous()  # [block_size, 1, Dk]
+            probe = coordinate[:, None, :].to(dtype).contiguous()  # [block_size, 1, D]
             ops.cpu_attn_reshape_and_cache(probe, probe, keys, values, slots, isa, kv_cache_dtype=self.kv_cache_dtype)
-            found.append(planes[0, 0].long())  # [2, block_size * Dk]: the coordinate at each raw element
+            found.append(planes[0, 0].long())  # [2, block_size * D]: the coordinate at each raw element
         orders = []
         for plane in (0, 1):
             order = torch.full((block_size, head_dim), -1, dtype=torch.long)
