@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from .kernels.paged import PagedGeometry
+from .kernels.paged import PagedGeometry, plane_entries
 
 NEG_INF = float("-inf")
 BIAS_WORD = 1  # which of a biased slot's fp32 words is its bias (word 0: its position)
@@ -178,10 +178,8 @@ class PagedLayout:
         """[N, H_kv, block_size * D] planes of N blocks -> [N, H_kv, block_size, D] entries, as ``order``
         [block_size, D] packs them: a view where the packing is plain or each block transposed
         (vLLM's "vec" keys), else one gather along the plane."""
-        count, heads = cells.shape[:2]
         by_dim = self._packing(order)
-        if by_dim is False:
-            return cells.view(count, heads, self.block_size, self.head_dim)
-        if by_dim:
-            return cells.view(count, heads, self.head_dim, self.block_size).transpose(-1, -2)
+        if by_dim is not None:
+            return plane_entries(cells, self.block_size, self.head_dim, by_dim)
+        count, heads = cells.shape[:2]
         return cells.index_select(-1, order.flatten()).view(count, heads, self.block_size, self.head_dim)

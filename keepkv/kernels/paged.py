@@ -114,6 +114,14 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scaling: float, geometr
 
 
 # -- the reference --------------------------------------------------------------------------------
+def plane_entries(plane: torch.Tensor, block_size: int, head_dim: int, by_dim: bool) -> torch.Tensor:
+    """A plane [..., block_size * D] as entries [..., block_size, D] (a view): packed slot by slot,
+    or dimension by dimension (``by_dim``, each block's [D, block_size] transposed)."""
+    if by_dim:
+        return plane.unflatten(-1, (head_dim, block_size)).transpose(-1, -2)
+    return plane.unflatten(-1, (block_size, head_dim))
+
+
 def read_entries(kv_cache, block_table_row, length: int, geometry: PagedGeometry):
     """One request's first ``length`` entries: keys, values [H_kv, length, D] in the cache's dtype
     and bias [H_kv, length] fp32 (zeros where unbiased)."""
@@ -123,11 +131,7 @@ def read_entries(kv_cache, block_table_row, length: int, geometry: PagedGeometry
     plane = g.block_size * g.head_dim
 
     def plane_at(offset: int, by_dim: bool) -> torch.Tensor:
-        entries = cells[..., offset : offset + plane]
-        if by_dim:
-            entries = entries.unflatten(-1, (g.head_dim, g.block_size)).transpose(-1, -2)
-        else:
-            entries = entries.unflatten(-1, (g.block_size, g.head_dim))
+        entries = plane_entries(cells[..., offset : offset + plane], g.block_size, g.head_dim, by_dim)
         return entries.transpose(0, 1).reshape(g.kv_heads, -1, g.head_dim)[:, :length]
 
     keys, values = plane_at(g.keys_at, g.keys_by_dim), plane_at(g.values_at, g.values_by_dim)
