@@ -537,7 +537,7 @@ class PagedCompression:
         add; it hands back the step's statistics as well), the rest, whose entries carry no votes,
         in one call of the engine's kernel (a request under its budget is attended as stock's)."""
         ours = plan.voted(self, batch, layer) if layout.biased else ()
-        engine_rows = plan.attending if not ours else [row for row in plan.attending if row not in ours]
+        engine_rows = plan.unvoted(self, batch, layer) if ours else plan.attending
         if engine_rows:
             call = plan.kernel_call(self, batch, layer, layout, query.shape[1], engine_rows)
             keys_plane, values_plane, _ = planes
@@ -1162,6 +1162,14 @@ class _StepPlan:
         if key not in self.cache:
             sizes = paged._sizes(batch, self.decoding, layer, "written")
             self.cache[key] = tuple(row for row, size in zip(self.decoding, sizes) if size < batch.computed[row] + 1)
+        return self.cache[key]
+
+    def unvoted(self, paged: PagedCompression, batch: PagedBatch, layer: int) -> list[int]:
+        """The attending rows that are not :meth:`voted`: the engine's kernel attends them."""
+        key = ("unvoted", layer if paged._layered else 0)
+        if key not in self.cache:
+            voted = set(self.voted(paged, batch, layer))
+            self.cache[key] = [row for row in self.attending if row not in voted]
         return self.cache[key]
 
     def decode_call(self, paged: PagedCompression, batch: PagedBatch, rows: tuple, layer: int,
