@@ -72,7 +72,7 @@ def merge_entries(method, layer, src, dst, merge, queries, scaling, exact):
     merging = method.merging
     ema = merging.ranking_scores(layer)
     layer.merge_into(zip_rows_with_ema(
-        layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], src, dst, merge,
+        layer.keys, layer.values, layer.bias, merging.ema_log_n(layer), src, dst, merge,
         merging.merge_weights(layer, ema, stats), ema.heads, queries[:, :, :, -1].contiguous(), scaling, merging.zip_key, 0.0,
     ))
 
@@ -253,6 +253,32 @@ def test_ema_initialisation_matches_eq8_by_hand(score_norm):
     got_order = got[: size - rows + 1].argsort(descending=True)
     if score_norm == "none":
         assert torch.equal(got_order[:3], loud_order[:3])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("steps", [0, 1, 5])
+def test_ema_normaliser_is_the_ema_of_one_over_the_queries_that_saw_each_entry(steps):
+    """ln N, derived from positions (not stored), equals eq. 8's EMA of a constant 1 folded query by
+    query: Σ (1-α) α^age over the prefill window's real rows and every decode query at or after the
+    entry's position, for left-padded rows of unequal length."""
+    model = tiny_model("llama-gqa", layers=1)
+    ids, mask = random_batch(batch=3, length=30, pad=(0, 7, 25))
+    cache = keepkv.CompressedCache(model.config, EMA + "+window=8+alpha=0.7", 64)
+    for _ in decode_loop(model, ids, mask, cache, steps=steps):
+        pass
+    layer = cache.layers[0]
+    got = cache.method.merging.ema_log_n(layer)
+    alpha = 0.7
+    for row, real in enumerate(mask.sum(-1).tolist()):
+        window_rows = [pos for pos in range(real - 8, real) if pos >= 0]  # the last 8 slots: real rows
+        queries = window_rows + list(range(real, real + steps))
+        newest = queries[-1]
+        for slot, pos in enumerate(layer.positions[row, 0].tolist()):
+            if pos < 0:
+                continue
+            n = sum((1 - alpha) * alpha ** (newest - q) for q in queries if q >= pos)
+            expected = math.log(n) if n > 0 else float("-inf")
+            assert torch.allclose(got[row, :, slot], torch.tensor(expected), atol=1e-5), (row, pos, got[row, :, slot], expected)
 
 
 def layer_entries(layer):

@@ -559,8 +559,8 @@ def test_a_prompt_aborted_mid_way_leaves_nothing_behind_for_long(monkeypatch):
 def test_a_keepkv_slot_costs_snapkvs_plus_its_bias_and_ema_words(head_dim, dtype, heads, kv_heads):
     """keepkv's keys and values are as wide as snapkv's whatever the head size (its votes are read
     from one fp32 word by keepkv's paged kernel, not carried in wider keys): its slot costs snapkv's
-    plus the bias word and the EMA's g + 1 words per KV head (ln S per query head of the group, ln
-    N), which the Hugging Face cache keeps too."""
+    plus the bias word and the EMA's g words per KV head (ln S per query head of the group; its
+    normaliser ln N follows from the position), which the Hugging Face cache keeps too."""
     config = rank_config(LlamaConfig(num_hidden_layers=2, hidden_size=heads * head_dim, num_attention_heads=heads,
                                      num_key_value_heads=kv_heads),
                          heads, kv_heads)
@@ -568,4 +568,4 @@ def test_a_keepkv_slot_costs_snapkvs_plus_its_bias_and_ema_words(head_dim, dtype
     snapkv = PagedCompression(config, "snapkv", 64).content_bytes(head_dim, dtype)
     keepkv = PagedCompression(config, "keepkv", 64).content_bytes(head_dim, dtype)
     assert snapkv == 2 * head_dim * itemsize + 4 * 2  # key, value, position and score
-    assert keepkv - snapkv == 4 * (1 + heads // kv_heads + 1)
+    assert keepkv - snapkv == 4 * (1 + heads // kv_heads)

@@ -393,10 +393,6 @@ class KeepKVMerge(ZipMerge):
         check_choice("scores", self.scores, SCORE_MODES)
         check_choice("prefill_scores", self.prefill_scores, SCORE_MODES)
         check_choice("prefill_order", self.prefill_order, PREFILL_ORDERS)
-        # ln(1 - α), the weight of a new score in the EMA (eq. 8), as a CPU scalar tensor: an op reads it
-        # on any device as a scalar, so a decode step makes no tensor of it (not a field: no parameter).
-        with torch.inference_mode(False):
-            object.__setattr__(self, "_log_fresh", torch.tensor(math.log1p(-self.alpha)))
 
     @property
     def reads_every_entry(self) -> bool:
@@ -413,8 +409,9 @@ class KeepKVMerge(ZipMerge):
         return Needs(logits=not is_prefill)
 
     def entry_extras(self, group: int) -> dict[str, Extra]:
-        """The EMA (:meth:`observe`): ln S per query head of the group, ln N per entry."""
-        return {"ema_log_s": Extra(NEG_INF, trailing=(group,)), "ema_log_n": Extra(NEG_INF)}
+        """The EMA (:meth:`observe`): ln S per query head of the group. Its normaliser ln N is not
+        stored: it follows from the entry's position (:meth:`ema_log_n`)."""
+        return {"ema_log_s": Extra(NEG_INF, trailing=(group,))}
 
     # -- the EMA ----------------------------------------------------------------------------
     def observe(self, layer, stats: StepStats) -> None:
@@ -445,7 +442,7 @@ class KeepKVMerge(ZipMerge):
     def _start_layer(self, layer, group: int, scaling: float) -> None:
         batch, kv_heads = layer.bias.shape[:2]
         layer.add_extra("ema_log_s", fill=NEG_INF, trailing=(group,))
-        layer.add_extra("ema_log_n", fill=NEG_INF)
+        layer.state.pop("ema_span", None)
         layer.state.update(
             scaling=scaling,
             steps=0,
@@ -494,20 +491,42 @@ class KeepKVMerge(ZipMerge):
             layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see _log_scale
         if rows == 1:
             new_s = scores[:, :, :, 0] + log_fresh
-            new_n = self._log_fresh  # the same for every entry: a scalar the update broadcasts
         else:
             ages = torch.arange(rows - 1, -1, -1, device=layer.device, dtype=torch.float32)
             weights = (log_fresh + ages * math.log(self.alpha))[:, None].masked_fill(~visible, NEG_INF)  # [B, H_kv, r, S]
             new_s = torch.logsumexp(weights[:, :, None] + scores, dim=3)  # [B, H_kv, g, S]
-            new_n = torch.logsumexp(weights, dim=2)  # [B, H_kv, S]
         # logaddexp on a strided view (the buffers' spare slots, ln S's [B, H_kv, S, g] order) is slow
-        # on CPU, so it reads contiguous tensors: a [B, H_kv, g, S] copy of ln S, and ln N's sum with the
-        # decay (docs/performance.md has the figure); the store writes the results in place.
+        # on CPU, so it reads a contiguous [B, H_kv, g, S] copy of ln S (docs/performance.md has the
+        # figure); the store writes the result in place.
         ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S], a view
         ema_s = torch.logaddexp(ema_s.contiguous() + decay, new_s)
-        ema_n = torch.logaddexp(layer.extras["ema_log_n"] + decay, new_n)
-        layer.overwrite(ema_log_s=ema_s.permute(0, 1, 3, 2), ema_log_n=ema_n)
+        layer.overwrite(ema_log_s=ema_s.permute(0, 1, 3, 2))
+        self._fold_span(layer, query_pos)
         return logits
+
+    @staticmethod
+    def _fold_span(layer, query_pos: torch.Tensor) -> None:
+        """Record the positions of the query rows folded since the EMA (re)started, per row:
+        ``layer.state["ema_span"]`` [B, 2] int64, the first and the newest (-1: none yet). The rows
+        are folded oldest first and are consecutive positions, so this says which queries saw an
+        entry (:meth:`ema_log_n`). query_pos [B, r], -1 on padding."""
+        real = query_pos >= 0
+        first = query_pos.masked_fill(~real, torch.iinfo(query_pos.dtype).max).amin(-1)
+        newest = query_pos.amax(-1)  # -1 where every row is padding
+        span = layer.state.get("ema_span")
+        if span is not None:
+            first, newest = torch.minimum(span[:, 0], first), torch.maximum(span[:, 1], newest)
+        layer.state["ema_span"] = torch.stack([first, newest], dim=-1)
+
+    def ema_log_n(self, layer) -> torch.Tensor:
+        """[B, H_kv, S] ln N of every slot, N = Σ (1 - α) α^age over the queries that saw the entry
+        (eq. 8 applied to a score of 1): the queries folded since the EMA started at or after its
+        position, a of them, so N = 1 - α^a (-inf where none did; empty slots read garbage, which
+        every reader masks). A merge target keeps its position, so its N too."""
+        span = layer.state["ema_span"]
+        first, newest = span[:, 0, None, None], span[:, 1, None, None]
+        seen = (newest - torch.maximum(layer.positions, first) + 1).clamp_(min=0)  # a, [B, H_kv, S]
+        return torch.log(-torch.expm1(seen * math.log(self.alpha)))
 
     def _log_scale(self, layer) -> torch.Tensor | float:
         """[B, H_kv, g] ln Z of the newest query with ``score_norm="row"`` (else 0): the EMA of
@@ -524,7 +543,7 @@ class KeepKVMerge(ZipMerge):
         frozen = layer.frozen_entries()
         if frozen is not None:  # a kept prompt's entries are unscored (their EMA stays at its fill): no mass of theirs
             scored = scored & ~frozen
-        return ema_log_scores(ema_s, layer.extras["ema_log_n"], layer.bias, scored, log_scale)
+        return ema_log_scores(ema_s, self.ema_log_n(layer), layer.bias, scored, log_scale)
 
     # -- compression -------------------------------------------------------------------------
     def _exact(self, stats: StepStats) -> bool:
@@ -562,7 +581,7 @@ class KeepKVMerge(ZipMerge):
         log_scale, ema = self._log_scale(layer), plan.merge_scores
         weights = self.merge_weights(layer, ema, stats)
         rows = zip_rows_with_ema(
-            layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], src, dst, merge, weights, ema.heads,
+            layer.keys, layer.values, layer.bias, self.ema_log_n(layer), src, dst, merge, weights, ema.heads,
             stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale,
         )
         layer.merge_into(rows)
@@ -613,7 +632,7 @@ class KeepKVMerge(ZipMerge):
             _count_lost_votes(layer, plan, plan.evict_valid)
             return
         rows = zip_rows_with_ema(
-            layer.keys, layer.values, layer.bias, layer.extras["ema_log_n"], src, dst, merge, weights,
+            layer.keys, layer.values, layer.bias, self.ema_log_n(layer), src, dst, merge, weights,
             ema.heads, stats.query[:, :, :, -1].contiguous(), stats.scaling, self.zip_key, log_scale, *self.gates(),
         )
         merged = rows.merge if order is None else torch.zeros_like(plan.evict_valid).scatter_(-1, order, rows.merge)
@@ -634,6 +653,7 @@ class KeepKVMerge(ZipMerge):
         layer.reload(keys, values, is_real)
         layer.state["lost_votes"] = torch.zeros_like(layer.state["lost_votes"])
         layer.state["refreshes"] += 1
+        layer.state.pop("ema_span", None)  # the EMA starts again
         window = layer.state["query_window"]
         logits = self._update_ema(layer, window, layer.state["query_window_pos"])
         return StepStats(query=window, scaling=layer.state["scaling"], is_prefill=True, logits=logits)
