@@ -1,0 +1,98 @@
+"""Learned selection: KVzip's scores predicted from each entry's key and value, with no second pass
+(KVzap, arXiv 2601.07891)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..diagnostics import KeepKVWarning
+from ..scorer import cached_scorer, default_scorer, prior_scores
+from .base import (
+    ComposedMethod, Merge, ScoredSelection, Selection, check_range, generated_recent_count, note_prompt_end, protected,
+    register, register_selection,
+)
+
+
+@register_selection
+@dataclass(frozen=True)
+class LearnedScores(ScoredSelection):
+    """KVzap's selection (arXiv 2601.07891): a scorer trained on KVzip's scores
+    (:mod:`keepkv.scorer`, :func:`keepkv.scorer_training.train_scorer`) predicts each entry's log
+    score from its key (the RoPE-invariant norms of its rotary pairs and its log norm) and its value,
+    per layer and KV head; the highest predicted entries are kept. The score of an entry is a
+    function of that entry alone: no attention statistics, no question and no reconstruction pass,
+    so a prompt compresses at the end of its own prefill (or chunk by chunk) at no more than a
+    prefill's cost. Scores are computed from the stored entries whenever the layer is planned.
+
+    While decoding, new entries are scored the same way, and the newest ``window`` generated tokens
+    are kept whatever their scores (as ``kvzip``'s).
+
+    Parameters
+    ----------
+    scorer : str or None
+        Path of a scorer file (:meth:`keepkv.scorer.Scorer.save`). None: the scorer shipped for the
+        embedded model (SmolLM2-135M-Instruct, :func:`keepkv.scorer.default_scorer`); a model it does
+        not fit is ranked by minus the log key norm (K-norm's rule), with one warning. A file that
+        does not fit the model is refused in one line.
+    sinks : int
+        Leading tokens always kept (4, as ``kvzip``).
+    window : int
+        While decoding under the budget, the newest generated tokens always kept, up to this many
+        (capped by what the sinks leave); the prompt's own compression protects none. 0: scores alone.
+    """
+
+    name = "learned"
+    sinks: int = 4
+    window: int = 32
+    scorer: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("window", self.window, 0, math.inf)
+        if self.scorer is not None:
+            cached_scorer(self.scorer)  # a missing or unreadable file is refused where the method is built
+
+    def observe(self, layer, stats):
+        if stats.is_prefill:
+            note_prompt_end(layer)
+
+    def scores(self, layer) -> torch.Tensor:
+        """[B, H_kv, S] the scorer's predicted log KVzip scores of the layer's entries (empty slots
+        included: the plan leaves them out)."""
+        keys, values = layer.keys, layer.values
+        _, kv_heads, _, head_dim = keys.shape
+        if self.scorer is not None:
+            return cached_scorer(self.scorer).predict(layer.layer_idx, keys, values)
+        path = default_scorer()
+        scorer = cached_scorer(path) if path.is_file() else None
+        if scorer is None or not scorer.fits(layer.layer_idx, kv_heads, head_dim):
+            warnings.warn(
+                f"learned: no scorer given and the default one does not fit this model (layer {layer.layer_idx}, "
+                f"{kv_heads} KV heads of {head_dim}); ranking by key norm: train one with "
+                "keepkv.scorer_training.train_scorer and pass scorer=PATH", KeepKVWarning, stacklevel=2,
+            )
+            return prior_scores(keys)
+        return scorer.predict(layer.layer_idx, keys, values)
+
+    def priority(self, layer, merge_scores=None) -> torch.Tensor:
+        """[B, H_kv, S]: +inf for the sinks and the decoding window, else the predicted log score."""
+        is_protected = protected(layer, self.sinks, generated_recent_count(layer, self.window))
+        return self.scores(layer).masked_fill(is_protected, float("inf"))
+
+
+@register
+@dataclass
+class Learned(ComposedMethod):
+    """KVzap-style learned selection (arXiv 2601.07891): selection ``learned``
+    (:class:`LearnedScores`: KVzip's scores predicted from each entry's key and value), merge
+    ``none`` (evict). KVzip's kept set without its second pass: compress a context once, before any
+    question (:func:`keepkv.compress`), or any prompt at the end of its prefill."""
+
+    name = "learned"
+    paper = "KVzap 2026, arXiv 2601.07891"
+    selection: Selection = field(default_factory=LearnedScores)
+    merging: Merge = field(default_factory=Merge)
