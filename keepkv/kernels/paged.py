@@ -23,6 +23,9 @@ A keepkv slot thus costs the keys and values at the model's head size plus one f
 - ``"numba"``: the CPU kernel (Numba; vLLM's CPU build depends on it, the test extra installs it).
   One task per (request, KV head): the keys of each block are read once into an fp32 tile, the
   group's g logits computed over it, then the values once. fp32 and bf16 caches.
+- ``"cpp"``: the same in C++ (:mod:`keepkv.kernels.paged_cpp`: ``paged_cpu.cpp``, built on first use
+  by torch's extension loader into the user's cache, AVX-512 / AVX2 / plain), on torch's own
+  threads; reads bf16 and fp16 in place. Needs a C++ compiler and ninja.
 - ``"triton"``: the same on CUDA, or anywhere under Triton's interpreter (``TRITON_INTERPRET=1``).
 - ``"torch"``: :func:`paged_decode_reference`, gathers each request's blocks (a loop over requests):
   the reference the tests compare against.
@@ -94,7 +97,7 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scaling: float, geometr
     (an int the caller knows: no device read here). Returns ``(out, probs, logits)``: out
     [R, H, D] in the query's dtype; probs and logits [R, H_kv, g, max_len] fp32, or None.
 
-    ``backend``: "numba", "triton", "torch", or "auto" (triton on CUDA, numba on CPU). ValueError
+    ``backend``: "cpp", "numba", "triton", "torch", or "auto" (triton on CUDA, numba on CPU). ValueError
     on mismatched shapes; ImportError, in one line, where the backend is not installed.
     """
     _check(query, kv_cache, block_table, seq_lens, geometry, max_len)
@@ -103,6 +106,10 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scaling: float, geometr
     if backend == "torch":
         return paged_decode_reference(query, kv_cache, block_table, seq_lens, scaling, geometry, max_len=max_len,
                                       logits=logits, probs=probs)
+    if backend == "cpp":
+        from .paged_cpp import _cpp_decode
+
+        return _cpp_decode(query, kv_cache, block_table, seq_lens, scaling, geometry, max_len, logits, probs)
     if backend == "numba":
         return _numba_decode(query, kv_cache, block_table, seq_lens, scaling, geometry, max_len, logits, probs)
     if backend == "triton":
@@ -110,7 +117,7 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scaling: float, geometr
 
         return triton_paged_decode(query, kv_cache, block_table, seq_lens, scaling, geometry, max_len=max_len,
                                    logits=logits, probs=probs)
-    raise ValueError(f"backend must be 'auto', 'numba', 'triton' or 'torch'; got {backend!r}")
+    raise ValueError(f"backend must be 'auto', 'cpp', 'numba', 'triton' or 'torch'; got {backend!r}")
 
 
 # -- the reference --------------------------------------------------------------------------------

@@ -1,0 +1,716 @@
+// keepkv's paged decode attention on CPU, in C++: the "cpp" backend of keepkv.kernels.paged.
+//
+// One query token per request, grouped-query attention over the request's entries, read in place
+// through its block table (keepkv/kernels/paged.py has the contract and the reference):
+//
+//     z_s = q.k_s * scaling + bias_s,   p = softmax(z),   out = sum_s p_s v_s   (fp32 throughout)
+//
+// with, optionally, the logits q.k*scaling (no bias) and the probabilities per entry.
+//
+// Work: one task per (request, KV head), handed out dynamically (longest requests first) over
+// torch's intra-op threads (at::parallel_for: torch's own OpenMP pool where torch is built so).
+// A task
+//   1. computes the group's g logits block by block, each key read once for the whole group
+//      (register tiles of up to 4 heads x 4 vectors of slots or of dimensions), adds the bias
+//      (one gather per vector of slots), and keeps z in the probabilities' output row (or a
+//      per-thread scratch row when they are not asked for);
+//   2. takes the softmax in place over that row: max, exp (a vectorised polynomial), sum;
+//   3. accumulates the values block by block in registers (up to 4 heads x 4 vectors of dims),
+//      each value read once per group of 4 heads.
+// bf16 and fp16 caches are read as they are and widened in registers (bf16: a shift), never
+// copied. The ISA is chosen at compile time: AVX-512 (F, BW, VL, DQ), AVX2 + FMA + F16C, or plain
+// C++ (KEEPKV_ISA_* names which one the loader asked for; the intrinsics follow the compiler's
+// target macros).
+
+#include <Python.h>  // first, as Python asks
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct bf16_t { uint16_t bits; };
+struct f16_t { uint16_t bits; };
+
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;          // ln 2 split for Cody-Waite reduction
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpLow = -87.3365447f;         // exp below this: 0 (2^-126)
+
+// -- vectors ------------------------------------------------------------------------------------
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr int W = 16;
+using vf = __m512;
+inline __mmask16 first_lanes(int n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u);
+}
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const bf16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// the first n lanes (0 <= n <= W) from p, zeros after: no read past them
+inline vf vload_n(const float* p, int n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+inline vf vload_n(const bf16_t* p, int n) {
+  __m256i h = _mm256_maskz_loadu_epi16(first_lanes(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vf vload_n(const f16_t* p, int n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(n), p)); }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline void vstore_n(float* p, vf x, int n) { _mm512_mask_storeu_ps(p, first_lanes(n), x); }
+inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+inline float vtop(vf x) { return _mm512_reduce_max_ps(x); }
+// words[(s0 + lane) * stride] for the first n lanes, 0 after
+inline vf vgather(const float* base, int stride, int n) {
+  __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_epi32(stride));
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), first_lanes(n), index, base, 4);
+}
+// the four sums of a, b, c, d into out[0..3]
+inline void vsum4(vf a, vf b, vf c, vf d, float* out) {
+  vf ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  vf cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  vf abcd = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  // each 128-bit lane holds 4 partial sums of one of a, b, c, d
+  abcd = _mm512_add_ps(abcd, _mm512_shuffle_ps(abcd, abcd, 0x4E));
+  abcd = _mm512_add_ps(abcd, _mm512_shuffle_ps(abcd, abcd, 0xB1));
+  __m128 sums = _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                                0, 0, 0), abcd));
+  _mm_storeu_ps(out, sums);
+}
+// exp(x) for x <= 0 (0 below kExpLow and for -inf)
+inline vf vexp(vf x) {
+  __mmask16 live = _mm512_cmp_ps_mask(x, vset(kExpLow), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, vset(kExpLow));
+  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf u = _mm512_fnmadd_ps(n, vset(kLn2Hi), x);
+  u = _mm512_fnmadd_ps(n, vset(kLn2Lo), u);
+  vf p = vset(1.0f / 5040);
+  p = vfma(p, u, vset(1.0f / 720));
+  p = vfma(p, u, vset(1.0f / 120));
+  p = vfma(p, u, vset(1.0f / 24));
+  p = vfma(p, u, vset(1.0f / 6));
+  p = vfma(p, u, vset(0.5f));
+  p = vfma(p, u, vset(1.0f));
+  p = vfma(p, u, vset(1.0f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int W = 8;
+using vf = __m256;
+inline __m256i lane_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline vf vload(const bf16_t* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf vload(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf vload_n(const float* p, int n) { return _mm256_maskload_ps(p, lane_mask(n)); }
+inline __m128i load_halves_n(const uint16_t* p, int n) {
+  alignas(16) uint16_t staged[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(staged, p, sizeof(uint16_t) * std::max(0, std::min(n, 8)));
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(staged));
+}
+inline vf vload_n(const bf16_t* p, int n) { return widen_bf16(load_halves_n(&p->bits, n)); }
+inline vf vload_n(const f16_t* p, int n) { return _mm256_cvtph_ps(load_halves_n(&p->bits, n)); }
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline void vstore_n(float* p, vf x, int n) { _mm256_maskstore_ps(p, lane_mask(n), x); }
+inline float vsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vtop(vf x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vgather(const float* base, int stride, int n) {
+  __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, index, _mm256_castsi256_ps(lane_mask(n)), 4);
+}
+inline void vsum4(vf a, vf b, vf c, vf d, float* out) {
+  vf t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+inline vf vexp(vf x) {
+  vf live = _mm256_cmp_ps(x, vset(kExpLow), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, vset(kExpLow));
+  vf n = _mm256_round_ps(_mm256_mul_ps(x, vset(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf u = _mm256_fnmadd_ps(n, vset(kLn2Hi), x);
+  u = _mm256_fnmadd_ps(n, vset(kLn2Lo), u);
+  vf p = vset(1.0f / 5040);
+  p = vfma(p, u, vset(1.0f / 720));
+  p = vfma(p, u, vset(1.0f / 120));
+  p = vfma(p, u, vset(1.0f / 24));
+  p = vfma(p, u, vset(1.0f / 6));
+  p = vfma(p, u, vset(0.5f));
+  p = vfma(p, u, vset(1.0f));
+  p = vfma(p, u, vset(1.0f));
+  __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(power)), live);
+}
+#else  // plain C++: one lane
+constexpr int W = 1;
+using vf = float;
+inline vf vzero() { return 0.0f; }
+inline vf vset(float x) { return x; }
+inline vf vfma(vf a, vf b, vf c) { return std::fma(a, b, c); }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline float widen(bf16_t x) {
+  uint32_t bits = uint32_t(x.bits) << 16;
+  float y;
+  std::memcpy(&y, &bits, 4);
+  return y;
+}
+inline float widen(f16_t x) {  // IEEE half to float, subnormals and specials included
+  uint32_t sign = uint32_t(x.bits & 0x8000u) << 16, exponent = (x.bits >> 10) & 0x1Fu, mantissa = x.bits & 0x3FFu;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(float(mantissa), -24);
+  } else if (exponent == 31) {
+    magnitude = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    magnitude = std::ldexp(float(mantissa | 0x400u), int(exponent) - 25);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, 4);
+  bits |= sign;
+  std::memcpy(&magnitude, &bits, 4);
+  return magnitude;
+}
+inline vf vload(const float* p) { return *p; }
+inline vf vload(const bf16_t* p) { return widen(*p); }
+inline vf vload(const f16_t* p) { return widen(*p); }
+template <typename T>
+inline vf vload_n(const T* p, int n) { return n > 0 ? vload(p) : 0.0f; }
+inline void vstore(float* p, vf x) { *p = x; }
+inline void vstore_n(float* p, vf x, int n) { if (n > 0) *p = x; }
+inline float vsum(vf x) { return x; }
+inline float vtop(vf x) { return x; }
+inline vf vgather(const float* base, int, int n) { return n > 0 ? *base : 0.0f; }
+inline void vsum4(vf a, vf b, vf c, vf d, float* out) { out[0] = a; out[1] = b; out[2] = c; out[3] = d; }
+inline vf vexp(vf x) { return x >= kExpLow ? std::exp(x) : 0.0f; }
+#endif
+
+constexpr int kHeads = 4;  // query heads per register tile
+constexpr int kVecs = 4;   // vectors (of slots or of dimensions) per register tile
+
+// -- the call -----------------------------------------------------------------------------------
+struct Call {
+  const float* q;        // [R, H, D] fp32, scaled by nothing yet
+  const void* cache;     // the flat cache
+  const float* words;    // the same memory as fp32 words
+  const int32_t* table;  // [R, table_stride]
+  const int32_t* lens;   // [R]
+  float* out;            // [R, H, D]
+  float* logits;         // [R, H_kv, g, max_len] or null
+  float* probs;          // likewise
+  int64_t rows, heads, head_dim, kv_heads, group, block_size, cell, keys_at, values_at, words_at, word_count,
+      bias_word, cell_words, table_stride, max_len, blocks_in_cache;
+  bool keys_by_dim, values_by_dim;
+  float scaling;
+};
+
+// Per-thread scratch, grown, never shrunk: the scaled queries, the logits when no probabilities
+// are returned, and nothing else.
+struct Scratch {
+  std::vector<float> q, z;
+};
+Scratch& scratch() {
+  static thread_local Scratch held;
+  return held;
+}
+
+// 1a. logits of heads [i0, i0 + GH) for slots [s0, s0 + n) of one block whose keys are packed
+// dimension by dimension ([D, block_size]); n <= kVecs * W. z rows at first + s0.
+template <typename T, int GH, bool FULL>
+inline void logits_by_dim(const Call& c, const T* keys, const float* qs, int s0, int n, const vf* bias, float** zrow,
+                          float** lrow) {
+  vf acc[GH][kVecs];
+  for (int i = 0; i < GH; ++i)
+    for (int v = 0; v < kVecs; ++v) acc[i][v] = vzero();
+  const int64_t bs = c.block_size;
+  for (int64_t d = 0; d < c.head_dim; ++d) {
+    const T* row = keys + d * bs + s0;
+    vf k[kVecs];
+    for (int v = 0; v < kVecs; ++v) k[v] = FULL ? vload(row + v * W) : vload_n(row + v * W, n - v * W);
+    for (int i = 0; i < GH; ++i) {
+      vf w = vset(qs[i * c.head_dim + d]);
+      for (int v = 0; v < kVecs; ++v) acc[i][v] = vfma(w, k[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < GH; ++i)
+    for (int v = 0; v < kVecs; ++v) {
+      int left = n - v * W;
+      if (!FULL && left <= 0) break;
+      if (lrow) FULL ? vstore(lrow[i] + s0 + v * W, acc[i][v]) : vstore_n(lrow[i] + s0 + v * W, acc[i][v], left);
+      vf z = bias ? vadd(acc[i][v], bias[v]) : acc[i][v];
+      FULL ? vstore(zrow[i] + s0 + v * W, z) : vstore_n(zrow[i] + s0 + v * W, z, left);
+    }
+}
+
+// 1b. logits of heads [i0, i0 + GH) for 4 slots of one block whose keys are packed slot by slot
+// ([block_size, D]): slots s[0..3] (repeated where fewer are left), stored for the first n.
+template <typename T, int GH>
+inline void logits_by_slot(const Call& c, const T* keys, const float* qs, const int* s, int n, const float* bias,
+                           float** zrow, float** lrow, int64_t first) {
+  vf acc[GH][4];
+  for (int i = 0; i < GH; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
+  const int64_t D = c.head_dim;
+  const T* key[4] = {keys + s[0] * D, keys + s[1] * D, keys + s[2] * D, keys + s[3] * D};
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    vf k[4] = {vload(key[0] + d), vload(key[1] + d), vload(key[2] + d), vload(key[3] + d)};
+    for (int i = 0; i < GH; ++i) {
+      vf w = vload(qs + i * D + d);
+      for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, k[j], acc[i][j]);
+    }
+  }
+  if (d < D) {
+    int left = int(D - d);
+    vf k[4] = {vload_n(key[0] + d, left), vload_n(key[1] + d, left), vload_n(key[2] + d, left),
+               vload_n(key[3] + d, left)};
+    for (int i = 0; i < GH; ++i) {
+      vf w = vload_n(qs + i * D + d, left);
+      for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, k[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < GH; ++i) {
+    float sums[4];
+    vsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
+    for (int j = 0; j < n; ++j) {
+      if (lrow) lrow[i][first + s[j]] = sums[j];
+      zrow[i][first + s[j]] = bias ? sums[j] + bias[j] : sums[j];
+    }
+  }
+}
+
+// 3a. out of heads [i0, i0 + GH), dimensions [d0, d0 + n) (n <= kVecs * W) over every block of
+// values packed slot by slot. p rows: the heads' weights over the request's entries.
+template <typename T, int GH, int NV, bool FULL>
+inline void values_by_slot(const Call& c, const T* cache, const int32_t* blocks, int64_t h, int64_t length,
+                           const float* const* prow, int64_t d0, int n, const float* scale, float* const* orow) {
+  vf acc[GH][NV];
+  for (int i = 0; i < GH; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
+  const int64_t bs = c.block_size, D = c.head_dim;
+  for (int64_t first = 0; first < length; first += bs) {
+    const T* values = cache + (int64_t(blocks[first / bs]) * c.kv_heads + h) * c.cell + c.values_at + d0;
+    int64_t count = std::min(bs, length - first);
+    for (int64_t s = 0; s < count; ++s) {
+      const T* row = values + s * D;
+      vf val[NV];
+      for (int v = 0; v < NV; ++v) val[v] = FULL ? vload(row + v * W) : vload_n(row + v * W, n - v * W);
+      for (int i = 0; i < GH; ++i) {
+        vf w = vset(prow[i][first + s]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = vfma(w, val[v], acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < GH; ++i)
+    for (int v = 0; v < NV; ++v) {
+      vf o = scale ? vmul(acc[i][v], vset(scale[i])) : acc[i][v];
+      FULL ? vstore(orow[i] + d0 + v * W, o) : vstore_n(orow[i] + d0 + v * W, o, n - v * W);
+    }
+}
+
+// 3b. out of heads [i0, i0 + GH), dimensions d[0..3] (repeated where fewer are left; stored for
+// the first n) over every block of values packed dimension by dimension ([D, block_size]).
+template <typename T, int GH>
+inline void values_by_dim(const Call& c, const T* cache, const int32_t* blocks, int64_t h, int64_t length,
+                          const float* const* prow, const int* d, int n, const float* scale, float* const* orow) {
+  vf acc[GH][4];
+  for (int i = 0; i < GH; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
+  const int64_t bs = c.block_size;
+  for (int64_t first = 0; first < length; first += bs) {
+    const T* values = cache + (int64_t(blocks[first / bs]) * c.kv_heads + h) * c.cell + c.values_at;
+    const T* row[4] = {values + d[0] * bs, values + d[1] * bs, values + d[2] * bs, values + d[3] * bs};
+    int64_t count = std::min(bs, length - first);
+    int64_t s = 0;
+    for (; s + W <= count; s += W) {
+      vf val[4] = {vload(row[0] + s), vload(row[1] + s), vload(row[2] + s), vload(row[3] + s)};
+      for (int i = 0; i < GH; ++i) {
+        vf w = vload(prow[i] + first + s);
+        for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, val[j], acc[i][j]);
+      }
+    }
+    if (s < count) {  // masked: the slots past the length may hold anything, NaN included
+      int left = int(count - s);
+      vf val[4] = {vload_n(row[0] + s, left), vload_n(row[1] + s, left), vload_n(row[2] + s, left),
+                   vload_n(row[3] + s, left)};
+      for (int i = 0; i < GH; ++i) {
+        vf w = vload_n(prow[i] + first + s, left);
+        for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, val[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < GH; ++i) {
+    float sums[4];
+    vsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
+    for (int j = 0; j < n; ++j) orow[i][d[j]] = scale ? sums[j] * scale[i] : sums[j];
+  }
+}
+
+// Calls body(std::integral_constant<int, GH>) for head groups of at most kHeads over [0, g).
+template <typename F>
+inline void for_head_groups(int64_t g, F&& body) {
+  for (int64_t i0 = 0; i0 < g; i0 += kHeads) {
+    switch (std::min<int64_t>(kHeads, g - i0)) {
+      case 1: body(i0, std::integral_constant<int, 1>()); break;
+      case 2: body(i0, std::integral_constant<int, 2>()); break;
+      case 3: body(i0, std::integral_constant<int, 3>()); break;
+      default: body(i0, std::integral_constant<int, 4>()); break;
+    }
+  }
+}
+
+template <typename T>
+void attend_one(const Call& c, int64_t r, int64_t h) {
+  const T* cache = static_cast<const T*>(c.cache);
+  const int64_t g = c.group, D = c.head_dim, bs = c.block_size, length = c.lens[r];
+  const int32_t* blocks = c.table + r * c.table_stride;
+  const int64_t stats_row = (r * c.kv_heads + h) * g;  // row of head 0 of the group in logits / probs
+  float* out = c.out + (r * c.heads + h * g) * D;
+  Scratch& own = scratch();
+  if (own.q.size() < size_t(g * D)) own.q.resize(g * D);
+  float* qs = own.q.data();
+  const float* q = c.q + (r * c.heads + h * g) * D;
+  for (int64_t e = 0; e < g * D; ++e) qs[e] = q[e] * c.scaling;
+  // z: the probabilities' rows when asked for (the softmax runs in place), else scratch
+  float* z;
+  int64_t z_stride;
+  if (c.probs) {
+    z = c.probs + stats_row * c.max_len;
+    z_stride = c.max_len;
+  } else {
+    z_stride = std::max<int64_t>(length, 1);
+    if (own.z.size() < size_t(g * z_stride)) own.z.resize(g * z_stride);
+    z = own.z.data();
+  }
+  float* lbase = c.logits ? c.logits + stats_row * c.max_len : nullptr;
+
+  // 1. logits, block by block: each key read once per group of kHeads heads
+  for (int64_t first = 0; first < length; first += bs) {
+    const int64_t block = blocks[first / bs];
+    const T* keys = cache + (block * c.kv_heads + h) * c.cell + c.keys_at;
+    const float* words =
+        c.bias_word >= 0 ? c.words + (block * c.kv_heads + h) * c.cell_words + c.words_at + c.bias_word : nullptr;
+    const int count = int(std::min(bs, length - first));
+    if (c.keys_by_dim) {
+      for (int s0 = 0; s0 < count; s0 += kVecs * W) {
+        const int n = std::min(count - s0, kVecs * W);
+        vf bias[kVecs];
+        if (words)
+          for (int v = 0; v < kVecs; ++v)
+            bias[v] = vgather(words + int64_t(s0 + v * W) * c.word_count, int(c.word_count), n - v * W);
+        for_head_groups(g, [&](int64_t i0, auto gh) {
+          constexpr int GH = decltype(gh)::value;
+          float* zrow[GH];
+          float* lrow[GH];
+          for (int i = 0; i < GH; ++i) {
+            zrow[i] = z + (i0 + i) * z_stride + first;
+            lrow[i] = lbase ? lbase + (i0 + i) * c.max_len + first : nullptr;
+          }
+          if (n == kVecs * W)
+            logits_by_dim<T, GH, true>(c, keys, qs + i0 * D, s0, n, words ? bias : nullptr, zrow, lbase ? lrow : nullptr);
+          else
+            logits_by_dim<T, GH, false>(c, keys, qs + i0 * D, s0, n, words ? bias : nullptr, zrow, lbase ? lrow : nullptr);
+        });
+      }
+    } else {
+      for (int s0 = 0; s0 < count; s0 += 4) {
+        const int n = std::min(count - s0, 4);
+        int s[4];
+        float bias[4] = {0, 0, 0, 0};
+        for (int j = 0; j < 4; ++j) {
+          s[j] = s0 + std::min(j, n - 1);
+          if (words) bias[j] = words[int64_t(s[j]) * c.word_count];
+        }
+        for_head_groups(g, [&](int64_t i0, auto gh) {
+          constexpr int GH = decltype(gh)::value;
+          float* zrow[GH];
+          float* lrow[GH];
+          for (int i = 0; i < GH; ++i) {
+            zrow[i] = z + (i0 + i) * z_stride;
+            lrow[i] = lbase ? lbase + (i0 + i) * c.max_len : nullptr;
+          }
+          logits_by_slot<T, GH>(c, keys, qs + i0 * D, s, n, words ? bias : nullptr, zrow, lbase ? lrow : nullptr, first);
+        });
+      }
+    }
+  }
+  if (lbase)  // -inf past the length
+    for (int64_t i = 0; i < g; ++i) std::fill(lbase + i * c.max_len + length, lbase + (i + 1) * c.max_len,
+                                              -std::numeric_limits<float>::infinity());
+
+  // 2. softmax per head, in place: unnormalised exp where no probabilities are returned (out is
+  // scaled by 1 / sum instead), normalised in the probabilities' rows
+  float inverse[64];  // groups beyond 64 heads take the per-head path below
+  std::vector<float> inverse_big;
+  float* inv = inverse;
+  if (g > 64) {
+    inverse_big.resize(g);
+    inv = inverse_big.data();
+  }
+  for (int64_t i = 0; i < g; ++i) {
+    float* zi = z + i * z_stride;
+    vf top_v = vset(-std::numeric_limits<float>::infinity());
+    int64_t s = 0;
+    for (; s + W <= length; s += W) top_v = vmax(top_v, vload(zi + s));
+    float top = vtop(top_v);
+    for (; s < length; ++s) top = std::max(top, zi[s]);
+    if (!(top > -std::numeric_limits<float>::infinity())) {  // nothing visible (or empty): zeros
+      std::fill(zi, zi + length, 0.0f);
+      inv[i] = 0.0f;
+    } else {
+      vf total_v = vzero(), shift = vset(top);
+      for (s = 0; s + W <= length; s += W) {
+        vf e = vexp(vadd(vload(zi + s), vmul(shift, vset(-1.0f))));
+        vstore(zi + s, e);
+        total_v = vadd(total_v, e);
+      }
+      float total = vsum(total_v);
+      if (s < length) {
+        int left = int(length - s);
+        vf e = vexp(vadd(vload_n(zi + s, left), vmul(shift, vset(-1.0f))));
+        vstore_n(zi + s, e, left);
+        total += vsum(vload_n(zi + s, left));  // the lanes past the length read as 0
+      }
+      inv[i] = total > 0.0f ? 1.0f / total : 0.0f;
+    }
+    if (c.probs) {
+      vf scale = vset(inv[i]);
+      for (s = 0; s + W <= length; s += W) vstore(zi + s, vmul(vload(zi + s), scale));
+      for (; s < length; ++s) zi[s] *= inv[i];
+      std::fill(zi + length, zi + c.max_len, 0.0f);
+    }
+  }
+  const float* scale = c.probs ? nullptr : inv;
+
+  // 3. values, every block once per group of kHeads heads (and kVecs * W dimensions)
+  for_head_groups(g, [&](int64_t i0, auto gh) {
+    constexpr int GH = decltype(gh)::value;
+    const float* prow[GH];
+    float* orow[GH];
+    for (int i = 0; i < GH; ++i) {
+      prow[i] = z + (i0 + i) * z_stride;
+      orow[i] = out + (i0 + i) * D;
+    }
+    const float* sc = scale ? scale + i0 : nullptr;
+    if (c.values_by_dim) {
+      for (int d0 = 0; d0 < D; d0 += 4) {
+        const int n = int(std::min<int64_t>(4, D - d0));
+        int d[4];
+        for (int j = 0; j < 4; ++j) d[j] = d0 + std::min(j, n - 1);
+        values_by_dim<T, GH>(c, cache, blocks, h, length, prow, d, n, sc, orow);
+      }
+    } else {
+      for (int64_t d0 = 0; d0 < D; d0 += kVecs * W) {
+        const int n = int(std::min<int64_t>(kVecs * W, D - d0));
+        if (n == kVecs * W)
+          values_by_slot<T, GH, kVecs, true>(c, cache, blocks, h, length, prow, d0, n, sc, orow);
+        else
+          values_by_slot<T, GH, kVecs, false>(c, cache, blocks, h, length, prow, d0, n, sc, orow);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace {
+
+// Checks every request's length and the blocks it reads: 0, or an error code (see decode()).
+int check(const Call& c, int64_t* where) {
+  const int64_t plane = c.block_size * c.head_dim;
+  if (c.keys_at < 0 || c.keys_at + plane > c.cell || c.values_at < 0 || c.values_at + plane > c.cell ||
+      (c.bias_word >= 0 && (c.words_at < 0 || c.bias_word >= c.word_count ||
+                            c.words_at + c.block_size * c.word_count > c.cell_words)))
+    return 3;
+  for (int64_t r = 0; r < c.rows; ++r) {
+    const int64_t length = c.lens[r];
+    if (length < 0 || length > c.max_len) {
+      *where = r;
+      return 1;
+    }
+    const int32_t* blocks = c.table + r * c.table_stride;
+    for (int64_t b = 0; b * c.block_size < length; ++b)
+      if (blocks[b] < 0 || blocks[b] >= c.blocks_in_cache) {
+        *where = r;
+        return 2;
+      }
+  }
+  return 0;
+}
+
+template <typename T>
+void run(const Call& c) {
+  const int64_t tasks = c.rows * c.kv_heads;
+  // longest requests first, handed out one (request, KV head) at a time
+  std::vector<int32_t> order(c.rows);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return c.lens[a] > c.lens[b]; });
+  int64_t work = 0;
+  for (int64_t r = 0; r < c.rows; ++r) work += c.lens[r];
+  work *= c.kv_heads * (c.group + 1) * c.head_dim;
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
+         t = next.fetch_add(1, std::memory_order_relaxed))
+      attend_one<T>(c, order[t / c.kv_heads], t % c.kv_heads);
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  if (threads <= 1 || work < (int64_t(1) << 16)) {  // too little to wake a second thread for
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, threads, 1, worker);
+  }
+}
+
+// The call: raw addresses (the Python side owns and checks the tensors) and the geometry.
+// dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or 1 (a length < 0 or > max_len) or 2 (a block out
+// of the cache) with the request's row in *where, or 3 (planes or words outside a cell); nothing
+// is written then.
+int decode(const int64_t* a, double scaling, int64_t* where) {
+  Call c;
+  c.q = reinterpret_cast<const float*>(a[0]);
+  c.cache = reinterpret_cast<const void*>(a[1]);
+  c.words = reinterpret_cast<const float*>(a[1]);
+  c.table = reinterpret_cast<const int32_t*>(a[2]);
+  c.lens = reinterpret_cast<const int32_t*>(a[3]);
+  c.out = reinterpret_cast<float*>(a[4]);
+  c.logits = reinterpret_cast<float*>(a[5]);
+  c.probs = reinterpret_cast<float*>(a[6]);
+  const int64_t dtype = a[7];
+  c.rows = a[8];
+  c.heads = a[9];
+  c.head_dim = a[10];
+  c.kv_heads = a[11];
+  c.group = c.heads / c.kv_heads;
+  c.block_size = a[12];
+  c.cell = a[13];
+  c.keys_at = a[14];
+  c.values_at = a[15];
+  c.keys_by_dim = a[16] != 0;
+  c.values_by_dim = a[17] != 0;
+  c.words_at = a[18];
+  c.word_count = a[19];
+  c.bias_word = a[20];
+  c.cell_words = a[21];
+  c.table_stride = a[22];
+  c.max_len = a[23];
+  c.blocks_in_cache = a[24];
+  c.scaling = float(scaling);
+  int error = check(c, where);
+  if (error) return error;
+  if (dtype == 1)
+    run<bf16_t>(c);
+  else if (dtype == 2)
+    run<f16_t>(c);
+  else
+    run<float>(c);
+  return 0;
+}
+
+constexpr Py_ssize_t kIntArgs = 25;
+
+const char* isa_name() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+}  // namespace
+
+// The Python binding, in CPython's own API (pybind11's headers alone take longer to compile than
+// the kernel): decode(25 ints, scaling) -> (error, row), run without the GIL.
+extern "C" {
+
+static PyObject* py_decode(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  if (count != kIntArgs + 1) {
+    PyErr_Format(PyExc_TypeError, "decode takes %d arguments; got %d", int(kIntArgs + 1), int(count));
+    return nullptr;
+  }
+  int64_t a[kIntArgs];
+  for (Py_ssize_t i = 0; i < kIntArgs; ++i) {
+    a[i] = PyLong_AsLongLong(args[i]);
+    if (a[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  const double scaling = PyFloat_AsDouble(args[kIntArgs]);
+  if (scaling == -1.0 && PyErr_Occurred()) return nullptr;
+  int64_t where = -1;
+  int error = 0;
+  std::string failure;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    error = decode(a, scaling, &where);
+  } catch (const std::exception& caught) {
+    failure = caught.what();
+  } catch (...) {
+    failure = "unknown C++ exception";
+  }
+  Py_END_ALLOW_THREADS
+  if (!failure.empty()) {
+    PyErr_Format(PyExc_RuntimeError, "keepkv's C++ paged kernel failed: %s", failure.c_str());
+    return nullptr;
+  }
+  return Py_BuildValue("(iL)", error, static_cast<long long>(where));
+}
+
+static PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name()); }
+
+static PyMethodDef kMethods[] = {
+    {"decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_decode)), METH_FASTCALL,
+     "paged decode attention over raw addresses (see keepkv/kernels/paged_cpp.py)"},
+    {"isa", py_isa, METH_NOARGS, "the instruction set this build was compiled for"},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define KEEPKV_STRING2(x) #x
+#define KEEPKV_STRING(x) KEEPKV_STRING2(x)
+#define KEEPKV_JOIN2(a, b) a##b
+#define KEEPKV_JOIN(a, b) KEEPKV_JOIN2(a, b)
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, KEEPKV_STRING(TORCH_EXTENSION_NAME),
+                              "keepkv's paged decode attention on CPU (keepkv.kernels.paged, backend 'cpp')", -1,
+                              kMethods, nullptr, nullptr, nullptr, nullptr};
+
+PyMODINIT_FUNC KEEPKV_JOIN(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&kModule); }
+
+}  // extern "C"
