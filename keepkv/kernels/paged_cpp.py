@@ -122,37 +122,49 @@ def _extension(target: str):
         raise ImportError(f"keepkv's C++ paged kernel did not build ({target}, in {folder}): {first}") from None
 
 
+@functools.lru_cache(maxsize=64)
+def _geometry_args(geometry, itemsize: int) -> tuple:
+    """The kernel's geometry arguments, block_size to cell_words (a geometry is frozen: once per geometry)."""
+    return (geometry.block_size, geometry.cell, geometry.keys_at, geometry.values_at, int(geometry.keys_by_dim),
+            int(geometry.values_by_dim), geometry.words_at, geometry.words, geometry.bias_word,
+            geometry.cell * itemsize // 4)
+
+
+_MODULES: dict = {}  # $KEEPKV_CPP_ISA as set at the call -> the built module
+
+
 def _cpp_decode(query, kv_cache, block_table, seq_lens, scaling, geometry, max_len: int, logits: bool, probs: bool):
     """:func:`keepkv.kernels.paged.paged_decode` on the C++ kernel (its arguments already checked
     by ``paged._check``): fp32, bf16 and fp16 caches on CPU. ValueError, in one line, for a cache or
-    query off the CPU, a request longer than ``max_len`` or a block outside the cache."""
+    query off the CPU, a request longer than ``max_len`` or a block outside the cache (both checked
+    in the kernel, before it reads anything)."""
     if kv_cache.device.type != "cpu" or query.device.type != "cpu":
         raise ValueError(f"the cpp backend runs on CPU; got a cache on {kv_cache.device}, a query on {query.device}")
-    module = _extension(isa())
+    asked = os.environ.get("KEEPKV_CPP_ISA", "")
+    module = _MODULES.get(asked)
+    if module is None:
+        module = _MODULES[asked] = _extension(isa())
     rows, heads, head_dim = query.shape
-    group = heads // geometry.kv_heads
+    kv_heads = geometry.kv_heads
     q = query if query.dtype == torch.float32 and query.is_contiguous() else query.float().contiguous()
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
-    if table.dim() != 2 or (table.shape[1] > 1 and table.stride(1) != 1):
+    if table.shape[1] > 1 and table.stride(1) != 1:
         table = table.contiguous()
     lens = seq_lens if seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() else seq_lens.to(torch.int32).contiguous()
     out = torch.empty(rows, heads, head_dim, dtype=torch.float32)
-    stats_shape = (rows, geometry.kv_heads, group, max_len)
+    stats_shape = (rows, kv_heads, heads // kv_heads, max_len)
     logits_out = torch.empty(stats_shape) if logits else None  # every element written by the kernel
     probs_out = torch.empty(stats_shape) if probs else None
-    cell_words = geometry.cell * kv_cache.element_size() // 4
+    blocks = kv_cache.numel() // (kv_heads * geometry.cell)
     error, row = module.decode(
         q.data_ptr(), kv_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
         logits_out.data_ptr() if logits else 0, probs_out.data_ptr() if probs else 0, _DTYPES[kv_cache.dtype],
-        rows, heads, head_dim, geometry.kv_heads, geometry.block_size, geometry.cell, geometry.keys_at,
-        geometry.values_at, geometry.keys_by_dim, geometry.values_by_dim, geometry.words_at, geometry.words,
-        geometry.bias_word, cell_words, table.stride(0) if rows else 0, max_len,
-        kv_cache.numel() // (geometry.kv_heads * geometry.cell), float(scaling))
+        rows, heads, head_dim, kv_heads, *_geometry_args(geometry, kv_cache.element_size()), table.stride(0), max_len,
+        blocks, float(scaling))
     if error == 1:
         raise ValueError(f"a request of {int(seq_lens[row])} entries is longer than max_len {max_len} (or negative)")
     if error == 2:
-        raise ValueError(f"request {row}'s block table names a block outside the cache's "
-                         f"{kv_cache.numel() // (geometry.kv_heads * geometry.cell)}")
+        raise ValueError(f"request {row}'s block table names a block outside the cache's {blocks}")
     if error == 3:
         raise ValueError(f"the geometry places keys, values or words outside a cell of {geometry.cell} elements")
     return out if query.dtype == torch.float32 else out.to(query.dtype), probs_out, logits_out

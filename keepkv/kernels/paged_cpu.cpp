@@ -223,6 +223,9 @@ inline void vsum4(vf a, vf b, vf c, vf d, float* out) { out[0] = a; out[1] = b; 
 inline vf vexp(vf x) { return x >= kExpLow ? std::exp(x) : 0.0f; }
 #endif
 
+#define KEEPKV_PRAGMA(x) _Pragma(#x)
+#define UNROLL KEEPKV_PRAGMA(GCC unroll 16)
+
 constexpr int kHeads = 4;  // query heads per register tile
 constexpr int kVecs = 4;   // vectors (of slots or of dimensions) per register tile
 
@@ -258,19 +261,26 @@ template <typename T, int GH, bool FULL>
 inline void logits_by_dim(const Call& c, const T* keys, const float* qs, int s0, int n, const vf* bias, float** zrow,
                           float** lrow) {
   vf acc[GH][kVecs];
+  UNROLL
   for (int i = 0; i < GH; ++i)
+    UNROLL
     for (int v = 0; v < kVecs; ++v) acc[i][v] = vzero();
   const int64_t bs = c.block_size;
   for (int64_t d = 0; d < c.head_dim; ++d) {
     const T* row = keys + d * bs + s0;
     vf k[kVecs];
+    UNROLL
     for (int v = 0; v < kVecs; ++v) k[v] = FULL ? vload(row + v * W) : vload_n(row + v * W, n - v * W);
+    UNROLL
     for (int i = 0; i < GH; ++i) {
       vf w = vset(qs[i * c.head_dim + d]);
+      UNROLL
       for (int v = 0; v < kVecs; ++v) acc[i][v] = vfma(w, k[v], acc[i][v]);
     }
   }
+  UNROLL
   for (int i = 0; i < GH; ++i)
+    UNROLL
     for (int v = 0; v < kVecs; ++v) {
       int left = n - v * W;
       if (!FULL && left <= 0) break;
@@ -286,15 +296,19 @@ template <typename T, int GH>
 inline void logits_by_slot(const Call& c, const T* keys, const float* qs, const int* s, int n, const float* bias,
                            float** zrow, float** lrow, int64_t first) {
   vf acc[GH][4];
+  UNROLL
   for (int i = 0; i < GH; ++i)
+    UNROLL
     for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
   const int64_t D = c.head_dim;
   const T* key[4] = {keys + s[0] * D, keys + s[1] * D, keys + s[2] * D, keys + s[3] * D};
   int64_t d = 0;
   for (; d + W <= D; d += W) {
     vf k[4] = {vload(key[0] + d), vload(key[1] + d), vload(key[2] + d), vload(key[3] + d)};
+    UNROLL
     for (int i = 0; i < GH; ++i) {
       vf w = vload(qs + i * D + d);
+      UNROLL
       for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, k[j], acc[i][j]);
     }
   }
@@ -302,11 +316,14 @@ inline void logits_by_slot(const Call& c, const T* keys, const float* qs, const 
     int left = int(D - d);
     vf k[4] = {vload_n(key[0] + d, left), vload_n(key[1] + d, left), vload_n(key[2] + d, left),
                vload_n(key[3] + d, left)};
+    UNROLL
     for (int i = 0; i < GH; ++i) {
       vf w = vload_n(qs + i * D + d, left);
+      UNROLL
       for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, k[j], acc[i][j]);
     }
   }
+  UNROLL
   for (int i = 0; i < GH; ++i) {
     float sums[4];
     vsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
@@ -323,7 +340,9 @@ template <typename T, int GH, int NV, bool FULL>
 inline void values_by_slot(const Call& c, const T* cache, const int32_t* blocks, int64_t h, int64_t length,
                            const float* const* prow, int64_t d0, int n, const float* scale, float* const* orow) {
   vf acc[GH][NV];
+  UNROLL
   for (int i = 0; i < GH; ++i)
+    UNROLL
     for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
   const int64_t bs = c.block_size, D = c.head_dim;
   for (int64_t first = 0; first < length; first += bs) {
@@ -332,14 +351,19 @@ inline void values_by_slot(const Call& c, const T* cache, const int32_t* blocks,
     for (int64_t s = 0; s < count; ++s) {
       const T* row = values + s * D;
       vf val[NV];
+      UNROLL
       for (int v = 0; v < NV; ++v) val[v] = FULL ? vload(row + v * W) : vload_n(row + v * W, n - v * W);
+      UNROLL
       for (int i = 0; i < GH; ++i) {
         vf w = vset(prow[i][first + s]);
+        UNROLL
         for (int v = 0; v < NV; ++v) acc[i][v] = vfma(w, val[v], acc[i][v]);
       }
     }
   }
+  UNROLL
   for (int i = 0; i < GH; ++i)
+    UNROLL
     for (int v = 0; v < NV; ++v) {
       vf o = scale ? vmul(acc[i][v], vset(scale[i])) : acc[i][v];
       FULL ? vstore(orow[i] + d0 + v * W, o) : vstore_n(orow[i] + d0 + v * W, o, n - v * W);
@@ -352,7 +376,9 @@ template <typename T, int GH>
 inline void values_by_dim(const Call& c, const T* cache, const int32_t* blocks, int64_t h, int64_t length,
                           const float* const* prow, const int* d, int n, const float* scale, float* const* orow) {
   vf acc[GH][4];
+  UNROLL
   for (int i = 0; i < GH; ++i)
+    UNROLL
     for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
   const int64_t bs = c.block_size;
   for (int64_t first = 0; first < length; first += bs) {
@@ -362,8 +388,10 @@ inline void values_by_dim(const Call& c, const T* cache, const int32_t* blocks, 
     int64_t s = 0;
     for (; s + W <= count; s += W) {
       vf val[4] = {vload(row[0] + s), vload(row[1] + s), vload(row[2] + s), vload(row[3] + s)};
+      UNROLL
       for (int i = 0; i < GH; ++i) {
         vf w = vload(prow[i] + first + s);
+        UNROLL
         for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, val[j], acc[i][j]);
       }
     }
@@ -371,12 +399,15 @@ inline void values_by_dim(const Call& c, const T* cache, const int32_t* blocks, 
       int left = int(count - s);
       vf val[4] = {vload_n(row[0] + s, left), vload_n(row[1] + s, left), vload_n(row[2] + s, left),
                    vload_n(row[3] + s, left)};
+      UNROLL
       for (int i = 0; i < GH; ++i) {
         vf w = vload_n(prow[i] + first + s, left);
+        UNROLL
         for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, val[j], acc[i][j]);
       }
     }
   }
+  UNROLL
   for (int i = 0; i < GH; ++i) {
     float sums[4];
     vsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
@@ -433,13 +464,16 @@ void attend_one(const Call& c, int64_t r, int64_t h) {
       for (int s0 = 0; s0 < count; s0 += kVecs * W) {
         const int n = std::min(count - s0, kVecs * W);
         vf bias[kVecs];
-        if (words)
+        if (words) {
+          UNROLL
           for (int v = 0; v < kVecs; ++v)
             bias[v] = vgather(words + int64_t(s0 + v * W) * c.word_count, int(c.word_count), n - v * W);
+        }
         for_head_groups(g, [&](int64_t i0, auto gh) {
           constexpr int GH = decltype(gh)::value;
           float* zrow[GH];
           float* lrow[GH];
+          UNROLL
           for (int i = 0; i < GH; ++i) {
             zrow[i] = z + (i0 + i) * z_stride + first;
             lrow[i] = lbase ? lbase + (i0 + i) * c.max_len + first : nullptr;
@@ -455,6 +489,7 @@ void attend_one(const Call& c, int64_t r, int64_t h) {
         const int n = std::min(count - s0, 4);
         int s[4];
         float bias[4] = {0, 0, 0, 0};
+        UNROLL
         for (int j = 0; j < 4; ++j) {
           s[j] = s0 + std::min(j, n - 1);
           if (words) bias[j] = words[int64_t(s[j]) * c.word_count];
@@ -463,6 +498,7 @@ void attend_one(const Call& c, int64_t r, int64_t h) {
           constexpr int GH = decltype(gh)::value;
           float* zrow[GH];
           float* lrow[GH];
+          UNROLL
           for (int i = 0; i < GH; ++i) {
             zrow[i] = z + (i0 + i) * z_stride;
             lrow[i] = lbase ? lbase + (i0 + i) * c.max_len : nullptr;
@@ -525,6 +561,7 @@ void attend_one(const Call& c, int64_t r, int64_t h) {
     constexpr int GH = decltype(gh)::value;
     const float* prow[GH];
     float* orow[GH];
+    UNROLL
     for (int i = 0; i < GH; ++i) {
       prow[i] = z + (i0 + i) * z_stride;
       orow[i] = out + (i0 + i) * D;
@@ -534,6 +571,7 @@ void attend_one(const Call& c, int64_t r, int64_t h) {
       for (int d0 = 0; d0 < D; d0 += 4) {
         const int n = int(std::min<int64_t>(4, D - d0));
         int d[4];
+        UNROLL
         for (int j = 0; j < 4; ++j) d[j] = d0 + std::min(j, n - 1);
         values_by_dim<T, GH>(c, cache, blocks, h, length, prow, d, n, sc, orow);
       }
@@ -619,7 +657,7 @@ int decode(const int64_t* a, double scaling, int64_t* where) {
   c.heads = a[9];
   c.head_dim = a[10];
   c.kv_heads = a[11];
-  c.group = c.heads / c.kv_heads;
+  c.group = c.kv_heads > 0 ? c.heads / c.kv_heads : 0;
   c.block_size = a[12];
   c.cell = a[13];
   c.keys_at = a[14];
@@ -634,6 +672,8 @@ int decode(const int64_t* a, double scaling, int64_t* where) {
   c.max_len = a[23];
   c.blocks_in_cache = a[24];
   c.scaling = float(scaling);
+  if (c.kv_heads < 1 || c.head_dim < 1 || c.block_size < 1 || c.heads % c.kv_heads || c.rows < 0 || c.max_len < 0)
+    return 3;
   int error = check(c, where);
   if (error) return error;
   if (dtype == 1)
