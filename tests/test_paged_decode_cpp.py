@@ -13,7 +13,7 @@ import torch
 from test_paged_decode import (BIAS_WORD, KV_HEADS, MAX_LEN, WORDS, assert_matches, assert_refused, case, planes,
                                reference, run)
 
-from keepkv.kernels.paged import PagedGeometry, paged_decode
+from keepkv.kernels.paged import PagedGeometry, paged_decode, paged_decode_reference
 from keepkv.kernels.paged_cpp import cpp_available
 
 pytestmark = pytest.mark.skipif(not cpp_available(), reason="no C++ compiler or ninja: the cpp backend cannot build")
@@ -226,3 +226,47 @@ def test_a_build_that_fails_says_so_in_one_line(monkeypatch, tmp_path):
     with pytest.raises(ImportError, match="did not build") as caught:
         paged_cpp._extension.__wrapped__("generic")
     assert "\n" not in str(caught.value)
+
+
+def test_auto_takes_the_cpp_kernel_on_cpu_and_numba_where_it_does_not_build(monkeypatch):
+    from keepkv.kernels import paged, paged_cpp
+
+    query, cache, table, seq_lens, geometry = case(torch.float32, 64, 3, True, True, seed=4)
+    monkeypatch.setattr(paged, "_CPU_BACKEND", [])
+    assert paged._cpu_backend() == "cpp"
+    got = paged_decode(query, cache, table, seq_lens, 0.125, geometry, max_len=MAX_LEN, probs=True)
+    want = paged_decode(query, cache, table, seq_lens, 0.125, geometry, max_len=MAX_LEN, probs=True, backend="cpp")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    def broken(target=None):
+        raise ImportError("keepkv's C++ paged kernel did not build (test)")
+
+    monkeypatch.setattr(paged, "_CPU_BACKEND", [])
+    monkeypatch.setattr(paged_cpp, "extension", broken)
+    assert paged._cpu_backend() == "numba"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("orders", [(True, False), (False, True)], ids=["vllm-vec", "values-dim-major"])
+@pytest.mark.parametrize("stats", [True, False], ids=["stats", "out-only"])
+def test_long_requests_split_over_blocks_match_too(dtype, orders, stats):
+    """Fewer (request, KV head) tasks than twice the threads: each long request runs in pieces of
+    whole blocks on both threads, combined after (a piece whose every bias is -inf weighs 0)."""
+    query, cache, table, seq_lens, geometry, max_len = ragged_case(dtype, 64, 4, 128, [1500, 200], *orders, seed=8,
+                                                                   kv_heads=1)
+    words = planes(cache, geometry)[2]
+    words[table[0, 2:4].long(), :, :, BIAS_WORD] = float("-inf")  # entries 256..511 of request 0: one piece
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = paged_decode(query, cache, table, seq_lens, 0.125, geometry, max_len=max_len, logits=stats,
+                           probs=stats, backend="cpp")
+    finally:
+        torch.set_num_threads(threads)
+    want = paged_decode_reference(query, cache, table, seq_lens, 0.125, geometry, max_len=max_len, logits=True,
+                                  probs=True)
+    if stats:
+        assert_matches(got, want, dtype)
+        assert torch.equal(got[1][0, ..., 256:512], torch.zeros_like(got[1][0, ..., 256:512]))
+    else:
+        torch.testing.assert_close(got[0].float(), want[0].float(), rtol=tolerance_of(dtype), atol=tolerance_of(dtype))

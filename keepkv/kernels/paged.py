@@ -97,12 +97,13 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scaling: float, geometr
     (an int the caller knows: no device read here). Returns ``(out, probs, logits)``: out
     [R, H, D] in the query's dtype; probs and logits [R, H_kv, g, max_len] fp32, or None.
 
-    ``backend``: "cpp", "numba", "triton", "torch", or "auto" (triton on CUDA, numba on CPU). ValueError
+    ``backend``: "cpp", "numba", "triton", "torch", or "auto" (triton on CUDA; on CPU cpp where it
+    builds, else numba). ValueError
     on mismatched shapes; ImportError, in one line, where the backend is not installed.
     """
     _check(query, kv_cache, block_table, seq_lens, geometry, max_len)
     if backend == "auto":
-        backend = "triton" if query.device.type == "cuda" else "numba"
+        backend = "triton" if query.device.type == "cuda" else _cpu_backend()
     if backend == "torch":
         return paged_decode_reference(query, kv_cache, block_table, seq_lens, scaling, geometry, max_len=max_len,
                                       logits=logits, probs=probs)
@@ -118,6 +119,27 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scaling: float, geometr
         return triton_paged_decode(query, kv_cache, block_table, seq_lens, scaling, geometry, max_len=max_len,
                                    logits=logits, probs=probs)
     raise ValueError(f"backend must be 'auto', 'cpp', 'numba', 'triton' or 'torch'; got {backend!r}")
+
+
+_CPU_BACKEND: list = []  # "auto"'s choice on CPU, made once per process
+
+
+def _cpu_backend() -> str:
+    """"auto" on CPU: "cpp" where a compiler is there and the kernel builds (the first call builds
+    it: seconds, once per machine; benchmarks/kernels/paged_decode_cpu.py measured it faster than
+    Numba's), else "numba"."""
+    if not _CPU_BACKEND:
+        from .paged_cpp import cpp_available, extension
+
+        choice = "numba"
+        if cpp_available():
+            try:
+                extension()
+                choice = "cpp"
+            except ImportError:
+                pass
+        _CPU_BACKEND.append(choice)
+    return _CPU_BACKEND[0]
 
 
 # -- the reference --------------------------------------------------------------------------------

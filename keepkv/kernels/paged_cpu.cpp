@@ -334,10 +334,11 @@ inline void logits_by_slot(const Call& c, const T* keys, const float* qs, const 
   }
 }
 
-// 3a. out of heads [i0, i0 + GH), dimensions [d0, d0 + n) (n <= kVecs * W) over every block of
-// values packed slot by slot. p rows: the heads' weights over the request's entries.
+// 3a. out of heads [i0, i0 + GH), dimensions [d0, d0 + n) (n <= kVecs * W) over the entries
+// [begin, end) (begin at a block's start) of values packed slot by slot. p rows: the heads' weights
+// from entry begin on.
 template <typename T, int GH, int NV, bool FULL>
-inline void values_by_slot(const Call& c, const T* cache, const int32_t* blocks, int64_t h, int64_t length,
+inline void values_by_slot(const Call& c, const T* cache, const int32_t* blocks, int64_t h, int64_t begin, int64_t end,
                            const float* const* prow, int64_t d0, int n, const float* scale, float* const* orow) {
   vf acc[GH][NV];
   UNROLL
@@ -345,9 +346,10 @@ inline void values_by_slot(const Call& c, const T* cache, const int32_t* blocks,
     UNROLL
     for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
   const int64_t bs = c.block_size, D = c.head_dim;
-  for (int64_t first = 0; first < length; first += bs) {
+  for (int64_t first = begin; first < end; first += bs) {
     const T* values = cache + (int64_t(blocks[first / bs]) * c.kv_heads + h) * c.cell + c.values_at + d0;
-    int64_t count = std::min(bs, length - first);
+    int64_t count = std::min(bs, end - first);
+    const int64_t at = first - begin;  // where the block's weights start in the p rows
     for (int64_t s = 0; s < count; ++s) {
       const T* row = values + s * D;
       vf val[NV];
@@ -355,7 +357,7 @@ inline void values_by_slot(const Call& c, const T* cache, const int32_t* blocks,
       for (int v = 0; v < NV; ++v) val[v] = FULL ? vload(row + v * W) : vload_n(row + v * W, n - v * W);
       UNROLL
       for (int i = 0; i < GH; ++i) {
-        vf w = vset(prow[i][first + s]);
+        vf w = vset(prow[i][at + s]);
         UNROLL
         for (int v = 0; v < NV; ++v) acc[i][v] = vfma(w, val[v], acc[i][v]);
       }
@@ -371,9 +373,9 @@ inline void values_by_slot(const Call& c, const T* cache, const int32_t* blocks,
 }
 
 // 3b. out of heads [i0, i0 + GH), dimensions d[0..3] (repeated where fewer are left; stored for
-// the first n) over every block of values packed dimension by dimension ([D, block_size]).
+// the first n) over the entries [begin, end) of values packed dimension by dimension ([D, block_size]).
 template <typename T, int GH>
-inline void values_by_dim(const Call& c, const T* cache, const int32_t* blocks, int64_t h, int64_t length,
+inline void values_by_dim(const Call& c, const T* cache, const int32_t* blocks, int64_t h, int64_t begin, int64_t end,
                           const float* const* prow, const int* d, int n, const float* scale, float* const* orow) {
   vf acc[GH][4];
   UNROLL
@@ -381,16 +383,17 @@ inline void values_by_dim(const Call& c, const T* cache, const int32_t* blocks, 
     UNROLL
     for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
   const int64_t bs = c.block_size;
-  for (int64_t first = 0; first < length; first += bs) {
+  for (int64_t first = begin; first < end; first += bs) {
     const T* values = cache + (int64_t(blocks[first / bs]) * c.kv_heads + h) * c.cell + c.values_at;
     const T* row[4] = {values + d[0] * bs, values + d[1] * bs, values + d[2] * bs, values + d[3] * bs};
-    int64_t count = std::min(bs, length - first);
+    int64_t count = std::min(bs, end - first);
+    const int64_t at = first - begin;  // where the block's weights start in the p rows
     int64_t s = 0;
     for (; s + W <= count; s += W) {
       vf val[4] = {vload(row[0] + s), vload(row[1] + s), vload(row[2] + s), vload(row[3] + s)};
       UNROLL
       for (int i = 0; i < GH; ++i) {
-        vf w = vload(prow[i] + first + s);
+        vf w = vload(prow[i] + at + s);
         UNROLL
         for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, val[j], acc[i][j]);
       }
@@ -401,7 +404,7 @@ inline void values_by_dim(const Call& c, const T* cache, const int32_t* blocks, 
                    vload_n(row[3] + s, left)};
       UNROLL
       for (int i = 0; i < GH; ++i) {
-        vf w = vload_n(prow[i] + first + s, left);
+        vf w = vload_n(prow[i] + at + s, left);
         UNROLL
         for (int j = 0; j < 4; ++j) acc[i][j] = vfma(w, val[j], acc[i][j]);
       }
@@ -428,38 +431,43 @@ inline void for_head_groups(int64_t g, F&& body) {
   }
 }
 
+// One piece of a task: the entries [begin, end) of request r (begin at a block's start) for
+// KV head h's group. A whole request (begin 0, end its length, split null) leaves the finished
+// rows: out, the probabilities normalised, the tails of the statistics. A piece of a split one
+// leaves, per head, its max m, its sum l of exp(z - m) (kept unnormalised in the probabilities'
+// rows) and its unnormalised output [g, D] in split (m, l, then the outputs), for combine().
 template <typename T>
-void attend_one(const Call& c, int64_t r, int64_t h) {
+void attend_piece(const Call& c, int64_t r, int64_t h, int64_t begin, int64_t end, float* split) {
   const T* cache = static_cast<const T*>(c.cache);
-  const int64_t g = c.group, D = c.head_dim, bs = c.block_size, length = c.lens[r];
+  const int64_t g = c.group, D = c.head_dim, bs = c.block_size, length = c.lens[r], span = end - begin;
   const int32_t* blocks = c.table + r * c.table_stride;
   const int64_t stats_row = (r * c.kv_heads + h) * g;  // row of head 0 of the group in logits / probs
-  float* out = c.out + (r * c.heads + h * g) * D;
   Scratch& own = scratch();
   if (own.q.size() < size_t(g * D)) own.q.resize(g * D);
   float* qs = own.q.data();
   const float* q = c.q + (r * c.heads + h * g) * D;
   for (int64_t e = 0; e < g * D; ++e) qs[e] = q[e] * c.scaling;
-  // z: the probabilities' rows when asked for (the softmax runs in place), else scratch
+  // z from entry begin on: the probabilities' rows when asked for (the softmax runs in place),
+  // else scratch
   float* z;
   int64_t z_stride;
   if (c.probs) {
-    z = c.probs + stats_row * c.max_len;
+    z = c.probs + stats_row * c.max_len + begin;
     z_stride = c.max_len;
   } else {
-    z_stride = std::max<int64_t>(length, 1);
+    z_stride = std::max<int64_t>(span, 1);
     if (own.z.size() < size_t(g * z_stride)) own.z.resize(g * z_stride);
     z = own.z.data();
   }
-  float* lbase = c.logits ? c.logits + stats_row * c.max_len : nullptr;
+  float* lbase = c.logits ? c.logits + stats_row * c.max_len + begin : nullptr;
 
   // 1. logits, block by block: each key read once per group of kHeads heads
-  for (int64_t first = 0; first < length; first += bs) {
-    const int64_t block = blocks[first / bs];
+  for (int64_t first = begin; first < end; first += bs) {
+    const int64_t block = blocks[first / bs], at = first - begin;
     const T* keys = cache + (block * c.kv_heads + h) * c.cell + c.keys_at;
     const float* words =
         c.bias_word >= 0 ? c.words + (block * c.kv_heads + h) * c.cell_words + c.words_at + c.bias_word : nullptr;
-    const int count = int(std::min(bs, length - first));
+    const int count = int(std::min(bs, end - first));
     if (c.keys_by_dim) {
       for (int s0 = 0; s0 < count; s0 += kVecs * W) {
         const int n = std::min(count - s0, kVecs * W);
@@ -475,8 +483,8 @@ void attend_one(const Call& c, int64_t r, int64_t h) {
           float* lrow[GH];
           UNROLL
           for (int i = 0; i < GH; ++i) {
-            zrow[i] = z + (i0 + i) * z_stride + first;
-            lrow[i] = lbase ? lbase + (i0 + i) * c.max_len + first : nullptr;
+            zrow[i] = z + (i0 + i) * z_stride + at;
+            lrow[i] = lbase ? lbase + (i0 + i) * c.max_len + at : nullptr;
           }
           if (n == kVecs * W)
             logits_by_dim<T, GH, true>(c, keys, qs + i0 * D, s0, n, words ? bias : nullptr, zrow, lbase ? lrow : nullptr);
@@ -503,20 +511,21 @@ void attend_one(const Call& c, int64_t r, int64_t h) {
             zrow[i] = z + (i0 + i) * z_stride;
             lrow[i] = lbase ? lbase + (i0 + i) * c.max_len : nullptr;
           }
-          logits_by_slot<T, GH>(c, keys, qs + i0 * D, s, n, words ? bias : nullptr, zrow, lbase ? lrow : nullptr, first);
+          logits_by_slot<T, GH>(c, keys, qs + i0 * D, s, n, words ? bias : nullptr, zrow, lbase ? lrow : nullptr, at);
         });
       }
     }
   }
-  if (lbase)  // -inf past the length
-    for (int64_t i = 0; i < g; ++i) std::fill(lbase + i * c.max_len + length, lbase + (i + 1) * c.max_len,
-                                              -std::numeric_limits<float>::infinity());
+  const bool whole = split == nullptr;
+  if (lbase && whole)  // -inf past the length
+    for (int64_t i = 0; i < g; ++i)
+      std::fill(lbase + i * c.max_len + length, lbase + (i + 1) * c.max_len, -std::numeric_limits<float>::infinity());
 
-  // 2. softmax per head, in place: unnormalised exp where no probabilities are returned (out is
-  // scaled by 1 / sum instead), normalised in the probabilities' rows
-  float inverse[64];  // groups beyond 64 heads take the per-head path below
+  // 2. softmax per head, in place: exp(z - max) and its sum; normalised in the probabilities'
+  // rows of a whole request (else out is scaled by 1 / sum, or the pieces combined later)
+  float inverse_small[64];
   std::vector<float> inverse_big;
-  float* inv = inverse;
+  float* inv = inverse_small;
   if (g > 64) {
     inverse_big.resize(g);
     inv = inverse_big.data();
@@ -525,36 +534,40 @@ void attend_one(const Call& c, int64_t r, int64_t h) {
     float* zi = z + i * z_stride;
     vf top_v = vset(-std::numeric_limits<float>::infinity());
     int64_t s = 0;
-    for (; s + W <= length; s += W) top_v = vmax(top_v, vload(zi + s));
+    for (; s + W <= span; s += W) top_v = vmax(top_v, vload(zi + s));
     float top = vtop(top_v);
-    for (; s < length; ++s) top = std::max(top, zi[s]);
+    for (; s < span; ++s) top = std::max(top, zi[s]);
+    float total = 0.0f;
     if (!(top > -std::numeric_limits<float>::infinity())) {  // nothing visible (or empty): zeros
-      std::fill(zi, zi + length, 0.0f);
-      inv[i] = 0.0f;
+      std::fill(zi, zi + span, 0.0f);
     } else {
-      vf total_v = vzero(), shift = vset(top);
-      for (s = 0; s + W <= length; s += W) {
-        vf e = vexp(vadd(vload(zi + s), vmul(shift, vset(-1.0f))));
+      vf total_v = vzero(), shift = vset(-top);
+      for (s = 0; s + W <= span; s += W) {
+        vf e = vexp(vadd(vload(zi + s), shift));
         vstore(zi + s, e);
         total_v = vadd(total_v, e);
       }
-      float total = vsum(total_v);
-      if (s < length) {
-        int left = int(length - s);
-        vf e = vexp(vadd(vload_n(zi + s, left), vmul(shift, vset(-1.0f))));
-        vstore_n(zi + s, e, left);
-        total += vsum(vload_n(zi + s, left));  // the lanes past the length read as 0
+      total = vsum(total_v);
+      if (s < span) {
+        int left = int(span - s);
+        vstore_n(zi + s, vexp(vadd(vload_n(zi + s, left), shift)), left);
+        total += vsum(vload_n(zi + s, left));  // the lanes past the piece read as 0
       }
-      inv[i] = total > 0.0f ? 1.0f / total : 0.0f;
     }
-    if (c.probs) {
+    inv[i] = total > 0.0f ? 1.0f / total : 0.0f;
+    if (!whole) {
+      split[i] = top;
+      split[g + i] = total;
+    } else if (c.probs) {
       vf scale = vset(inv[i]);
-      for (s = 0; s + W <= length; s += W) vstore(zi + s, vmul(vload(zi + s), scale));
-      for (; s < length; ++s) zi[s] *= inv[i];
-      std::fill(zi + length, zi + c.max_len, 0.0f);
+      for (s = 0; s + W <= span; s += W) vstore(zi + s, vmul(vload(zi + s), scale));
+      for (; s < span; ++s) zi[s] *= inv[i];
+      std::fill(zi + span, zi + c.max_len, 0.0f);
     }
   }
-  const float* scale = c.probs ? nullptr : inv;
+  // where the output goes: out itself (scaled by 1 / sum unless normalised already), or the piece's
+  float* out = whole ? c.out + (r * c.heads + h * g) * D : split + 2 * g;
+  const float* scale = whole && !c.probs ? inv : nullptr;
 
   // 3. values, every block once per group of kHeads heads (and kVecs * W dimensions)
   for_head_groups(g, [&](int64_t i0, auto gh) {
@@ -573,18 +586,62 @@ void attend_one(const Call& c, int64_t r, int64_t h) {
         int d[4];
         UNROLL
         for (int j = 0; j < 4; ++j) d[j] = d0 + std::min(j, n - 1);
-        values_by_dim<T, GH>(c, cache, blocks, h, length, prow, d, n, sc, orow);
+        values_by_dim<T, GH>(c, cache, blocks, h, begin, end, prow, d, n, sc, orow);
       }
     } else {
       for (int64_t d0 = 0; d0 < D; d0 += kVecs * W) {
         const int n = int(std::min<int64_t>(kVecs * W, D - d0));
         if (n == kVecs * W)
-          values_by_slot<T, GH, kVecs, true>(c, cache, blocks, h, length, prow, d0, n, sc, orow);
+          values_by_slot<T, GH, kVecs, true>(c, cache, blocks, h, begin, end, prow, d0, n, sc, orow);
         else
-          values_by_slot<T, GH, kVecs, false>(c, cache, blocks, h, length, prow, d0, n, sc, orow);
+          values_by_slot<T, GH, kVecs, false>(c, cache, blocks, h, begin, end, prow, d0, n, sc, orow);
       }
     }
   });
+}
+
+// A split task's pieces into its rows: out = sum_p w_p o_p / sum_p w_p l_p with w_p = exp(m_p - M),
+// the probabilities rescaled piece by piece, the statistics' tails.
+void combine(const Call& c, int64_t r, int64_t h, int64_t pieces, int64_t piece_entries, const float* split) {
+  const int64_t g = c.group, D = c.head_dim, length = c.lens[r], stride = g * (D + 2);
+  const int64_t stats_row = (r * c.kv_heads + h) * g;
+  float* out = c.out + (r * c.heads + h * g) * D;
+  for (int64_t i = 0; i < g; ++i) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < pieces; ++p) top = std::max(top, split[p * stride + i]);
+    float total = 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] = 0.0f;
+    float weights[64];
+    std::vector<float> weights_big;
+    float* w = weights;
+    if (pieces > 64) {
+      weights_big.resize(pieces);
+      w = weights_big.data();
+    }
+    for (int64_t p = 0; p < pieces; ++p) {
+      const float* piece = split + p * stride;
+      w[p] = top > -std::numeric_limits<float>::infinity() && piece[i] > -std::numeric_limits<float>::infinity()
+                 ? std::exp(piece[i] - top)
+                 : 0.0f;
+      total += w[p] * piece[g + i];
+      const float* o = piece + 2 * g + i * D;
+      for (int64_t d = 0; d < D; ++d) out[i * D + d] += w[p] * o[d];
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] *= inv;
+    if (c.probs) {
+      float* row = c.probs + (stats_row + i) * c.max_len;
+      for (int64_t p = 0; p < pieces; ++p) {
+        const float factor = w[p] * inv;
+        for (int64_t s = p * piece_entries; s < std::min(length, (p + 1) * piece_entries); ++s) row[s] *= factor;
+      }
+      std::fill(row + length, row + c.max_len, 0.0f);
+    }
+    if (c.logits) {
+      float* row = c.logits + (stats_row + i) * c.max_len;
+      std::fill(row + length, row + c.max_len, -std::numeric_limits<float>::infinity());
+    }
+  }
 }
 
 }  // namespace
@@ -614,28 +671,73 @@ int check(const Call& c, int64_t* where) {
   return 0;
 }
 
+// Runs body(worker) on up to `threads` of torch's threads, each taking tasks from a shared counter.
+template <typename F>
+void on_threads(int64_t threads, F&& body) {
+  if (threads <= 1)
+    body(0, 1);
+  else
+    at::parallel_for(0, threads, 1, body);
+}
+
 template <typename T>
 void run(const Call& c) {
-  const int64_t tasks = c.rows * c.kv_heads;
-  // longest requests first, handed out one (request, KV head) at a time
+  const int64_t tasks = c.rows * c.kv_heads, bs = c.block_size;
+  int64_t entries = 0;
+  for (int64_t r = 0; r < c.rows; ++r) entries += c.lens[r];
+  const int64_t work = entries * c.kv_heads * (c.group + 1) * c.head_dim;
+  int64_t threads = work < (int64_t(1) << 16) ? 1 : at::get_num_threads();  // too little to wake a thread for
+  // Fewer tasks (request, KV head) than twice the threads: each request split into pieces of
+  // whole blocks (at least kPieceEntries entries), so that every thread has work.
+  constexpr int64_t kPieceEntries = 256;
+  int64_t piece_blocks = 0;  // 0: no split
+  if (threads > 1 && tasks < 2 * threads) {
+    const int64_t blocks = (entries + bs - 1) / bs * c.kv_heads;  // about
+    piece_blocks = std::max((kPieceEntries + bs - 1) / bs, blocks / (4 * threads));
+  }
+  // longest requests first, handed out one task (or piece) at a time
   std::vector<int32_t> order(c.rows);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return c.lens[a] > c.lens[b]; });
-  int64_t work = 0;
-  for (int64_t r = 0; r < c.rows; ++r) work += c.lens[r];
-  work *= c.kv_heads * (c.group + 1) * c.head_dim;
   std::atomic<int64_t> next{0};
-  auto worker = [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
-         t = next.fetch_add(1, std::memory_order_relaxed))
-      attend_one<T>(c, order[t / c.kv_heads], t % c.kv_heads);
-  };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
-  if (threads <= 1 || work < (int64_t(1) << 16)) {  // too little to wake a second thread for
-    worker(0, 1);
-  } else {
-    at::parallel_for(0, threads, 1, worker);
+  if (!piece_blocks) {
+    threads = std::min(threads, tasks);
+    on_threads(threads, [&](int64_t, int64_t) {
+      for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
+           t = next.fetch_add(1, std::memory_order_relaxed))
+        attend_piece<T>(c, order[t / c.kv_heads], t % c.kv_heads, 0, c.lens[order[t / c.kv_heads]], nullptr);
+    });
+    return;
   }
+  // pieces: (row, KV head, piece) in order; a request of one piece runs whole
+  const int64_t piece_entries = piece_blocks * bs, stride = c.group * (c.head_dim + 2);
+  struct Piece {
+    int32_t r, h, p, pieces;
+    int64_t slot;  // where its partial results go in `partial` (-1: a whole request)
+  };
+  std::vector<Piece> list;
+  int64_t slots = 0;
+  for (int32_t r : order) {
+    const int64_t pieces = std::max<int64_t>(1, (c.lens[r] + piece_entries - 1) / piece_entries);
+    for (int32_t h = 0; h < c.kv_heads; ++h)
+      for (int32_t p = 0; p < pieces; ++p)
+        list.push_back({r, h, p, int32_t(pieces), pieces > 1 ? slots++ : -1});
+  }
+  std::vector<float> partial(size_t(slots * stride));
+  const int64_t count = int64_t(list.size());
+  on_threads(std::min(threads, count), [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < count;
+         t = next.fetch_add(1, std::memory_order_relaxed)) {
+      const Piece& piece = list[t];
+      const int64_t begin = piece.p * piece_entries, end = std::min<int64_t>(c.lens[piece.r], begin + piece_entries);
+      attend_piece<T>(c, piece.r, piece.h, begin, piece.pieces > 1 ? end : c.lens[piece.r],
+                      piece.slot >= 0 ? partial.data() + piece.slot * stride : nullptr);
+    }
+  });
+  // combine each split task (its pieces' slots are consecutive)
+  for (const Piece& piece : list)
+    if (piece.p == 0 && piece.pieces > 1)
+      combine(c, piece.r, piece.h, piece.pieces, piece_entries, partial.data() + piece.slot * stride);
 }
 
 // The call: raw addresses (the Python side owns and checks the tensors) and the geometry.
