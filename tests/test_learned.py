@@ -22,6 +22,7 @@ from keepkv.scorer_training import default_corpus, kvzip_scores, train_scorer
 
 from conftest import char_tokenizer, decode_loop, prefill, random_batch, run_generate, tiny_model
 
+LEARNED = "snapkv+selection=learned"  # the learned selection, evicting what it does not keep
 LAYERS, HEADS, DIM = 2, 2, 16  # tiny_model("llama-gqa"): 2 layers, 2 KV heads of 16
 
 
@@ -135,11 +136,11 @@ def test_a_scorer_that_does_not_fit_the_model_is_refused_in_one_line(scorer_file
     model = tiny_model("llama-mha")  # 4 KV heads: the scorer has 2
     input_ids, attention_mask = random_batch()
     with pytest.raises(ValueError, match="train one for this model") as error:
-        run_generate(model, input_ids, attention_mask, "learned", budget=8, scorer=scorer_file)
+        run_generate(model, input_ids, attention_mask, LEARNED, budget=8, scorer=scorer_file)
     assert "\n" not in str(error.value)
     for path in ("/nonexistent/scorer.pt", __file__):
         with pytest.raises(ValueError, match="scorer"):
-            keepkv.get_method(f"learned+scorer={path}")
+            keepkv.get_method(f"{LEARNED}+scorer={path}")
 
 
 # -- the selection -------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ def test_keeps_the_sinks_and_the_highest_predicted_entries(tmp_path, sign):
     input_ids, attention_mask = random_batch(pad=(0, 6))
     full = keepkv.CompressedCache(model.config, "full", 1.0)
     prefill(model, full, input_ids, attention_mask)
-    cache = keepkv.CompressedCache(model.config, "learned", 10, scorer=path)
+    cache = keepkv.CompressedCache(model.config, LEARNED, 10, scorer=path)
     prefill(model, cache, input_ids, attention_mask)
     for full_layer, layer in zip(full.layers, cache.layers):
         score = sign * full_layer.keys.float().norm(dim=-1).log()
@@ -166,7 +167,7 @@ def test_keeps_the_sinks_and_the_highest_predicted_entries(tmp_path, sign):
 def test_ranks_by_the_scorer_and_protects_the_decoding_window(scorer_file):
     model = tiny_model("llama-gqa")
     input_ids, attention_mask = random_batch(pad=(0, 6))
-    cache = keepkv.CompressedCache(model.config, "learned", 12, scorer=scorer_file)
+    cache = keepkv.CompressedCache(model.config, LEARNED, 12, scorer=scorer_file)
     for cache in decode_loop(model, input_ids, attention_mask, cache, steps=6):
         pass
     for layer in cache.layers:
@@ -181,7 +182,7 @@ def test_without_a_fitting_default_it_ranks_by_key_norm_with_a_warning():
     model = tiny_model("llama-gqa")
     input_ids, attention_mask = random_batch()
     with pytest.warns(KeepKVWarning, match="ranking by key norm"):
-        tokens, cache = run_generate(model, input_ids, attention_mask, "learned", budget=8, new_tokens=2)
+        tokens, cache = run_generate(model, input_ids, attention_mask, LEARNED, budget=8, new_tokens=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         knorm = torch.stack([prior_scores(layer.keys) for layer in cache.layers])
@@ -189,7 +190,7 @@ def test_without_a_fitting_default_it_ranks_by_key_norm_with_a_warning():
 
 
 def test_needs_no_attention_statistics_and_no_pass():
-    method = keepkv.get_method("learned")
+    method = keepkv.get_method(LEARNED)
     assert method.needs(True) == method.needs(False) == keepkv.get_method("full").needs(True)
     assert method.protected_entries() == 4 and not method.selection.reads_every_entry
     assert SELECTIONS["learned"] is LearnedScores
@@ -203,7 +204,7 @@ def test_every_row_and_head_keeps_exactly_its_budget_with_any_merge(scorer_file,
     """Rows of 30, 21 and 10 real tokens, 8 decode steps: each row and head of each layer holds
     min(its budget + the tokens since its last compression, its tokens), with every merge that pairs."""
     model = tiny_model("llama-gqa")
-    spec = f"learned+merge={merge}+interval={interval}"
+    spec = f"{LEARNED}+merge={merge}+interval={interval}"
     try:
         keepkv.get_method(spec, scorer=scorer_file)
     except ValueError as error:  # a pair the contract refuses, in one line
@@ -227,20 +228,20 @@ def test_generate_batch_rows_equal_single_prompts(scorer_file, budget):
     input_ids, attention_mask = random_batch(length=30, pad=(0, 9))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", KeepKVWarning)  # budget 1 is below the sinks on purpose
-        batched, _ = run_generate(model, input_ids, attention_mask, "learned", budget, 8, scorer=scorer_file)
+        batched, _ = run_generate(model, input_ids, attention_mask, LEARNED, budget, 8, scorer=scorer_file)
         for row in range(2):
             real = attention_mask[row].bool()
             alone, _ = run_generate(model, input_ids[row : row + 1, real], attention_mask[row : row + 1, real],
-                                    "learned", budget, 8, scorer=scorer_file)
+                                    LEARNED, budget, 8, scorer=scorer_file)
             assert torch.equal(batched[row], alone[0]), row
 
 
 def test_keepkv_generate_and_compress(scorer_file):
     model, tokenizer = tiny_model("llama-gqa"), char_tokenizer()
     prompts = ["a prompt of a hundred characters or so, " * 3, "another, shorter prompt " * 3]
-    results = keepkv.generate(model, tokenizer, prompts, method="learned", budget=0.3, max_new_tokens=4, chat=False, scorer=scorer_file)
+    results = keepkv.generate(model, tokenizer, prompts, method=LEARNED, budget=0.3, max_new_tokens=4, chat=False, scorer=scorer_file)
     assert len(results) == 2 and results[0].kept_entries < results[0].prompt_tokens
-    cache = keepkv.compress(model, tokenizer, "a context of a hundred characters or so " * 3, method="learned",
+    cache = keepkv.compress(model, tokenizer, "a context of a hundred characters or so " * 3, method=LEARNED,
                             budget=0.3, chat=False, scorer=scorer_file)
     assert all(int(layer.live_counts().max()) < layer.real_seen.max() for layer in cache.layers)
 

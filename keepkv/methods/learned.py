@@ -1,20 +1,22 @@
 """Learned selection: KVzip's scores predicted from each entry's key and value, with no second pass
-(KVzap, arXiv 2601.07891)."""
+(KVzap, arXiv 2601.07891).
+
+A selection, paired with any method's merge: ``snapkv+selection=learned`` evicts what it does not
+keep, ``keepkv+selection=learned`` ZIP-merges it (KeepKV's merge), ``+scorer=PATH`` names the
+scorer file.
+"""
 
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..diagnostics import KeepKVWarning
 from ..scorer import cached_scorer, default_scorer, prior_scores
-from .base import (
-    ComposedMethod, Merge, ScoredSelection, Selection, check_range, generated_recent_count, note_prompt_end, protected,
-    register, register_selection,
-)
+from .base import ScoredSelection, check_range, generated_recent_count, note_prompt_end, protected, register_selection
 
 
 @register_selection
@@ -83,16 +85,3 @@ class LearnedScores(ScoredSelection):
         is_protected = protected(layer, self.sinks, generated_recent_count(layer, self.window))
         return self.scores(layer).masked_fill(is_protected, float("inf"))
 
-
-@register
-@dataclass
-class Learned(ComposedMethod):
-    """KVzap-style learned selection (arXiv 2601.07891): selection ``learned``
-    (:class:`LearnedScores`: KVzip's scores predicted from each entry's key and value), merge
-    ``none`` (evict). KVzip's kept set without its second pass: compress a context once, before any
-    question (:func:`keepkv.compress`), or any prompt at the end of its prefill."""
-
-    name = "learned"
-    paper = "KVzap 2026, arXiv 2601.07891"
-    selection: Selection = field(default_factory=LearnedScores)
-    merging: Merge = field(default_factory=Merge)
