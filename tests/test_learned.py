@@ -189,6 +189,22 @@ def test_without_a_fitting_default_it_ranks_by_key_norm_with_a_warning():
     assert knorm.isfinite().all()
 
 
+def test_layer_budgets_follow_the_predicted_scores(tmp_path):
+    """budgets="layers": kvzip's split of the budget, drawn from the predicted scores: a layer whose
+    predictions are all higher takes more of the budget; the mean stays the budget."""
+    model = tiny_model("llama-gqa")
+    scorer = planted_scorer(0.0)
+    scorer.tensors["bias"][1] = 5.0  # layer 1's predictions above layer 0's
+    path = str(scorer.save(tmp_path / "layers.pt"))
+    input_ids, attention_mask = random_batch(pad=(0, 6))
+    cache = keepkv.CompressedCache(model.config, f"{LEARNED}+budgets=layers", 10, scorer=path)
+    prefill(model, cache, input_ids, attention_mask)
+    budgets = cache.layer_budgets.float()
+    assert (budgets[1] > budgets[0]).all() and torch.equal(budgets.mean((0, 2)), torch.tensor([10.0, 10.0]))
+    assert keepkv.get_method(f"{LEARNED}+budgets=layers").allocates_from_all_layers
+    assert not keepkv.get_method(LEARNED).allocates_from_all_layers
+
+
 def test_needs_no_attention_statistics_and_no_pass():
     method = keepkv.get_method(LEARNED)
     assert method.needs(True) == method.needs(False) == keepkv.get_method("full").needs(True)
@@ -199,12 +215,14 @@ def test_needs_no_attention_statistics_and_no_pass():
 BUDGETS = st.one_of(st.integers(1, 40), st.sampled_from([0.05, 0.1, 0.3, 0.5, 0.9, 1.0]))
 
 
-@given(budget=BUDGETS, interval=st.integers(1, 4), merge=st.sampled_from(sorted(MERGES)))
-def test_every_row_and_head_keeps_exactly_its_budget_with_any_merge(scorer_file, budget, interval, merge):
+@given(budget=BUDGETS, interval=st.integers(1, 4), merge=st.sampled_from(sorted(MERGES)),
+       split=st.sampled_from(["uniform", "layers", "global", "heads"]))
+def test_every_row_and_head_keeps_exactly_its_budget_with_any_merge(scorer_file, budget, interval, merge, split):
     """Rows of 30, 21 and 10 real tokens, 8 decode steps: each row and head of each layer holds
-    min(its budget + the tokens since its last compression, its tokens), with every merge that pairs."""
+    min(its budget + the tokens since its last compression, its tokens), with every merge that
+    pairs and every split of the budget over layers and heads (kvzip's)."""
     model = tiny_model("llama-gqa")
-    spec = f"{LEARNED}+merge={merge}+interval={interval}"
+    spec = f"{LEARNED}+merge={merge}+interval={interval}+budgets={split}"
     try:
         keepkv.get_method(spec, scorer=scorer_file)
     except ValueError as error:  # a pair the contract refuses, in one line

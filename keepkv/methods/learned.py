@@ -16,7 +16,11 @@ import torch
 
 from ..diagnostics import KeepKVWarning
 from ..scorer import cached_scorer, default_scorer, prior_scores
-from .base import ScoredSelection, check_range, generated_recent_count, note_prompt_end, protected, register_selection
+from ..store import NEG_INF
+from .base import (
+    ScoredSelection, check_choice, check_range, generated_recent_count, note_prompt_end, protected, register_selection,
+)
+from .kvzip import BUDGETS, ContextReconstruction
 
 
 @register_selection
@@ -45,18 +49,41 @@ class LearnedScores(ScoredSelection):
     window : int
         While decoding under the budget, the newest generated tokens always kept, up to this many
         (capped by what the sinks leave); the prompt's own compression protects none. 0: scores alone.
+    budgets : str
+        How the budget is split over layers and KV heads, as ``kvzip``'s, from the predicted scores:
+        "uniform" (default: every layer and head keeps the budget, each layer compressed as its own
+        prefill ends, as a serving engine sizes requests), "layers" (every head of a layer keeps as
+        many, the layers sized by one top-k over their slots: kvzip's default), "global", "heads".
+        Any but "uniform" compresses every layer at once, after the last one's prefill.
     """
 
     name = "learned"
+    layered = True
     sinks: int = 4
     window: int = 32
     scorer: str | None = None
+    budgets: str = "uniform"
 
     def __post_init__(self):
         super().__post_init__()
         check_range("window", self.window, 0, math.inf)
+        check_choice("budgets", self.budgets, BUDGETS)
         if self.scorer is not None:
             cached_scorer(self.scorer)  # a missing or unreadable file is refused where the method is built
+
+    @property
+    def allocates_from_all_layers(self) -> bool:
+        return self.budgets != "uniform"
+
+    def allocation_scores(self, layer) -> torch.Tensor:
+        """[B, H_kv, S] the predicted log scores, -inf on empty slots."""
+        return self.scores(layer).masked_fill(~layer.live(), NEG_INF)
+
+    def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
+        """Budgets [L, B, H_kv] whose mean is each row's budget, split as ``kvzip``'s are
+        (:meth:`keepkv.methods.kvzip.ContextReconstruction.allocate`) from the predicted scores."""
+        split = ContextReconstruction(sinks=self.sinks, budgets=self.budgets)
+        return split.allocate(layers, kv_heads, row_budget, prompt_lengths, scores)
 
     def observe(self, layer, stats):
         if stats.is_prefill:
