@@ -270,3 +270,18 @@ def test_long_requests_split_over_blocks_match_too(dtype, orders, stats):
         assert torch.equal(got[1][0, ..., 256:512], torch.zeros_like(got[1][0, ..., 256:512]))
     else:
         torch.testing.assert_close(got[0].float(), want[0].float(), rtol=tolerance_of(dtype), atol=tolerance_of(dtype))
+
+
+def test_views_and_other_integer_types_are_read_as_they_are():
+    """A block table that is a column slice of a wider one (its row stride kept), int64 tables and
+    lengths, a query that is a strided view in bf16: the same answer as contiguous int32 inputs."""
+    query, cache, table, seq_lens, geometry = case(torch.float32, 64, 3, True, True, seed=6)
+    want = run("cpp", "cpu", query, cache, table, seq_lens, geometry)
+    wide = torch.full((table.shape[0], table.shape[1] + 3), -1, dtype=torch.int32)
+    wide[:, : table.shape[1]] = table
+    assert_matches(run("cpp", "cpu", query, cache, wide[:, : table.shape[1]], seq_lens.int(), geometry), want,
+                   torch.float32)
+    assert_matches(run("cpp", "cpu", query, cache, table.long(), seq_lens.long(), geometry), want, torch.float32)
+    strided = query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    assert_matches(run("cpp", "cpu", strided, cache, table, seq_lens, geometry), want, torch.float32)

@@ -15,7 +15,11 @@ kernels' outputs are compared (vLLM's with the bias words zeroed, as it reads no
     python benchmarks/kernels/paged_decode_cpu.py                  # cpp and numba
     .venv-vllm/bin/python benchmarks/kernels/paged_decode_cpu.py --json paged_decode_cpu.json   # + vLLM
 
-Run it on an idle machine: the load average is printed and kept in the JSON.
+Run it on an idle machine: the load average is printed and kept in the JSON. keepkv's calls
+allocate their outputs (as the engine's do) and vLLM's writes into one made once: under glibc's
+default malloc, outputs of ~100 kB are handed back to the system and faulted in again on every
+call (tens of microseconds on two threads at 210 entries); ``MALLOC_MMAP_THRESHOLD_=4000000`` in
+the environment keeps them (the JSON records it), as a process under tcmalloc or jemalloc would.
 """
 
 from __future__ import annotations
@@ -187,7 +191,8 @@ def main() -> None:
                                                           "head_dim": HEAD_DIM, "block_size": BLOCK},
                        "cpp": cpp, "vllm": vllm is not None, "torch": torch.__version__,
                        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                       "load_average": load, "rows": rows}, handle, indent=2)
+                       "load_average": load, "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+                       "rows": rows}, handle, indent=2)
 
 
 if __name__ == "__main__":
