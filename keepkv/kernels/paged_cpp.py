@@ -53,17 +53,17 @@ def isa() -> str:
 
 @functools.cache
 def _isa(asked: str) -> str:
-    asked = asked.strip().lower()
-    if asked:
-        if asked not in _FLAGS:
-            raise ValueError(f"KEEPKV_CPP_ISA must be one of {', '.join(_FLAGS)}; got {asked!r}")
-        return asked
     capability = torch.backends.cpu.get_cpu_capability().upper()
-    if capability.startswith("AVX512"):
-        return "avx512"
-    if capability.startswith("AVX2"):
-        return "avx2"
-    return "generic"
+    found = "avx512" if capability.startswith("AVX512") else "avx2" if capability.startswith("AVX2") else "generic"
+    asked = asked.strip().lower()
+    if not asked:
+        return found
+    order = list(_FLAGS)[::-1]  # generic, avx2, avx512
+    if asked not in _FLAGS:
+        raise ValueError(f"KEEPKV_CPP_ISA must be one of {', '.join(_FLAGS)}; got {asked!r}")
+    if order.index(asked) > order.index(found):
+        raise ValueError(f"KEEPKV_CPP_ISA={asked}: this CPU runs {found} at most (torch reads it as {capability})")
+    return asked
 
 
 def cache_root() -> Path:
@@ -103,10 +103,14 @@ def _extension(target: str):
     name = f"keepkv_paged_cpu_{target}_{key}"
     folder = cache_root() / "paged_cpu" / name
     built = folder / f"{name}.so"
-    if built.exists():
-        spec = importlib.util.spec_from_file_location(name, built)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    if built.exists() and not (folder / "lock").exists():  # built, and no build under way (torch's lock file)
+        try:
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except (ImportError, OSError) as error:
+            raise ImportError(f"keepkv's C++ paged kernel in {folder} does not load ({error}); delete the folder "
+                              f"to build it again") from None
         return module
     if not cpp_available():
         raise ImportError("keepkv's C++ paged kernel needs a C++ compiler ($CXX or c++) and ninja (pip install ninja)")
