@@ -297,3 +297,23 @@ def test_default_corpus_is_offline_text():
     assert len(texts) == 4 and all(500 < len(text) <= 1000 for text in texts)
     assert "def " in texts[1] or "import" in texts[1] or "class " in texts[1]  # a stdlib source
     assert default_corpus(4, chars=1000) == texts
+
+
+# -- the embedded model's scorer -------------------------------------------------------------------
+@pytest.mark.integration
+def test_the_shipped_scorer_fits_the_embedded_model():
+    """scorer=None on the embedded model: the shipped scorer, bound to its config, no warning, and a
+    held-out fit far above the untrained prior's."""
+    from keepkv.scorer import default_scorer
+
+    try:
+        model, tokenizer = keepkv.load_model()
+    except Exception as error:  # noqa: BLE001 (no embedded model in this environment)
+        pytest.skip(f"embedded model unavailable: {error}")
+    scorer = load_scorer(default_scorer(), config=model.config)
+    assert scorer.report["spearman"] > 0.5 and scorer.report["documents"] >= 50
+    context = "The passcode is 4417. " + "Some filler prose about nothing in particular. " * 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KeepKVWarning)
+        cache = keepkv.compress(model, tokenizer, context, method=LEARNED, budget=0.3)
+    assert all(int(layer.live_counts().max()) < int(layer.real_seen.max()) for layer in cache.layers)
