@@ -10,7 +10,12 @@ Features are what every path has at a layer, entry by entry: its key after RoPE 
 RoPE rotates each pair (k_i, k_{i+D/2}) (Hugging Face's ``rotate_half`` layout) by an angle set
 by the position, so the pairs' norms, and the key's norm, do not depend on it: the position does
 not leak in, and an entry's score is a function of that entry alone (a chunked prefill, or a
-compression chunk by chunk, scores it as a whole prompt does). ``FEATURES`` has the others.
+compression chunk by chunk, scores it as a whole prompt does). ``FEATURES`` has the others;
+``"unrotated+values"`` turns each key back by its stored position (the model's default RoPE,
+base ``rope_theta`` from the scorer's config key): the whole key before RoPE, still free of the
+position, but right only where the model numbered the tokens as the store does (each row's real
+tokens from 0, as ``model.generate`` and ``keepkv.generate`` do; not a padded batch fed without
+``position_ids``).
 
 A :class:`Scorer` holds, for L layers and H KV heads of F features: ``mean``, ``std`` [L, H, F]
 (the training features' standardisation) and either ``weight`` [L, H, F], ``bias`` [L, H]
@@ -42,8 +47,10 @@ FEATURES = {
     "values+pairs": lambda d: d + d // 2 + 1,  # the value, the key's rotary-pair norms, log ||k||
     "pairs": lambda d: d // 2 + 1,  # the key's rotary-pair norms and log ||k|| (the key alone, RoPE-invariant)
     "values": lambda d: d,  # the value alone
+    "unrotated+values": lambda d: 2 * d,  # the key before RoPE (un-rotated by its position) and the value
     "keys+values": lambda d: 2 * d,  # the rotated key and the value: the position leaks in (a baseline)
 }
+NEEDS_POSITIONS = ("unrotated+values",)  # feature sets that read the positions and the RoPE base
 TINY = 1e-12  # norms and scores are clamped here before a log
 FORMAT = 1  # the file's layout version
 # The config fields a scorer is bound to (config_key).
@@ -68,9 +75,28 @@ def config_key(config) -> dict:
     }
 
 
-def features(keys: torch.Tensor, values: torch.Tensor, kind: str = "values+pairs") -> torch.Tensor:
-    """[..., S, F] fp32 features of entries: keys (after RoPE), values [..., S, D] (``FEATURES``)."""
+def unrotate(keys: torch.Tensor, positions: torch.Tensor, rope_theta: float) -> torch.Tensor:
+    """[..., S, D] fp32 keys before RoPE: keys after it [..., S, D] turned back by their positions
+    [..., S] (Hugging Face's default RoPE, ``rotate_half`` layout, base ``rope_theta``)."""
+    keys = keys.float()
+    dim = keys.shape[-1]
+    inverse = rope_theta ** (-torch.arange(0, dim, 2, device=keys.device, dtype=torch.float32) / dim)
+    angle = positions.float()[..., None] * inverse  # [..., S, D/2]
+    cos, sin = angle.cos().repeat(*(1,) * (angle.dim() - 1), 2), angle.sin().repeat(*(1,) * (angle.dim() - 1), 2)
+    half = dim // 2
+    rotated_half = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
+    return keys * cos - rotated_half * sin
+
+
+def features(keys: torch.Tensor, values: torch.Tensor, kind: str = "values+pairs", positions: torch.Tensor | None = None,
+             rope_theta: float | None = None) -> torch.Tensor:
+    """[..., S, F] fp32 features of entries: keys (after RoPE), values [..., S, D] (``FEATURES``);
+    ``positions`` [..., S] and ``rope_theta``: for the sets that un-rotate the keys (``NEEDS_POSITIONS``)."""
     keys, values = keys.float(), values.float()
+    if kind in NEEDS_POSITIONS:
+        if positions is None or rope_theta is None:
+            raise ValueError(f"features {kind!r} need the entries' positions and the model's rope_theta")
+        return torch.cat([unrotate(keys, positions, rope_theta), values], dim=-1)
     if kind == "values":
         return values
     if kind == "keys+values":
@@ -135,16 +161,19 @@ class Scorer:
             self._placed[device] = {name: t.to(device, torch.float32) for name, t in self.tensors.items()}
         return self._placed[device]
 
-    def predict(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def predict(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """[B, H_kv, S] fp32 predicted log KVzip scores of layer ``layer_idx``'s entries: keys
-        (after RoPE), values [B, H_kv, S, D]."""
+        (after RoPE), values [B, H_kv, S, D], positions [B, H_kv, S] (read by the feature sets that
+        un-rotate the keys)."""
         if not self.fits(layer_idx, keys.shape[1], keys.shape[-1]):
             raise ValueError(
                 f"this scorer scores {self.layers} layers of {self.kv_heads} KV heads of {self.head_dim}; got layer "
                 f"{layer_idx} of {keys.shape[1]} heads of {keys.shape[-1]}: train one for this model "
                 "(keepkv.scorer_training.train_scorer)"
             )
-        return self._predict(self._on(keys.device), layer_idx, features(keys, values, self.features))
+        x = features(keys, values, self.features, positions, self.key.get("rope_theta"))
+        return self._predict(self._on(keys.device), layer_idx, x)
 
     def _predict(self, t: dict, layer, x: torch.Tensor) -> torch.Tensor:
         """x [B, H, S, F] raw features of layer ``layer`` (an int, or a slice/index of layers when
@@ -246,6 +275,8 @@ class ScorerData:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.features, self.sample, self.skip = features, sample, skip
         self.key = key or {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+        if features in NEEDS_POSITIONS and self.key.get("rope_theta") is None:
+            raise ValueError(f"features {features!r} un-rotate the keys: the key must name the model's rope_theta")
         width = FEATURES[features](head_dim) + 1  # the features and a constant 1
         self.gram = torch.zeros(layers, kv_heads, width, width, dtype=torch.float64)  # sum of [x 1]^T [x 1]
         self.cross = torch.zeros(layers, kv_heads, width, dtype=torch.float64)  # sum of [x 1] y
@@ -261,7 +292,8 @@ class ScorerData:
         """One document: keys (after RoPE), values [L, H, S, D] of every layer, its KVzip scores
         [L, H, S] and its entries' positions [S]."""
         keep = positions >= self.skip
-        x = features(keys[:, :, keep], values[:, :, keep], self.features)  # [L, H, S', F]
+        x = features(keys[:, :, keep], values[:, :, keep], self.features, positions[keep],
+                     self.key.get("rope_theta"))  # [L, H, S', F]
         y = log_targets(scores[:, :, keep])
         self.documents += 1
         if held_out:

@@ -31,7 +31,7 @@ from .cache import CompressedCache
 from .eval.tasks import prose_corpus, stdlib_sources
 from .generation import context_and_question_ids
 from .methods import get_method
-from .scorer import ScorerData, Scorer, config_key
+from .scorer import NEEDS_POSITIONS, ScorerData, Scorer, config_key
 
 
 def default_corpus(documents: int = 50, chars: int = 4000, seed: int = 0) -> list[str]:
@@ -107,6 +107,10 @@ def train_scorer(model, tokenizer, texts: list[str] | None = None, *, kind: str 
     if not texts:
         raise ValueError("train_scorer needs at least one non-empty text")
     key = config_key(model)
+    rope = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None) or {}
+    if features in NEEDS_POSITIONS and rope.get("rope_type", "default") != "default":
+        raise ValueError(f"features {features!r} un-rotate the keys with the default RoPE; this model's is "
+                         f"{rope.get('rope_type')!r}: use features='values+pairs'")
     order = list(range(len(texts)))
     random.Random(seed).shuffle(order)
     held = set(order[: math.ceil(holdout * len(texts))] if len(texts) > 1 and holdout > 0 else [])

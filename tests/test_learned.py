@@ -112,6 +112,29 @@ def test_features_do_not_depend_on_the_rotary_position():
     rotated = keys * cos + torch.cat([-keys[..., DIM // 2:], keys[..., : DIM // 2]], -1) * sin
     for kind in ("values+pairs", "pairs"):
         torch.testing.assert_close(features(rotated, values, kind), features(keys, values, kind))
+    # un-rotated by their positions, with the model's base, the keys come back
+    positions = torch.arange(5).expand(1, 2, 5) * 7
+    inverse = 1e4 ** (-torch.arange(0, DIM, 2).float() / DIM)
+    angle = positions[..., None].float() * inverse
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    rotated = keys * cos + torch.cat([-keys[..., DIM // 2:], keys[..., : DIM // 2]], -1) * sin
+    unrotated = features(rotated, values, "unrotated+values", positions, 1e4)
+    torch.testing.assert_close(unrotated, torch.cat([keys, values], -1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="positions"):
+        features(rotated, values, "unrotated+values")
+
+
+def test_unrotated_keys_score_like_the_rotated_keys_of_the_same_entries(tmp_path):
+    """A scorer on un-rotated keys, trained on a tiny model through keepkv's KVzip pass, scores the
+    entries of a cache (stored positions = the model's, as keepkv.generate numbers them)."""
+    model, tokenizer = tiny_model("llama-gqa"), char_tokenizer()
+    texts = [f"line {i}: a few words of text, and more words " * 2 for i in range(4)]
+    scorer = train_scorer(model, tokenizer, texts, chat=False, features="unrotated+values", progress=False)
+    path = str(scorer.save(tmp_path / "unrotated.pt"))
+    prompts = ["a prompt of some length for the cache, " * 3, "a shorter one, " * 3]
+    results = keepkv.generate(model, tokenizer, prompts, method=LEARNED, budget=0.3, max_new_tokens=3, chat=False,
+                              scorer=path)
+    assert all(result.kept_entries < result.prompt_tokens for result in results)
 
 
 # -- the file ------------------------------------------------------------------------------------
