@@ -95,7 +95,7 @@ class LearnedScores(ScoredSelection):
         keys, values = layer.keys, layer.values
         _, kv_heads, _, head_dim = keys.shape
         if self.scorer is not None:
-            return cached_scorer(self.scorer).predict(layer.layer_idx, keys, values)
+            return cached_scorer(self.scorer).predict(layer.layer_idx, keys, values, layer.positions)
         path = default_scorer()
         scorer = cached_scorer(path) if path.is_file() else None
         if scorer is None or not scorer.fits(layer.layer_idx, kv_heads, head_dim):
@@ -105,7 +105,7 @@ class LearnedScores(ScoredSelection):
                 "keepkv.scorer_training.train_scorer and pass scorer=PATH", KeepKVWarning, stacklevel=2,
             )
             return prior_scores(keys)
-        return scorer.predict(layer.layer_idx, keys, values)
+        return scorer.predict(layer.layer_idx, keys, values, layer.positions)
 
     def priority(self, layer, merge_scores=None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for the sinks and the decoding window, else the predicted log score."""
