@@ -285,3 +285,16 @@ def test_views_and_other_integer_types_are_read_as_they_are():
     strided = query.transpose(0, 1).contiguous().transpose(0, 1)
     assert not strided.is_contiguous()
     assert_matches(run("cpp", "cpu", strided, cache, table, seq_lens, geometry), want, torch.float32)
+
+
+def test_concurrent_callers_get_their_own_answers():
+    """The kernel runs without the GIL, its scratch per thread: callers on two Python threads at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = [ragged_case(torch.float32, 64, 3, 128, [700, 300, 5], True, False, seed=seed) for seed in (21, 22)]
+    alone = [run("cpp", "cpu", *i[:5], max_len=i[5]) for i in inputs]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda i: [run("cpp", "cpu", *i[:5], max_len=i[5]) for _ in range(20)], inputs))
+    for answers, want in zip(together, alone):
+        for got in answers:
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
