@@ -100,8 +100,8 @@ class LearnedScores(ScoredSelection):
         scorer = cached_scorer(path) if path.is_file() else None
         if scorer is None or not scorer.fits(layer.layer_idx, kv_heads, head_dim):
             warnings.warn(
-                f"learned: no scorer given and the default one does not fit this model (layer {layer.layer_idx}, "
-                f"{kv_heads} KV heads of {head_dim}); ranking by key norm: train one with "
+                f"learned: no scorer given and the default one does not fit this model ({kv_heads} KV heads of "
+                f"{head_dim}, or more layers); ranking by key norm: train one with "
                 "keepkv.scorer_training.train_scorer and pass scorer=PATH", KeepKVWarning, stacklevel=2,
             )
             return prior_scores(keys)
