@@ -25,7 +25,9 @@ A keepkv slot thus costs the keys and values at the model's head size plus one f
   group's g logits computed over it, then the values once. fp32 and bf16 caches.
 - ``"cpp"``: the same in C++ (:mod:`keepkv.kernels.paged_cpp`: ``paged_cpu.cpp``, built on first use
   by torch's extension loader into the user's cache, AVX-512 / AVX2 / plain), on torch's own
-  threads; reads bf16 and fp16 in place. Needs a C++ compiler and ninja.
+  threads; reads bf16 and fp16 in place, splits long requests over blocks when tasks are few.
+  Needs a C++ compiler and ninja; "auto" takes it on CPU where it builds (2-5x Numba's speed in
+  ``benchmarks/kernels/paged_decode_cpu.py``), else Numba.
 - ``"triton"``: the same on CUDA, or anywhere under Triton's interpreter (``TRITON_INTERPRET=1``).
 - ``"torch"``: :func:`paged_decode_reference`, gathers each request's blocks (a loop over requests):
   the reference the tests compare against.
