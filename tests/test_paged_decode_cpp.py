@@ -298,3 +298,21 @@ def test_concurrent_callers_get_their_own_answers():
     for answers, want in zip(together, alone):
         for got in answers:
             assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("lengths", [[1, 300, 0, 129], [1500]], ids=["whole", "split"])
+def test_a_half_query_is_read_and_its_output_rounded_as_torch_rounds(dtype, lengths):
+    """A bf16 / fp16 query is widened in the kernel (exactly) and a bf16 out narrowed there: bit for
+    bit torch's rounding of the fp32 output of the same query in fp32, whole requests or split."""
+    query, cache, table, seq_lens, geometry, max_len = ragged_case(dtype, 64, 3, 128, lengths, True, False, seed=12,
+                                                                   kv_heads=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        half = paged_decode(query, cache, table, seq_lens, 0.125, geometry, max_len=max_len, backend="cpp")[0]
+        wide = paged_decode(query.float(), cache, table, seq_lens, 0.125, geometry, max_len=max_len, backend="cpp")[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert half.dtype == dtype and wide.dtype == torch.float32
+    assert torch.equal(half, wide.to(dtype))

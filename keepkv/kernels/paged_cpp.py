@@ -150,12 +150,16 @@ def _cpp_decode(query, kv_cache, block_table, seq_lens, scaling, geometry, max_l
         module = _MODULES[asked] = _extension(isa())
     rows, heads, head_dim = query.shape
     kv_heads = geometry.kv_heads
-    q = query if query.dtype == torch.float32 and query.is_contiguous() else query.float().contiguous()
+    if query.dtype in _DTYPES and query.is_contiguous():  # read as it is, widened in the kernel
+        q = query
+    else:
+        q = query.float().contiguous()
+    out_dtype = torch.bfloat16 if query.dtype == torch.bfloat16 else torch.float32  # bf16: narrowed in the kernel
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     if table.shape[1] > 1 and table.stride(1) != 1:
         table = table.contiguous()
     lens = seq_lens if seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() else seq_lens.to(torch.int32).contiguous()
-    out = torch.empty(rows, heads, head_dim, dtype=torch.float32)
+    out = torch.empty(rows, heads, head_dim, dtype=out_dtype)
     stats_shape = (rows, kv_heads, heads // kv_heads, max_len)
     logits_out = torch.empty(stats_shape) if logits else None  # every element written by the kernel
     probs_out = torch.empty(stats_shape) if probs else None
@@ -164,11 +168,11 @@ def _cpp_decode(query, kv_cache, block_table, seq_lens, scaling, geometry, max_l
         q.data_ptr(), kv_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
         logits_out.data_ptr() if logits else 0, probs_out.data_ptr() if probs else 0, _DTYPES[kv_cache.dtype],
         rows, heads, head_dim, kv_heads, *_geometry_args(geometry, kv_cache.element_size()), table.stride(0), max_len,
-        blocks, float(scaling))
+        blocks, _DTYPES[q.dtype], int(out_dtype == torch.bfloat16), float(scaling))
     if error == 1:
         raise ValueError(f"a request of {int(seq_lens[row])} entries is longer than max_len {max_len} (or negative)")
     if error == 2:
         raise ValueError(f"request {row}'s block table names a block outside the cache's {blocks}")
     if error == 3:
         raise ValueError(f"the geometry places keys, values or words outside a cell of {geometry.cell} elements")
-    return out if query.dtype == torch.float32 else out.to(query.dtype), probs_out, logits_out
+    return out if out.dtype == query.dtype else out.to(query.dtype), probs_out, logits_out

@@ -231,24 +231,42 @@ constexpr int kVecs = 4;   // vectors (of slots or of dimensions) per register t
 
 // -- the call -----------------------------------------------------------------------------------
 struct Call {
-  const float* q;        // [R, H, D] fp32, scaled by nothing yet
+  const void* q;         // [R, H, D] fp32, bf16 or fp16 (q_dtype: 0, 1, 2), scaled by nothing yet
   const void* cache;     // the flat cache
   const float* words;    // the same memory as fp32 words
   const int32_t* table;  // [R, table_stride]
   const int32_t* lens;   // [R]
-  float* out;            // [R, H, D]
+  void* out;             // [R, H, D] fp32, or bf16 where out_bf16
   float* logits;         // [R, H_kv, g, max_len] or null
   float* probs;          // likewise
   int64_t rows, heads, head_dim, kv_heads, group, block_size, cell, keys_at, values_at, words_at, word_count,
       bias_word, cell_words, table_stride, max_len, blocks_in_cache;
-  bool keys_by_dim, values_by_dim;
+  bool keys_by_dim, values_by_dim, out_bf16;
+  int q_dtype;
   float scaling;
 };
 
+// fp32 -> bf16, rounded to nearest even (NaN: a quiet NaN), as torch rounds it
+inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// q[0, count) * scaling into qs (fp32)
+template <typename Q>
+inline void scaled_query(const Q* q, int64_t count, float scaling, float* qs) {
+  for (int64_t e = 0; e < count; e += W) {
+    const int n = int(std::min<int64_t>(W, count - e));
+    vstore_n(qs + e, vmul(vload_n(q + e, n), vset(scaling)), n);
+  }
+}
+
 // Per-thread scratch, grown, never shrunk: the scaled queries, the logits when no probabilities
-// are returned, and nothing else.
+// are returned, a task's fp32 output when out is bf16, and nothing else.
 struct Scratch {
-  std::vector<float> q, z;
+  std::vector<float> q, z, o;
 };
 Scratch& scratch() {
   static thread_local Scratch held;
@@ -445,8 +463,13 @@ void attend_piece(const Call& c, int64_t r, int64_t h, int64_t begin, int64_t en
   Scratch& own = scratch();
   if (own.q.size() < size_t(g * D)) own.q.resize(g * D);
   float* qs = own.q.data();
-  const float* q = c.q + (r * c.heads + h * g) * D;
-  for (int64_t e = 0; e < g * D; ++e) qs[e] = q[e] * c.scaling;
+  const int64_t q_at = (r * c.heads + h * g) * D;
+  if (c.q_dtype == 1)
+    scaled_query(static_cast<const bf16_t*>(c.q) + q_at, g * D, c.scaling, qs);
+  else if (c.q_dtype == 2)
+    scaled_query(static_cast<const f16_t*>(c.q) + q_at, g * D, c.scaling, qs);
+  else
+    scaled_query(static_cast<const float*>(c.q) + q_at, g * D, c.scaling, qs);
   // z from entry begin on: the probabilities' rows when asked for (the softmax runs in place),
   // else scratch
   float* z;
@@ -565,8 +588,17 @@ void attend_piece(const Call& c, int64_t r, int64_t h, int64_t begin, int64_t en
       std::fill(zi + span, zi + c.max_len, 0.0f);
     }
   }
-  // where the output goes: out itself (scaled by 1 / sum unless normalised already), or the piece's
-  float* out = whole ? c.out + (r * c.heads + h * g) * D : split + 2 * g;
+  // where the output goes: out itself (scaled by 1 / sum unless normalised already; through
+  // scratch when it is bf16), or the piece's
+  float* out;
+  if (!whole) {
+    out = split + 2 * g;
+  } else if (c.out_bf16) {
+    if (own.o.size() < size_t(g * D)) own.o.resize(g * D);
+    out = own.o.data();
+  } else {
+    out = static_cast<float*>(c.out) + q_at;
+  }
   const float* scale = whole && !c.probs ? inv : nullptr;
 
   // 3. values, every block once per group of kHeads heads (and kVecs * W dimensions)
@@ -598,6 +630,10 @@ void attend_piece(const Call& c, int64_t r, int64_t h, int64_t begin, int64_t en
       }
     }
   });
+  if (whole && c.out_bf16) {
+    uint16_t* narrow = static_cast<uint16_t*>(c.out) + q_at;
+    for (int64_t e = 0; e < g * D; ++e) narrow[e] = to_bf16(out[e]);
+  }
 }
 
 // A split task's pieces into its rows: out = sum_p w_p o_p / sum_p w_p l_p with w_p = exp(m_p - M),
@@ -605,7 +641,10 @@ void attend_piece(const Call& c, int64_t r, int64_t h, int64_t begin, int64_t en
 void combine(const Call& c, int64_t r, int64_t h, int64_t pieces, int64_t piece_entries, const float* split) {
   const int64_t g = c.group, D = c.head_dim, length = c.lens[r], stride = g * (D + 2);
   const int64_t stats_row = (r * c.kv_heads + h) * g;
-  float* out = c.out + (r * c.heads + h * g) * D;
+  const int64_t out_at = (r * c.heads + h * g) * D;
+  Scratch& own = scratch();
+  if (c.out_bf16 && own.o.size() < size_t(g * D)) own.o.resize(g * D);
+  float* out = c.out_bf16 ? own.o.data() : static_cast<float*>(c.out) + out_at;
   for (int64_t i = 0; i < g; ++i) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < pieces; ++p) top = std::max(top, split[p * stride + i]);
@@ -641,6 +680,10 @@ void combine(const Call& c, int64_t r, int64_t h, int64_t pieces, int64_t piece_
       float* row = c.logits + (stats_row + i) * c.max_len;
       std::fill(row + length, row + c.max_len, -std::numeric_limits<float>::infinity());
     }
+  }
+  if (c.out_bf16) {
+    uint16_t* narrow = static_cast<uint16_t*>(c.out) + out_at;
+    for (int64_t e = 0; e < g * D; ++e) narrow[e] = to_bf16(out[e]);
   }
 }
 
@@ -740,18 +783,19 @@ void run(const Call& c) {
       combine(c, piece.r, piece.h, piece.pieces, piece_entries, partial.data() + piece.slot * stride);
 }
 
-// The call: raw addresses (the Python side owns and checks the tensors) and the geometry.
-// dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or 1 (a length < 0 or > max_len) or 2 (a block out
+// The call: raw addresses (the Python side owns and checks the tensors) and the geometry, in
+// paged_cpp._cpp_decode's order. dtype (the cache's, a[7]; the query's, a[25]): 0 fp32, 1 bf16,
+// 2 fp16; a[26]: out is bf16. Returns 0, or 1 (a length < 0 or > max_len) or 2 (a block out
 // of the cache) with the request's row in *where, or 3 (planes or words outside a cell); nothing
 // is written then.
 int decode(const int64_t* a, double scaling, int64_t* where) {
   Call c;
-  c.q = reinterpret_cast<const float*>(a[0]);
+  c.q = reinterpret_cast<const void*>(a[0]);
   c.cache = reinterpret_cast<const void*>(a[1]);
   c.words = reinterpret_cast<const float*>(a[1]);
   c.table = reinterpret_cast<const int32_t*>(a[2]);
   c.lens = reinterpret_cast<const int32_t*>(a[3]);
-  c.out = reinterpret_cast<float*>(a[4]);
+  c.out = reinterpret_cast<void*>(a[4]);
   c.logits = reinterpret_cast<float*>(a[5]);
   c.probs = reinterpret_cast<float*>(a[6]);
   const int64_t dtype = a[7];
@@ -773,6 +817,8 @@ int decode(const int64_t* a, double scaling, int64_t* where) {
   c.table_stride = a[22];
   c.max_len = a[23];
   c.blocks_in_cache = a[24];
+  c.q_dtype = int(a[25]);
+  c.out_bf16 = a[26] != 0;
   c.scaling = float(scaling);
   if (c.kv_heads < 1 || c.head_dim < 1 || c.block_size < 1 || c.heads % c.kv_heads || c.rows < 0 || c.max_len < 0)
     return 3;
@@ -787,7 +833,7 @@ int decode(const int64_t* a, double scaling, int64_t* where) {
   return 0;
 }
 
-constexpr Py_ssize_t kIntArgs = 25;
+constexpr Py_ssize_t kIntArgs = 27;
 
 const char* isa_name() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -802,7 +848,7 @@ const char* isa_name() {
 }  // namespace
 
 // The Python binding, in CPython's own API (pybind11's headers alone take longer to compile than
-// the kernel): decode(25 ints, scaling) -> (error, row), run without the GIL.
+// the kernel): decode(27 ints, scaling) -> (error, row), run without the GIL.
 extern "C" {
 
 static PyObject* py_decode(PyObject*, PyObject* const* args, Py_ssize_t count) {
