@@ -138,7 +138,11 @@ class CompressedCache(Cache):
     attends chunk by chunk, sums the method's statistics over the chunks and compresses once
     its whole prompt is in, exactly as an unchunked prefill would: the attention workspace is
     bounded by one chunk, but every layer holds its uncompressed prompt until the last chunk
-    reaches it, so the cache peaks at the full prompt cache of all layers.
+    reaches it, so the cache peaks at the full prompt cache of all layers. A method that scores
+    each entry alone (``compresses_chunks``: a selection such as ``learned``, ``streamingllm`` or
+    ``window`` with ``merge=none``) is instead compressed after every chunk, to its whole prompt's
+    budget: a layer then holds at most its budget plus one chunk, and later chunks attend to the
+    compressed earlier ones (as they would once the prompt is compressed).
     """
 
     def __init__(
@@ -192,6 +196,7 @@ class CompressedCache(Cache):
         self.ids_seen = 0
         self.pending: tuple | None = None  # (hash, count, ids_seen) once the announced forward has run
         self.method.check_budget(self)
+        self.method.check_model(config)
         if decoding == "keep_prompt":
             check_keep_prompt(self.method, budget)
 
@@ -409,8 +414,10 @@ class CompressedCache(Cache):
                     "keepkv.generate or keepkv.compress, or keepkv.reconstruction.prefill(model, tokenizer, cache, ...)"
                 )
             self.step.start(layer)
-            # A chunked prefill's buffers take the whole prompt at once, not a growth step per chunk.
-            layer.reserve(self.prefill_tokens - block if self.prefill_tokens > block else None)
+            # A chunked prefill's buffers take the whole prompt at once, not a growth step per chunk
+            # (one chunk more when the prompt is compressed chunk by chunk).
+            headroom = block if self.compresses_chunks else self.prefill_tokens - block
+            layer.reserve(headroom if self.prefill_tokens > block else None)
         is_real = block_mask[:, 0, -1, :]
         if layer.seen < self.prefill_tokens:  # a block of an announced prompt may be all padding
             is_real = self.prompt_mask[:, layer.seen : layer.seen + block].to(is_real.device)
@@ -425,6 +432,8 @@ class CompressedCache(Cache):
                 stats = join_prefill_stats(layer.prefill_stats, stats, needs.window)
             layer.prefill_stats = stats
             if layer.seen < self.prefill_tokens:
+                if self.compresses_chunks:
+                    self._compress_chunk(layer, stats)
                 return output
         if is_prefill:
             if self.defers_to_reconstruction:  # compressed once its reconstruction passes ran
@@ -518,16 +527,7 @@ class CompressedCache(Cache):
         """Compress ``layers`` as their prefill ends (each layer at once, so the uncompressed prompt
         is held for one layer at a time); the first call fixes every layer's budget."""
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
-        if self.prompt_lengths is None:
-            self.prompt_lengths = layers[0].real_seen.clone()
-            scores = ([self.method.allocation_scores(layer) for layer in self.layers]
-                      if self.method.allocates_from_all_layers else None)
-            self.layer_budgets, self.row_budgets = prompt_budgets(
-                self.method, self.budget, self.decoding, self.num_layers, self.config.num_key_value_heads,
-                self.prompt_lengths, scores,
-            )
-            if self.layer_budgets is not None and self.decoding != "keep_prompt":
-                self._warn_budget(self.row_budgets)
+        self._fix_budgets(layers[0].real_seen)
         frozen = self.prompt_lengths if self.decoding == "keep_prompt" else None
         interval = 1 if self.layer_budgets is None else decode_interval(self.method.interval, self.layer_budgets, frozen)
         for layer in layers:
@@ -535,6 +535,40 @@ class CompressedCache(Cache):
             self.step.close_prompt(layer, budget, self.row_budgets, frozen, layer.prefill_stats, interval)
             if self.record is None:
                 layer.prefill_stats = None
+
+    def _fix_budgets(self, prompt_lengths: torch.Tensor) -> None:
+        """Every layer's budgets [L, B, H_kv] and the rows' [B], from the prompts' real lengths [B],
+        once per prompt (at the first layer's end of prompt, or its first chunk's compression)."""
+        if self.prompt_lengths is not None:
+            return
+        self.prompt_lengths = prompt_lengths.clone()
+        scores = ([self.method.allocation_scores(layer) for layer in self.layers]
+                  if self.method.allocates_from_all_layers else None)
+        self.layer_budgets, self.row_budgets = prompt_budgets(
+            self.method, self.budget, self.decoding, self.num_layers, self.config.num_key_value_heads,
+            self.prompt_lengths, scores,
+        )
+        if self.layer_budgets is not None and self.decoding != "keep_prompt":
+            self._warn_budget(self.row_budgets)
+
+    @property
+    def compresses_chunks(self) -> bool:
+        """Whether an announced chunked prompt (``start_prefill``) is compressed chunk by chunk as it
+        arrives (the method ``compresses_chunks``, the cache compresses its prompt: not
+        ``decoding="keep_prompt"``, no recording),
+        so that a layer holds at most its budget plus one chunk."""
+        return (self.prompt_mask is not None and self.decoding != "keep_prompt" and self.record is None
+                and not self.keeps_everything and self.method.compresses_chunks)
+
+    def _compress_chunk(self, layer: LayerStore, stats) -> None:
+        """A chunk of an announced prompt is in (not its last): compress the layer to its whole
+        prompt's budget (:meth:`keepkv.step.LayerStep.compress_chunk`)."""
+        self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
+        self._fix_budgets(self.prompt_mask.sum(-1).to(layer.real_seen.device))
+        if self.layer_budgets is None:
+            return
+        self.step.compress_chunk(layer, self.layer_budgets[layer.layer_idx], self.row_budgets, stats)
+        layer.prefill_stats = None  # the next chunks' statistics are over the compressed layer
 
     @property
     def _method_step(self):

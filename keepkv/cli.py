@@ -90,6 +90,61 @@ def _prompt(args, default=None) -> str | None:
     return default if args.prompt is None else args.prompt
 
 
+# The scorer's feature sets (keepkv.scorer.FEATURES), listed here so that a wrong one is refused
+# before torch loads (tests/test_learned.py checks the two lists agree).
+SCORER_FEATURES = ("values+pairs", "pairs", "values", "unrotated+values", "keys+values")
+
+
+def cmd_train_scorer(args) -> None:
+    """Train the learned selection's scorer on a model: KVzip's own scores as the targets."""
+    from .checks import as_int
+
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise ValueError(f"give the model once: {args.model_path!r} and --model {args.model!r}")
+        args.model = args.model_path
+    _check_plain(args)
+    as_int("documents", args.documents, 1)
+    as_int("chars", args.chars, 100)
+    texts = None
+    if args.files:
+        texts = []
+        for name in args.files:
+            try:
+                texts.append(Path(name).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as error:
+                why = getattr(error, "strerror", None) or error
+                raise ValueError(f"--files {name!r}: {why}") from None
+        if not any(text.strip() for text in texts):
+            raise ValueError("--files: every file is empty")
+    out = Path(args.out if args.out else f"scorer-{Path(args.model).stem if args.model else 'smollm2-135m-instruct'}.pt")
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a directory: name a file")
+    _set_threads(args)
+    from .scorer_training import train_scorer
+
+    model, tokenizer = _load(args)
+    if not args.json:
+        count = len(texts) if texts else args.documents
+        say(f"keepkv: training a {args.kind} scorer on KVzip's scores of {count} document{'s' * (count != 1)} "
+            "(KVzip's pass over each, then the fit)")
+    scorer = train_scorer(model, tokenizer, texts, kind=args.kind, documents=args.documents, chars=args.chars,
+                          features=args.features, seed=args.seed, save=out, progress=not args.json)
+    report = {**scorer.report, "path": str(out)}
+    if args.json:
+        print(json.dumps(report))
+        return
+    if "spearman" in report:
+        held = report["heldout_documents"]
+        print(f"held-out fit ({held} document{'s' * (held != 1)}): Spearman {report['spearman']:.2f} with "
+              f"KVzip's scores; kept-set overlap {report['overlap@0.1']:.2f} at budget 0.1, "
+              f"{report['overlap@0.2']:.2f} at 0.2")
+    else:
+        print("no held-out fit: one document (give two or more to see one)")
+    print(f"saved {out} ({report['seconds_targets'] + report['seconds_fit']:.0f} s); use it: "
+          f"--method snapkv+selection=learned+scorer={out}")
+
+
 def cmd_methods(args) -> None:
     from .methods import describe_methods
 
@@ -284,6 +339,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = add_command("bench", parents=[common], help="throughput and memory benchmark")
     bench_options.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
+
+    train = add_command("train-scorer", parents=[common, dtype_args, threads_args],
+                        help="train the learned selection's scorer on a model (KVzip's scores as targets)")
+    train.add_argument("model_path", nargs="?", metavar="MODEL",
+                       help="local HF model directory or GGUF file (or --model; default: the embedded model)")
+    train.add_argument("--files", nargs="+", metavar="FILE",
+                       help="train on these text files (default: the eval's offline corpus, pydoc prose and "
+                       "standard-library sources)")
+    train.add_argument("--documents", type=int, default=50, help="documents of the default corpus")
+    train.add_argument("--chars", type=int, default=4000, help="characters per document of the default corpus")
+    train.add_argument("--kind", choices=("linear", "mlp"), default="linear",
+                       help="linear (ridge) or mlp (the ridge plus a 32-unit MLP on its residual)")
+    train.add_argument("--features", choices=SCORER_FEATURES, default="values+pairs",
+                       help="what the scorer reads of an entry (docs/methods.md, 'learned')")
+    train.add_argument("--seed", type=int, default=0, help="the corpus's and the held-out split's seed")
+    train.add_argument("--out", help="the scorer file (default: scorer-MODEL.pt here)")
+    train.set_defaults(func=cmd_train_scorer)
 
     add_serve_command(add_command)
     return parser

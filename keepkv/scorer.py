@@ -200,7 +200,7 @@ def load_scorer(path: str | os.PathLike, config=None) -> Scorer:
     line unless it was trained on a model of that config (:func:`config_key`)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"no scorer file at {str(path)!r}: train one with keepkv.scorer_training.train_scorer")
+        raise ValueError(f"no scorer file at {str(path)!r}: train one with `keepkv train-scorer --model MODEL --out FILE`")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         scorer = Scorer(saved["kind"], saved["features"], saved["key"], saved["tensors"], saved.get("report", {}))
@@ -218,7 +218,7 @@ def check_key(trained: dict, model: dict, where: str = "the scorer") -> None:
               if trained.get(name) != model.get(name)]
     if differ:
         raise ValueError(f"{where} was trained on another model ({'; '.join(differ)}): train one for this model "
-                         "(keepkv.scorer_training.train_scorer)")
+                         "with `keepkv train-scorer --model MODEL --out FILE` and pass scorer=FILE")
 
 
 @functools.lru_cache(maxsize=8)
@@ -230,7 +230,7 @@ def cached_scorer(path: str | os.PathLike) -> Scorer:
     """The scorer at ``path``, read once per file version (a bounded cache: 8 files)."""
     path = Path(path).resolve()
     if not path.is_file():
-        raise ValueError(f"no scorer file at {str(path)!r}: train one with keepkv.scorer_training.train_scorer")
+        raise ValueError(f"no scorer file at {str(path)!r}: train one with `keepkv train-scorer --model MODEL --out FILE`")
     return _cached(str(path), path.stat().st_mtime_ns)
 
 

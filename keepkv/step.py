@@ -9,7 +9,8 @@ is compressed by the very calls that compress it in ``keepkv.generate``:
 phase               calls
 ==================  =====================================================================
 prefill, chunk      :meth:`LayerStep.start` at a layer's first tokens (the method's extras);
-                    nothing else until the prompt is whole
+                    nothing else until the prompt is whole, unless the method
+                    ``compresses_chunks``: then :meth:`LayerStep.compress_chunk` after each
 end of prompt       :meth:`LayerStep.observe_prompt` (the prompt's statistics), then
                     :meth:`LayerStep.close_prompt` (budgets; compress, or keep the prompt whole)
 decode              :meth:`LayerStep.decode`: the step's statistics (one query row, or the
@@ -51,6 +52,17 @@ class LayerStep:
     def observe_prompt(self, layer, stats) -> None:
         """The whole prompt's statistics (its chunks' summed, a reconstruction pass's included)."""
         self.method.observe(layer, stats)
+
+    def compress_chunk(self, layer, budget: torch.Tensor, row_budget: torch.Tensor | None, stats) -> None:
+        """A chunk of a prompt is in and the method ``compresses_chunks``: the chunk is observed as a
+        prompt's end and the layer compressed to ``budget`` [B, H_kv], the budget of its whole prompt,
+        so a layer never holds more than that plus one chunk. The entries it sheds are ones the
+        whole prompt's compression would shed too (each scored alone, at least ``budget`` better
+        ones kept), so what the last chunk's :meth:`close_prompt` keeps is what one compression of
+        the whole prompt keeps, given the same entries."""
+        self.method.observe(layer, stats)
+        layer.set_budget(budget, row_budget)
+        self.method.compress(layer, stats)
 
     def close_prompt(self, layer, budget: torch.Tensor | None, row_budget: torch.Tensor | None,
                      frozen: torch.Tensor | None = None, stats=None, interval: int = 1) -> None:

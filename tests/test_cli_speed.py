@@ -34,6 +34,12 @@ REFUSED = [
     (["bench", "--budget", "0"], "must be in [1, 2**48]"),
     (["bench", "--methods", "full,snapk"], "unknown method 'snapk'"),
     (["bench", "--gen-len", "0"], "--gen-len must be an int >= 1"),
+    (["train-scorer", "--help"], None),
+    (["train-scorer", "/nonexistent/model"], "no such file or directory"),
+    (["train-scorer", "--documents", "0"], "documents must be an int >= 1"),
+    (["train-scorer", "--files", "/nonexistent.txt"], "--files '/nonexistent.txt'"),
+    (["train-scorer", "--features", "keys"], "invalid choice"),
+    (["train-scorer", "--out", "."], "is a directory"),
 ]
 
 PROBE = """
@@ -66,3 +72,7 @@ def test_the_torch_free_lists_are_the_registries():
     assert list(METHOD_NAMES) == sorted(METHODS)
     assert list(CONFIG_NAMES) == sorted(CONFIGS)
     assert list(DTYPE_NAMES) == list(DTYPES)
+    from keepkv.cli import SCORER_FEATURES
+    from keepkv.scorer import FEATURES
+
+    assert set(SCORER_FEATURES) == set(FEATURES)

@@ -4,6 +4,7 @@ its model's config, the selection keeps the sinks and the entries of highest pre
 it runs through CompressedCache and keepkv.generate at every budget, with every merge."""
 
 import functools
+import json
 import warnings
 
 import pytest
@@ -16,7 +17,7 @@ from keepkv.diagnostics import KeepKVWarning
 from keepkv.methods import MERGES, SELECTIONS
 from keepkv.methods.learned import LearnedScores
 from keepkv.scorer import (
-    FEATURES, Scorer, ScorerData, config_key, features, kept_overlap, load_scorer, prior_scores, spearman,
+    FEATURES, Scorer, ScorerData, config_key, features, kept_overlap, load_scorer, spearman,
 )
 from keepkv.scorer_training import default_corpus, kvzip_scores, train_scorer
 
@@ -201,15 +202,16 @@ def test_ranks_by_the_scorer_and_protects_the_decoding_window(scorer_file):
         assert (layer.live_counts() == 12).all()
 
 
-def test_without_a_fitting_default_it_ranks_by_key_norm_with_a_warning():
+def test_a_model_without_a_scorer_is_refused_in_one_line_before_any_work():
+    """The shipped scorer is the embedded model's: a cache for another model is refused where it is
+    built, naming what differs and how to train one."""
     model = tiny_model("llama-gqa")
+    with pytest.raises(ValueError, match="shipped scorer.*trained on another model.*keepkv train-scorer") as error:
+        keepkv.CompressedCache(model.config, LEARNED, 8)
+    assert "\n" not in str(error.value)
     input_ids, attention_mask = random_batch()
-    with pytest.warns(KeepKVWarning, match="ranking by key norm"):
-        tokens, cache = run_generate(model, input_ids, attention_mask, LEARNED, budget=8, new_tokens=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        knorm = torch.stack([prior_scores(layer.keys) for layer in cache.layers])
-    assert knorm.isfinite().all()
+    with pytest.raises(ValueError, match="train-scorer"):
+        run_generate(model, input_ids, attention_mask, LEARNED, budget=8, new_tokens=2)
 
 
 def test_layer_budgets_follow_the_predicted_scores(tmp_path):
@@ -340,3 +342,24 @@ def test_the_shipped_scorer_fits_the_embedded_model():
         warnings.simplefilter("error", KeepKVWarning)
         cache = keepkv.compress(model, tokenizer, context, method=LEARNED, budget=0.3)
     assert all(int(layer.live_counts().max()) < int(layer.real_seen.max()) for layer in cache.layers)
+
+
+@pytest.mark.integration
+def test_the_command_line_trains_a_scorer_for_the_embedded_model(tmp_path, capsys):
+    """`keepkv train-scorer` on two small files: a held-out fit printed as JSON, a file bound to the
+    embedded model that the selection then runs on."""
+    from keepkv.cli import main
+    from keepkv.models import load_model
+
+    files = []
+    for index, text in enumerate(default_corpus(2, 600, seed=3)):
+        files.append(tmp_path / f"doc{index}.txt")
+        files[-1].write_text(text)
+    out = tmp_path / "scorer.pt"
+    assert main(["train-scorer", "--files", *map(str, files), "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["path"] == str(out) and report["heldout_documents"] == 1 and -1 <= report["spearman"] <= 1
+    model, tokenizer = load_model()
+    load_scorer(out, config=model.config)
+    cache = keepkv.compress(model, tokenizer, "A short note. " * 30, f"{LEARNED}+scorer={out}", 0.3)
+    assert cache.layers[0].live_counts().max() < cache.layers[0].seen

@@ -220,6 +220,10 @@ class Method:
     """Whether a serving engine's paged adapter (``keepkv.paged``) runs it (:func:`serving_refusal`)."""
     not_served: ClassVar[str] = ""
     """Why a serving engine cannot run it, in its own words (KVzip: its reconstruction pass), or ""."""
+    compresses_chunks: ClassVar[bool] = False
+    """Whether a prompt read in chunks may be compressed after each chunk, to the budget its whole
+    prompt will have, with the same kept entries as one compression at its end (each entry scored
+    alone, nothing merged): :meth:`keepkv.step.LayerStep.compress_chunk`."""
     selection: ClassVar[None] = None
     """A ComposedMethod's selection; none for a method of its own."""
     merging: ClassVar[None] = None
@@ -267,6 +271,10 @@ class Method:
 
     def check_budget(self, cache) -> None:
         """Raise ValueError if the cache's budget cannot work for this method."""
+
+    def check_model(self, config) -> None:
+        """Raise ValueError, in one line, if this method cannot run on a model of ``config`` (its
+        transformers config): the caches call it where they are built, before any work."""
 
     def setup_layer(self, layer) -> None:
         """Register per-entry extras on a layer before its first token."""
@@ -392,6 +400,13 @@ class Selection:
     """Whether ``allocate`` may give the layers budgets of their own (PyramidKV, ``ema``, KVzip's
     allocations); otherwise every layer keeps the row's budget. Declared by a class that overrides
     ``allocate``."""
+    scores_alone: ClassVar[bool] = False
+    """Whether an entry's priority is a function of that entry alone (its key, value and position,
+    not the other entries nor any query), and ``observe`` at a prefill reads nothing but the tokens
+    seen so far: a prompt's chunks can then be compressed as they arrive and keep, at each layer,
+    the entries one compression of the whole prompt keeps (see ``Method.compresses_chunks``).
+    Each chunk is observed as a prompt's end, so newest tokens protected only while decoding
+    (``generated_recent_count``) are none at a chunk's compression, as at the prompt's."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -441,6 +456,10 @@ class Selection:
     def refusal(self, merging: "Merge") -> str | None:
         """Why this selection cannot run with ``merging`` (one line), or None."""
         return None
+
+    def check_model(self, config) -> None:
+        """Raise ValueError, in one line, if it cannot rank the entries of a model of ``config``
+        (the learned selection: no scorer trained on that model)."""
 
     @property
     def reads_every_entry(self) -> bool:
@@ -629,6 +648,17 @@ class ComposedMethod(Method):
     @property
     def allocates_from_all_layers(self) -> bool:
         return self.selection.allocates_from_all_layers
+
+    @property
+    def compresses_chunks(self) -> bool:
+        """A selection that scores each entry alone (``Selection.scores_alone``) and a merge that
+        only evicts (``merge=none``; a merge reads its targets' neighbours and the prompt's last
+        queries), with layer budgets from the prompt's length alone."""
+        return (self.selection.scores_alone and self.merging.name == "none"
+                and not self.selection.allocates_from_all_layers)
+
+    def check_model(self, config) -> None:
+        self.selection.check_model(config)
 
     @property
     def served(self) -> bool:

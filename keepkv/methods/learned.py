@@ -9,13 +9,11 @@ scorer file.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ..diagnostics import KeepKVWarning
-from ..scorer import cached_scorer, default_scorer, prior_scores
+from ..scorer import cached_scorer, check_key, config_key, default_scorer
 from ..store import NEG_INF
 from .base import (
     ScoredSelection, check_choice, check_range, generated_recent_count, note_prompt_end, protected, register_selection,
@@ -41,9 +39,9 @@ class LearnedScores(ScoredSelection):
     ----------
     scorer : str or None
         Path of a scorer file (:meth:`keepkv.scorer.Scorer.save`). None: the scorer shipped for the
-        embedded model (SmolLM2-135M-Instruct, :func:`keepkv.scorer.default_scorer`); a model it does
-        not fit is ranked by minus the log key norm (K-norm's rule), with one warning. A file that
-        does not fit the model is refused in one line.
+        embedded model (SmolLM2-135M-Instruct, :func:`keepkv.scorer.default_scorer`). A scorer
+        trained on another model is refused in one line where the cache is built
+        (:meth:`check_model`): ``keepkv train-scorer`` trains one for any supported model.
     sinks : int
         Leading tokens always kept (4, as ``kvzip``).
     window : int
@@ -59,6 +57,7 @@ class LearnedScores(ScoredSelection):
 
     name = "learned"
     layered = True
+    scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform" budgets)
     sinks: int = 4
     window: int = 32
     scorer: str | None = None
@@ -89,23 +88,23 @@ class LearnedScores(ScoredSelection):
         if stats.is_prefill:
             note_prompt_end(layer)
 
+    def _scorer(self):
+        return cached_scorer(self.scorer if self.scorer is not None else default_scorer())
+
+    def check_model(self, config) -> None:
+        """ValueError, in one line, unless its scorer was trained on a model of ``config``: the
+        shipped one is the embedded model's; any other model needs ``keepkv train-scorer``."""
+        if self.scorer is None and not default_scorer().is_file():
+            raise ValueError(f"learned: the shipped scorer is missing ({default_scorer()}): reinstall keepkv, or "
+                             "train one with `keepkv train-scorer` and pass scorer=PATH")
+        where = (f"the scorer {self.scorer!r}" if self.scorer is not None
+                 else "the shipped scorer (the embedded SmolLM2-135M-Instruct's)")
+        check_key(self._scorer().key, config_key(config), f"learned: {where}")
+
     def scores(self, layer) -> torch.Tensor:
         """[B, H_kv, S] the scorer's predicted log KVzip scores of the layer's entries (empty slots
         included: the plan leaves them out)."""
-        keys, values = layer.keys, layer.values
-        _, kv_heads, _, head_dim = keys.shape
-        if self.scorer is not None:
-            return cached_scorer(self.scorer).predict(layer.layer_idx, keys, values, layer.positions)
-        path = default_scorer()
-        scorer = cached_scorer(path) if path.is_file() else None
-        if scorer is None or not scorer.fits(layer.layer_idx, kv_heads, head_dim):
-            warnings.warn(
-                f"learned: no scorer given and the default one does not fit this model ({kv_heads} KV heads of "
-                f"{head_dim}, or more layers); ranking by key norm: train one with "
-                "keepkv.scorer_training.train_scorer and pass scorer=PATH", KeepKVWarning, stacklevel=2,
-            )
-            return prior_scores(keys)
-        return scorer.predict(layer.layer_idx, keys, values, layer.positions)
+        return self._scorer().predict(layer.layer_idx, layer.keys, layer.values, layer.positions)
 
     def priority(self, layer, merge_scores=None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for the sinks and the decoding window, else the predicted log score."""

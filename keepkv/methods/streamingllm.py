@@ -18,6 +18,7 @@ class SinksAndRecent(ScoredSelection):
 
     name = "streamingllm"
     served = True
+    scores_alone = True  # positions only
     sinks: int = 4
 
     def recent_count(self, budget):

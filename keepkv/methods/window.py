@@ -12,6 +12,7 @@ class Recent(ScoredSelection):
 
     name = "window"
     served = True
+    scores_alone = True  # positions only
 
     def recent_count(self, budget):
         return budget

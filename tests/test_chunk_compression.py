@@ -1,0 +1,137 @@
+"""A prompt read in chunks and compressed chunk by chunk (``Method.compresses_chunks``).
+
+A selection that scores each entry alone keeps, after every chunk, the entries the whole
+prompt's budget allows; the last chunk's compression then keeps what one compression of the
+whole prompt keeps. Position-only selections (streamingllm, window) keep the same positions in
+every layer; a learned scorer keeps the same entries wherever the layer's entries are the same
+(the first layer, whose keys and values do not depend on attention, and every layer when the
+budget holds all but the last chunk). Later chunks attend to the compressed earlier ones, so a
+deeper layer's entries, and the greedy tokens, may differ from a whole prompt's.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import keepkv
+from keepkv.scorer import FEATURES, Scorer, config_key
+
+from conftest import fuzz_settings, random_batch, tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")
+
+MODEL = tiny_model("llama-gqa", layers=3)
+LENGTH = 40
+
+
+def random_scorer(tmp_path, seed: int = 0) -> str:
+    """A linear scorer of random weights for MODEL, saved: an entry-local score like any trained one."""
+    layers, kv_heads = MODEL.config.num_hidden_layers, MODEL.config.num_key_value_heads
+    width = FEATURES["values+pairs"](MODEL.config.hidden_size // MODEL.config.num_attention_heads)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {"mean": torch.zeros(layers, kv_heads, width), "std": torch.ones(layers, kv_heads, width),
+               "weight": torch.randn(layers, kv_heads, width, generator=generator),
+               "bias": torch.zeros(layers, kv_heads)}
+    path = tmp_path / f"scorer-{seed}.pt"
+    Scorer("linear", "values+pairs", config_key(MODEL.config), tensors).save(path)
+    return str(path)
+
+
+def kept(cache) -> list[list[list[int]]]:
+    """Per layer, per row: the sorted positions each row's first KV head keeps."""
+    return [[sorted(p for p in row if p >= 0) for row in layer.positions[:, 0].tolist()] for layer in cache.layers]
+
+
+@torch.no_grad()
+def prefill(method: str, budget, chunk: int | None, pad=(0, 9)):
+    ids, mask = random_batch(batch=len(pad), length=LENGTH, pad=pad)
+    keepkv.enable(MODEL)
+    cache = keepkv.CompressedCache(MODEL.config, method, budget)
+    if chunk is None:
+        MODEL(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        return cache
+    cache.start_prefill(mask)
+    for start in range(0, LENGTH, chunk):
+        MODEL(input_ids=ids[:, start : start + chunk], attention_mask=mask[:, : start + chunk], past_key_values=cache)
+    return cache
+
+
+budgets = st.one_of(st.integers(1, LENGTH + 5), st.floats(0.02, 1.0))
+
+
+@fuzz_settings()
+@given(method=st.sampled_from(["streamingllm", "window", "streamingllm+sinks=1"]), budget=budgets,
+       chunk=st.integers(1, LENGTH), pad=st.sampled_from([(0,), (0, 9), (13, 0, 30)]))
+def test_position_selections_keep_the_whole_prompts_positions_in_every_layer(method, budget, chunk, pad):
+    whole, chunked = prefill(method, budget, None, pad), prefill(method, budget, chunk, pad)
+    identity = isinstance(budget, float) and budget == 1.0
+    assert chunked.compresses_chunks != identity and not whole.compresses_chunks
+    assert kept(chunked) == kept(whole)
+
+
+def test_a_chunked_prompt_never_holds_more_than_its_budget_and_one_chunk():
+    """Budget 4 of a 40-token prompt read 5 at a time: after each chunk every layer is back at 4
+    entries per row and head (+ the chunk while it is read); snapkv, which needs the whole prompt's
+    attention, holds the whole prompt until its end."""
+    seen, peaks = [], []
+    keepkv.enable(MODEL)
+    ids, mask = random_batch(batch=2, length=LENGTH, pad=(0, 9))
+    for method in ("streamingllm", "snapkv"):
+        cache = keepkv.CompressedCache(MODEL.config, method, 4)
+        cache.start_prefill(mask)
+        sizes = []
+        with torch.no_grad():
+            for start in range(0, LENGTH, 5):
+                MODEL(input_ids=ids[:, start : start + 5], attention_mask=mask[:, : start + 5], past_key_values=cache)
+                sizes.append(max(int(layer.live_counts().max()) for layer in cache.layers))
+        seen.append(sizes)
+        peaks.append(cache.prefill_peak_bytes)
+    streaming, snapkv = seen
+    assert max(streaming) <= 4 and streaming[-1] == 4
+    assert snapkv[-2] == 35  # every layer holds the prompt read so far until its end
+    assert snapkv[-1] <= 4
+    assert peaks[0] < 0.5 * peaks[1]  # the whole uncompressed prompt in every layer at once
+
+
+def test_a_budget_that_holds_every_chunk_compresses_nothing_before_the_last():
+    """Budget 1.0, or a budget of at least the prompt: no row is touched, chunked or not."""
+    for budget in (1.0, LENGTH, LENGTH + 3):
+        whole, chunked = prefill("streamingllm", budget, None), prefill("streamingllm", budget, 7)
+        assert kept(chunked) == kept(whole)
+        for layer in chunked.layers:
+            counts = layer.live_counts()[:, 0].tolist()
+            assert counts == [LENGTH, LENGTH - 9]
+
+
+def test_methods_that_read_the_whole_prompt_are_not_compressed_chunk_by_chunk():
+    for method in ("snapkv", "h2o", "keepkv", "streamingllm+merge=zip", "window+merge=keepkv", "pyramidkv"):
+        cache = keepkv.CompressedCache(MODEL.config, method, 8)
+        cache.start_prefill(torch.ones(1, LENGTH, dtype=torch.bool))
+        assert not cache.compresses_chunks, method
+
+
+@pytest.mark.parametrize("budget", [1, 5, 12, 0.3])
+@pytest.mark.parametrize("chunk", [3, 8, 16])
+def test_a_learned_scorer_keeps_the_whole_prompts_entries_where_its_entries_are_the_same(tmp_path, budget, chunk):
+    """The first layer's keys and values do not depend on attention: it keeps the whole prompt's
+    entries at any budget. Deeper layers read chunks that attended to compressed earlier ones,
+    so their entries (and hence what they keep) may differ; a budget that holds every chunk but
+    the last changes nothing before the last chunk, so every layer keeps the same."""
+    method = f"snapkv+selection=learned+scorer={random_scorer(tmp_path)}"
+    whole, chunked = prefill(method, budget, None), prefill(method, budget, chunk)
+    assert chunked.compresses_chunks
+    assert kept(chunked)[0] == kept(whole)[0]
+    if budget == 12:  # the scorer's choice, not just the sinks and the oldest
+        assert kept(whole)[0] != [list(range(12)), list(range(12))]
+    roomy = LENGTH - (LENGTH - 1) % chunk - 1  # the prompt less its last chunk, at least
+    whole, chunked = prefill(method, roomy, None), prefill(method, roomy, chunk)
+    assert kept(chunked) == kept(whole)
+
+
+def test_learned_with_a_split_over_layers_is_compressed_at_the_prompts_end(tmp_path):
+    """budgets='layers' sizes the layers from every layer's scores: no chunk can be compressed early."""
+    method = f"snapkv+selection=learned+budgets=layers+scorer={random_scorer(tmp_path)}"
+    cache = keepkv.CompressedCache(MODEL.config, method, 8)
+    cache.start_prefill(torch.ones(1, LENGTH, dtype=torch.bool))
+    assert not cache.compresses_chunks
