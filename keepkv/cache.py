@@ -183,6 +183,7 @@ class CompressedCache(Cache):
         self.row_budgets: torch.Tensor | None = None  # [B] each row's mean budget, set as its prompt ends
         self.prefill_peak_bytes = 0
         self.prompt_mask: torch.Tensor | None = None
+        self._chunk_compression = True
         self.record = record
         self._reconstruction: Reconstruction | None = None  # the pass whose block is being fed
         self._reconstruction_expected = False
@@ -374,11 +375,15 @@ class CompressedCache(Cache):
         if not torch.equal(got, due):
             self._refuse(f"last position {got.tolist()}, due {due.tolist()}")
 
-    def start_prefill(self, attention_mask: torch.Tensor) -> None:
+    def start_prefill(self, attention_mask: torch.Tensor, compress_chunks: bool = True) -> None:
         """Announce a prompt that will be fed in several blocks: attention_mask [B, T] (1 = real
         token, left padding), the whole prompt's. Its padding is read from here, since a block's
-        mask cannot tell a block of padding from one real token (each query sees itself)."""
+        mask cannot tell a block of padding from one real token (each query sees itself).
+        ``compress_chunks``: a method that scores each entry alone compresses the prompt after each
+        block (:attr:`compresses_chunks`, the default); False: once, at its end, as every other
+        method (and as ``keepkv.vllm`` serves every method today)."""
         self.prompt_mask = attention_mask.bool()
+        self._chunk_compression = as_bool("compress_chunks", compress_chunks)
 
     @property
     def prefill_tokens(self) -> int:
@@ -557,7 +562,8 @@ class CompressedCache(Cache):
         arrives (the method ``compresses_chunks``, the cache compresses its prompt: not
         ``decoding="keep_prompt"``, no recording),
         so that a layer holds at most its budget plus one chunk."""
-        return (self.prompt_mask is not None and self.decoding != "keep_prompt" and self.record is None
+        return (self.prompt_mask is not None and self._chunk_compression and self.decoding != "keep_prompt"
+                and self.record is None
                 and not self.keeps_everything and self.method.compresses_chunks)
 
     def _compress_chunk(self, layer: LayerStore, stats) -> None:

@@ -135,3 +135,17 @@ def test_learned_with_a_split_over_layers_is_compressed_at_the_prompts_end(tmp_p
     cache = keepkv.CompressedCache(MODEL.config, method, 8)
     cache.start_prefill(torch.ones(1, LENGTH, dtype=torch.bool))
     assert not cache.compresses_chunks
+
+
+def test_compress_chunks_false_compresses_at_the_prompts_end(tmp_path):
+    """start_prefill(compress_chunks=False): the prompt's end compresses, as every other method
+    and as keepkv.vllm serves; the layers hold the whole prompt until then."""
+    ids, mask = random_batch(batch=1, length=LENGTH, pad=(0,))
+    keepkv.enable(MODEL)
+    cache = keepkv.CompressedCache(MODEL.config, f"snapkv+selection=learned+scorer={random_scorer(tmp_path)}", 4)
+    cache.start_prefill(mask, compress_chunks=False)
+    assert not cache.compresses_chunks
+    with torch.no_grad():
+        for start in range(0, LENGTH - 8, 8):
+            MODEL(input_ids=ids[:, start : start + 8], attention_mask=mask[:, : start + 8], past_key_values=cache)
+    assert all(int(layer.live_counts().max()) == LENGTH - 8 for layer in cache.layers)

