@@ -44,7 +44,7 @@ from .budgets import (MAX_BUDGET, capacity_bound, check_keep_prompt, decode_inte
                       validate_budget)
 from .methods import METHODS, get_method
 from .methods.base import ComposedMethod, serving_refusal, served_names
-from .kernels.paged import PagedGeometry, numba_available, numba_threads, paged_decode
+from .kernels.paged import PagedGeometry, cpu_backend, numba_threads, paged_decode
 from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
 from .step import LayerStep
 from .store import LayerStore
@@ -61,7 +61,8 @@ def servable_method(spec: str) -> ComposedMethod:
     method = get_method(spec)
     reason = serving_refusal(method)
     if reason is not None:
-        in_its_words = method.not_served or (method.merging is not None and method.merging.refresh_interval is not None)
+        in_its_words = method.not_served or (method.merging is not None and (
+            method.merging.refresh_interval is not None or (method.allocates_from_all_layers and method.selection.served)))
         raise ValueError(f"keepkv.vllm does not serve {reason}; got {spec!r}" if in_its_words else f"{served}; got {spec!r}")
     return method
 
@@ -1197,12 +1198,13 @@ class _StepPlan:
 
 @functools.lru_cache(maxsize=4)
 def _decode_backend(device: torch.device) -> str:
-    """The backend of keepkv's paged kernel on ``device``: Triton on CUDA; Numba on CPU where it is
-    installed (the "test" and "vllm" extras bring it), else the torch reference (correct, slower).
-    Numba runs on as many threads as torch's intra-op pool (the engine's)."""
+    """The backend of keepkv's paged kernel on ``device``: Triton on CUDA; on CPU the C++ kernel where
+    it builds (a compiler and ninja; built once per machine into keepkv's cache, on the first
+    decode step), else Numba where it is installed (the "test" and "vllm" extras bring it), else
+    the torch reference (correct, slower). Both run on torch's intra-op threads (the engine's)."""
     if device.type == "cuda":
         return "triton"
-    if not numba_available():
-        return "torch"
-    numba_threads(torch.get_num_threads())
-    return "numba"
+    backend = cpu_backend()
+    if backend == "numba":
+        numba_threads(torch.get_num_threads())
+    return backend

@@ -1,12 +1,11 @@
 """A prompt read in chunks and compressed chunk by chunk (``Method.compresses_chunks``).
 
-A selection that scores each entry alone keeps, after every chunk, the entries the whole
-prompt's budget allows; the last chunk's compression then keeps what one compression of the
-whole prompt keeps. Position-only selections (streamingllm, window) keep the same positions in
-every layer; a learned scorer keeps the same entries wherever the layer's entries are the same
-(the first layer, whose keys and values do not depend on attention, and every layer when the
-budget holds all but the last chunk). Later chunks attend to the compressed earlier ones, so a
-deeper layer's entries, and the greedy tokens, may differ from a whole prompt's.
+A selection that scores each entry alone (the learned one) keeps, after every chunk, the entries
+the whole prompt's budget allows; the last chunk's compression then keeps what one compression
+of the whole prompt keeps, wherever the layer's entries are the same (the first layer, whose
+keys and values do not depend on attention, and every layer when the budget holds all but the
+last chunk). Later chunks attend to the compressed earlier ones, so a deeper layer's entries,
+and the greedy tokens, may differ from a whole prompt's.
 """
 
 import pytest
@@ -21,7 +20,9 @@ from conftest import fuzz_settings, random_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")
 
-MODEL = tiny_model("llama-gqa", layers=3)
+# fp64: a chunk's keys come from a matmul of other shapes than the whole prompt's, and in fp32 the
+# rounding can flip two entries whose predicted scores nearly tie
+MODEL = tiny_model("llama-gqa", layers=3).double()
 LENGTH = 40
 
 
@@ -36,6 +37,15 @@ def random_scorer(tmp_path, seed: int = 0) -> str:
     path = tmp_path / f"scorer-{seed}.pt"
     Scorer("linear", "values+pairs", config_key(MODEL.config), tensors).save(path)
     return str(path)
+
+
+def kept_scores(cache, layer: int = 0) -> torch.Tensor:
+    """[B, H_kv, budget] the predicted scores of what ``layer`` keeps, sorted: equal where two
+    caches keep the same entries up to exact ties (a token repeated in the prompt has the same
+    first-layer key norms and value, hence the same score, wherever it sits)."""
+    store = cache.layers[layer]
+    scores = cache.method.selection.scores(store).masked_fill(~store.live(), float("-inf"))
+    return scores.sort(-1, descending=True).values
 
 
 def kept(cache) -> list[list[list[int]]]:
@@ -57,27 +67,26 @@ def prefill(method: str, budget, chunk: int | None, pad=(0, 9)):
     return cache
 
 
-budgets = st.one_of(st.integers(1, LENGTH + 5), st.floats(0.02, 1.0))
-
-
 @fuzz_settings()
-@given(method=st.sampled_from(["streamingllm", "window", "streamingllm+sinks=1"]), budget=budgets,
-       chunk=st.integers(1, LENGTH), pad=st.sampled_from([(0,), (0, 9), (13, 0, 30)]))
-def test_position_selections_keep_the_whole_prompts_positions_in_every_layer(method, budget, chunk, pad):
+@given(budget=st.one_of(st.integers(1, LENGTH + 5), st.floats(0.02, 1.0)), chunk=st.integers(1, LENGTH),
+       pad=st.sampled_from([(0,), (0, 9), (13, 0, 30)]), seed=st.integers(0, 3))
+def test_the_first_layer_keeps_the_whole_prompts_entries_at_any_budget_chunk_and_rows(tmp_path_factory, budget,
+                                                                                        chunk, pad, seed):
+    method = f"snapkv+selection=learned+scorer={random_scorer(tmp_path_factory.mktemp('s'), seed)}"
     whole, chunked = prefill(method, budget, None, pad), prefill(method, budget, chunk, pad)
     identity = isinstance(budget, float) and budget == 1.0
     assert chunked.compresses_chunks != identity and not whole.compresses_chunks
-    assert kept(chunked) == kept(whole)
+    torch.testing.assert_close(kept_scores(chunked), kept_scores(whole))
 
 
-def test_a_chunked_prompt_never_holds_more_than_its_budget_and_one_chunk():
+def test_a_chunked_prompt_never_holds_more_than_its_budget_and_one_chunk(tmp_path):
     """Budget 4 of a 40-token prompt read 5 at a time: after each chunk every layer is back at 4
     entries per row and head (+ the chunk while it is read); snapkv, which needs the whole prompt's
     attention, holds the whole prompt until its end."""
     seen, peaks = [], []
     keepkv.enable(MODEL)
     ids, mask = random_batch(batch=2, length=LENGTH, pad=(0, 9))
-    for method in ("streamingllm", "snapkv"):
+    for method in (f"snapkv+selection=learned+scorer={random_scorer(tmp_path)}", "snapkv"):
         cache = keepkv.CompressedCache(MODEL.config, method, 4)
         cache.start_prefill(mask)
         sizes = []
@@ -87,25 +96,28 @@ def test_a_chunked_prompt_never_holds_more_than_its_budget_and_one_chunk():
                 sizes.append(max(int(layer.live_counts().max()) for layer in cache.layers))
         seen.append(sizes)
         peaks.append(cache.prefill_peak_bytes)
-    streaming, snapkv = seen
-    assert max(streaming) <= 4 and streaming[-1] == 4
+    learned, snapkv = seen
+    assert max(learned) <= 4 and learned[-1] == 4
     assert snapkv[-2] == 35  # every layer holds the prompt read so far until its end
     assert snapkv[-1] <= 4
     assert peaks[0] < 0.5 * peaks[1]  # the whole uncompressed prompt in every layer at once
 
 
-def test_a_budget_that_holds_every_chunk_compresses_nothing_before_the_last():
+def test_a_budget_that_holds_every_chunk_compresses_nothing_before_the_last(tmp_path):
     """Budget 1.0, or a budget of at least the prompt: no row is touched, chunked or not."""
+    method = f"snapkv+selection=learned+scorer={random_scorer(tmp_path)}"
     for budget in (1.0, LENGTH, LENGTH + 3):
-        whole, chunked = prefill("streamingllm", budget, None), prefill("streamingllm", budget, 7)
+        whole, chunked = prefill(method, budget, None), prefill(method, budget, 7)
         assert kept(chunked) == kept(whole)
         for layer in chunked.layers:
             counts = layer.live_counts()[:, 0].tolist()
             assert counts == [LENGTH, LENGTH - 9]
 
 
-def test_methods_that_read_the_whole_prompt_are_not_compressed_chunk_by_chunk():
-    for method in ("snapkv", "h2o", "keepkv", "streamingllm+merge=zip", "window+merge=keepkv", "pyramidkv"):
+def test_methods_that_read_the_whole_prompt_are_not_compressed_chunk_by_chunk(tmp_path):
+    scorer = random_scorer(tmp_path)
+    for method in ("snapkv", "h2o", "keepkv", "streamingllm", "window", "pyramidkv", f"keepkv+selection=learned+scorer={scorer}",
+                   f"snapkv+selection=learned+merge=zip+scorer={scorer}"):
         cache = keepkv.CompressedCache(MODEL.config, method, 8)
         cache.start_prefill(torch.ones(1, LENGTH, dtype=torch.bool))
         assert not cache.compresses_chunks, method
@@ -121,7 +133,7 @@ def test_a_learned_scorer_keeps_the_whole_prompts_entries_where_its_entries_are_
     method = f"snapkv+selection=learned+scorer={random_scorer(tmp_path)}"
     whole, chunked = prefill(method, budget, None), prefill(method, budget, chunk)
     assert chunked.compresses_chunks
-    assert kept(chunked)[0] == kept(whole)[0]
+    torch.testing.assert_close(kept_scores(chunked), kept_scores(whole))
     if budget == 12:  # the scorer's choice, not just the sinks and the oldest
         assert kept(whole)[0] != [list(range(12)), list(range(12))]
     roomy = LENGTH - (LENGTH - 1) % chunk - 1  # the prompt less its last chunk, at least

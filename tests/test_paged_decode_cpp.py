@@ -233,7 +233,7 @@ def test_auto_takes_the_cpp_kernel_on_cpu_and_numba_where_it_does_not_build(monk
 
     query, cache, table, seq_lens, geometry = case(torch.float32, 64, 3, True, True, seed=4)
     monkeypatch.setattr(paged, "_CPU_BACKEND", [])
-    assert paged._cpu_backend() == "cpp"
+    assert paged.cpu_backend() == "cpp"
     got = paged_decode(query, cache, table, seq_lens, 0.125, geometry, max_len=MAX_LEN, probs=True)
     want = paged_decode(query, cache, table, seq_lens, 0.125, geometry, max_len=MAX_LEN, probs=True, backend="cpp")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -243,7 +243,7 @@ def test_auto_takes_the_cpp_kernel_on_cpu_and_numba_where_it_does_not_build(monk
 
     monkeypatch.setattr(paged, "_CPU_BACKEND", [])
     monkeypatch.setattr(paged_cpp, "extension", broken)
-    assert paged._cpu_backend() == "numba"
+    assert paged.cpu_backend() == "numba"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

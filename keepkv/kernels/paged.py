@@ -105,7 +105,7 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scaling: float, geometr
     """
     _check(query, kv_cache, block_table, seq_lens, geometry, max_len)
     if backend == "auto":
-        backend = "triton" if query.device.type == "cuda" else _cpu_backend()
+        backend = "triton" if query.device.type == "cuda" else cpu_backend()
     if backend == "torch":
         return paged_decode_reference(query, kv_cache, block_table, seq_lens, scaling, geometry, max_len=max_len,
                                       logits=logits, probs=probs)
@@ -126,14 +126,14 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scaling: float, geometr
 _CPU_BACKEND: list = []  # "auto"'s choice on CPU, made once per process
 
 
-def _cpu_backend() -> str:
+def cpu_backend() -> str:
     """"auto" on CPU: "cpp" where a compiler is there and the kernel builds (the first call builds
     it: seconds, once per machine; benchmarks/kernels/paged_decode_cpu.py measured it faster than
-    Numba's), else "numba"."""
+    Numba's), else "numba" where Numba is installed, else "torch" (the reference: correct, slower)."""
     if not _CPU_BACKEND:
         from .paged_cpp import cpp_available, extension
 
-        choice = "numba"
+        choice = "numba" if numba_available() else "torch"
         if cpp_available():
             try:
                 extension()

@@ -220,6 +220,8 @@ class Method:
     """Whether a serving engine's paged adapter (``keepkv.paged``) runs it (:func:`serving_refusal`)."""
     not_served: ClassVar[str] = ""
     """Why a serving engine cannot run it, in its own words (KVzip: its reconstruction pass), or ""."""
+    per_model_head: ClassVar[bool] = False
+    """Whether it ranks with parameters of each KV head of the whole model (``Selection.per_model_head``)."""
     compresses_chunks: ClassVar[bool] = False
     """Whether a prompt read in chunks may be compressed after each chunk, to the budget its whole
     prompt will have, with the same kept entries as one compression at its end (each entry scored
@@ -665,6 +667,10 @@ class ComposedMethod(Method):
         self.selection.check_model(config)
 
     @property
+    def per_model_head(self) -> bool:
+        return self.selection.per_model_head
+
+    @property
     def served(self) -> bool:
         """Whether the paged adapter runs the parts this method is registered with (a variant that
         swaps in others is served only when they are too: :func:`serving_refusal`)."""
@@ -951,6 +957,9 @@ def serving_refusal(method: Method, keep_prompt: bool = False) -> str | None:
             return f"{name}: its {kind} {part.name!r} is not served"
     if method.merging.refresh_interval is not None:
         return "refresh_interval (it keeps a full copy of the cache)"
+    if method.allocates_from_all_layers:  # a served selection's variant (learned+budgets=layers)
+        return (f"{name}: layer budgets drawn from every layer's scores (a request is sized from its prompt's "
+                "length alone; use budgets='uniform')")
     return keep_prompt_refusal(method) if keep_prompt else None
 
 

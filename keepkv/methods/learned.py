@@ -58,7 +58,6 @@ class LearnedScores(ScoredSelection):
     name = "learned"
     served = True  # the paged adapter gathers the keys, values and positions it scores
     per_model_head = True  # one scorer per KV head of the model
-    layered = True
     scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform" budgets)
     sinks: int = 4
     window: int = 32
@@ -74,6 +73,11 @@ class LearnedScores(ScoredSelection):
 
     @property
     def allocates_from_all_layers(self) -> bool:
+        return self.budgets != "uniform"
+
+    @property
+    def layered(self) -> bool:
+        """Layer budgets of their own, split from the predictions, unless ``budgets="uniform"``."""
         return self.budgets != "uniform"
 
     def allocation_scores(self, layer) -> torch.Tensor:

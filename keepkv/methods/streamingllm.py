@@ -18,7 +18,6 @@ class SinksAndRecent(ScoredSelection):
 
     name = "streamingllm"
     served = True
-    scores_alone = True  # positions only
     sinks: int = 4
 
     def recent_count(self, budget):

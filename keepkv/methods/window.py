@@ -12,7 +12,6 @@ class Recent(ScoredSelection):
 
     name = "window"
     served = True
-    scores_alone = True  # positions only
 
     def recent_count(self, budget):
         return budget

@@ -260,7 +260,7 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
         if getattr(args, "scorer", None) is not None:
             from ..methods import get_method
 
-            if not getattr(get_method(method).selection, "per_model_head", False):
+            if not get_method(method).per_model_head:
                 raise ValueError(f"--scorer is the learned selection's: give --method snapkv+selection=learned or "
                                  f"keepkv+selection=learned, got {method!r}")
             method += f"+scorer={Path(args.scorer).expanduser().resolve()}"

@@ -99,7 +99,7 @@ def parallel_problems(method: str, tensor_parallel: int, pipeline_parallel: int,
         "layer budgets drawn from every layer's scores under tensor parallelism":
             tensor_parallel > 1 and get_method(method).allocates_from_all_layers,
         "a scorer per KV head of the model (selection learned) under tensor parallelism":
-            tensor_parallel > 1 and getattr(get_method(method).selection, "per_model_head", False),
+            tensor_parallel > 1 and get_method(method).per_model_head,
     }
     return [name for name, present in found.items() if present]
 
