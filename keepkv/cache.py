@@ -139,10 +139,10 @@ class CompressedCache(Cache):
     its whole prompt is in, exactly as an unchunked prefill would: the attention workspace is
     bounded by one chunk, but every layer holds its uncompressed prompt until the last chunk
     reaches it, so the cache peaks at the full prompt cache of all layers. A method that scores
-    each entry alone (``compresses_chunks``: a selection such as ``learned``, ``streamingllm`` or
-    ``window`` with ``merge=none``) is instead compressed after every chunk, to its whole prompt's
-    budget: a layer then holds at most its budget plus one chunk, and later chunks attend to the
-    compressed earlier ones (as they would once the prompt is compressed).
+    each entry alone (``compresses_chunks``: selection ``learned`` with ``merge=none``) is instead
+    compressed after every chunk, to its whole prompt's budget (``start_prefill(...,
+    compress_chunks=False)`` turns this off): a layer then holds at most its budget plus one
+    chunk, and later chunks attend to the compressed earlier ones.
     """
 
     def __init__(

@@ -326,7 +326,10 @@ def generate(
         Feed the prompt in blocks of this many tokens (>= 1), so that prefill attention's
         workspace is bounded by one block. The outputs are those of an unchunked prefill (the
         method sees the statistics of the whole prompt and compresses after its last block);
-        the cache peaks at the uncompressed prompt of every layer (``CompressedCache``).
+        the cache peaks at the uncompressed prompt of every layer (``CompressedCache``). The
+        exception: a selection that scores each entry alone (``snapkv+selection=learned``) is
+        compressed after every block, so the cache peaks at the budget plus one block, and later
+        blocks attend to the compressed earlier ones (``Method.compresses_chunks``).
     past_key_values : CompressedCache, optional
         A context compressed by :func:`keepkv.compress`: each prompt is a question about it,
         answered on its own ``copy()`` of the cache (this one is left untouched), one question
