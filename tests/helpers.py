@@ -152,3 +152,30 @@ def assert_equal_up_to_rounding(got: torch.Tensor, expected: torch.Tensor, ulps:
     hundred times below what one entry kept in place of another changes."""
     atol = ulps * torch.finfo(torch.float32).eps * max(expected.abs().max().item(), 1.0)
     torch.testing.assert_close(got, expected, rtol=0, atol=atol, msg=lambda text: f"{msg} {text}")
+
+
+# -- the learned selection on a test model ---------------------------------------------------------
+_SCORERS: dict[str, str] = {}
+
+
+def with_scorer(spec: str, config) -> str:
+    """``spec`` with ``+scorer=PATH`` where it runs the learned selection: a linear scorer of random
+    weights fitted to ``config`` (saved once per config in a temporary folder), since the shipped
+    one is the embedded model's and any other model's cache refuses it."""
+    if "selection=learned" not in spec or "scorer=" in spec:
+        return spec
+    import json
+    import tempfile
+
+    from keepkv.scorer import FEATURES, Scorer, config_key
+
+    key = config_key(config)
+    name = json.dumps(key, sort_keys=True)
+    if name not in _SCORERS:
+        layers, heads, width = key["layers"], key["kv_heads"], FEATURES["values+pairs"](key["head_dim"])
+        generator = torch.Generator().manual_seed(len(_SCORERS))
+        tensors = {"mean": torch.zeros(layers, heads, width), "std": torch.ones(layers, heads, width),
+                   "weight": torch.randn(layers, heads, width, generator=generator), "bias": torch.zeros(layers, heads)}
+        path = tempfile.NamedTemporaryFile(prefix="keepkv-test-scorer-", suffix=".pt", delete=False).name
+        _SCORERS[name] = str(Scorer("linear", "values+pairs", key, tensors).save(path))
+    return f"{spec}+scorer={_SCORERS[name]}"

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 import keepkv
 from keepkv.methods import MERGES, METHODS, SELECTIONS
 
+from helpers import with_scorer
 from conftest import VOCAB, run_generate, tiny_model
 
 # Every registered method; every selection under each method's merge family (keepkv+selection=S:
@@ -72,7 +73,8 @@ def test_budget_one_is_the_full_cache(variant, kind, lengths, new_tokens, seed, 
     # 1.0, or an int budget at or above the longest row's whole sequence (prompt and every token).
     budget = width + new_tokens + room if int_budget else 1.0
     reference, _ = run_generate(model, input_ids, attention_mask, "full", new_tokens=new_tokens)
-    tokens, cache = run_generate(model, input_ids, attention_mask, variant, budget=budget, new_tokens=new_tokens)
+    tokens, cache = run_generate(model, input_ids, attention_mask, with_scorer(variant, model.config), budget=budget,
+                                 new_tokens=new_tokens)
     assert torch.equal(tokens, reference), (variant, budget)
     # Nothing compressed: every real token of every row is still an entry of every layer and head.
     seen = (attention_mask.sum(-1) + new_tokens - 1)  # the last token is generated, never fed

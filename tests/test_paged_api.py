@@ -20,6 +20,7 @@ from keepkv.methods.base import Extra
 from keepkv.paged import SERVED_METHODS, PagedCompression
 from keepkv.store import LayerStore
 
+from helpers import with_scorer
 from conftest import char_tokenizer
 from test_paged import CONFIG, Engine, tokens
 
@@ -69,7 +70,7 @@ def added_extras(model, method) -> list[dict[str, Extra]]:
 
 @pytest.mark.parametrize("spec", VARIANTS)
 def test_declared_extras_are_those_a_cache_adds(model, spec):
-    method = keepkv.get_method(spec)
+    method = keepkv.get_method(with_scorer(spec, model.config))
     group = model.config.num_attention_heads // model.config.num_key_value_heads
     declared = method.entry_extras(group)
     for layer in added_extras(model, method):
