@@ -15,7 +15,7 @@ from keepkv.methods import SELECTIONS
 from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression, rank_config
 from keepkv.step import LayerStep
 
-from helpers import assert_equal_up_to_rounding, request_state, slot_positions
+from helpers import assert_equal_up_to_rounding, request_state, slot_positions, with_scorer
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 CONFIG = LlamaConfig(
@@ -112,24 +112,7 @@ def alone(cache: CompressedCache, query, key, value, layer_idx: int = 0) -> torc
 PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0"  # docs/keepkv.md
 
 
-def _learned_scorer() -> str:
-    """A linear scorer of random weights for CONFIG, saved once: the learned selection's paged path
-    ranks by what it predicts, as the Hugging Face cache does."""
-    import tempfile
-
-    from keepkv.scorer import FEATURES, Scorer, config_key
-
-    width = FEATURES["values+pairs"](HEAD_DIM)
-    generator = torch.Generator().manual_seed(5)
-    layers = CONFIG.num_hidden_layers
-    tensors = {"mean": torch.zeros(layers, KV_HEADS, width), "std": torch.ones(layers, KV_HEADS, width),
-               "weight": torch.randn(layers, KV_HEADS, width, generator=generator), "bias": torch.zeros(layers, KV_HEADS)}
-    path = tempfile.NamedTemporaryFile(suffix=".pt", delete=False).name
-    Scorer("linear", "values+pairs", config_key(CONFIG), tensors).save(path)
-    return path
-
-
-LEARNED = f"snapkv+selection=learned+sinks=1+selection.window=2+scorer={_learned_scorer()}"
+LEARNED = with_scorer("snapkv+selection=learned+sinks=1+selection.window=2", CONFIG)  # a scorer fitted to CONFIG
 
 
 @pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2", PAPER_KEEPKV, "keepkv+interval=3",
