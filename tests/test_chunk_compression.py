@@ -72,7 +72,7 @@ def prefill(method: str, budget, chunk: int | None, pad=(0, 9)):
        pad=st.sampled_from([(0,), (0, 9), (13, 0, 30)]), seed=st.integers(0, 3))
 def test_the_first_layer_keeps_the_whole_prompts_entries_at_any_budget_chunk_and_rows(tmp_path_factory, budget,
                                                                                         chunk, pad, seed):
-    method = f"snapkv+selection=learned+scorer={random_scorer(tmp_path_factory.mktemp('s'), seed)}"
+    method = f"snapkv+selection=learned+budgets=uniform+scorer={random_scorer(tmp_path_factory.mktemp('s'), seed)}"
     whole, chunked = prefill(method, budget, None, pad), prefill(method, budget, chunk, pad)
     identity = isinstance(budget, float) and budget == 1.0
     assert chunked.compresses_chunks != identity and not whole.compresses_chunks
@@ -86,7 +86,7 @@ def test_a_chunked_prompt_never_holds_more_than_its_budget_and_one_chunk(tmp_pat
     seen, peaks = [], []
     keepkv.enable(MODEL)
     ids, mask = random_batch(batch=2, length=LENGTH, pad=(0, 9))
-    for method in (f"snapkv+selection=learned+scorer={random_scorer(tmp_path)}", "snapkv"):
+    for method in (f"snapkv+selection=learned+budgets=uniform+scorer={random_scorer(tmp_path)}", "snapkv"):
         cache = keepkv.CompressedCache(MODEL.config, method, 4)
         cache.start_prefill(mask)
         sizes = []
@@ -105,7 +105,7 @@ def test_a_chunked_prompt_never_holds_more_than_its_budget_and_one_chunk(tmp_pat
 
 def test_a_budget_that_holds_every_chunk_compresses_nothing_before_the_last(tmp_path):
     """Budget 1.0, or a budget of at least the prompt: no row is touched, chunked or not."""
-    method = f"snapkv+selection=learned+scorer={random_scorer(tmp_path)}"
+    method = f"snapkv+selection=learned+budgets=uniform+scorer={random_scorer(tmp_path)}"
     for budget in (1.0, LENGTH, LENGTH + 3):
         whole, chunked = prefill(method, budget, None), prefill(method, budget, 7)
         assert kept(chunked) == kept(whole)
@@ -116,8 +116,8 @@ def test_a_budget_that_holds_every_chunk_compresses_nothing_before_the_last(tmp_
 
 def test_methods_that_read_the_whole_prompt_are_not_compressed_chunk_by_chunk(tmp_path):
     scorer = random_scorer(tmp_path)
-    for method in ("snapkv", "h2o", "keepkv", "streamingllm", "window", "pyramidkv", f"keepkv+selection=learned+scorer={scorer}",
-                   f"snapkv+selection=learned+merge=zip+scorer={scorer}"):
+    for method in ("snapkv", "h2o", "keepkv", "streamingllm", "window", "pyramidkv", f"keepkv+selection=learned+budgets=uniform+scorer={scorer}",
+                   f"snapkv+selection=learned+budgets=uniform+merge=zip+scorer={scorer}"):
         cache = keepkv.CompressedCache(MODEL.config, method, 8)
         cache.start_prefill(torch.ones(1, LENGTH, dtype=torch.bool))
         assert not cache.compresses_chunks, method
@@ -130,7 +130,7 @@ def test_a_learned_scorer_keeps_the_whole_prompts_entries_where_its_entries_are_
     entries at any budget. Deeper layers read chunks that attended to compressed earlier ones,
     so their entries (and hence what they keep) may differ; a budget that holds every chunk but
     the last changes nothing before the last chunk, so every layer keeps the same."""
-    method = f"snapkv+selection=learned+scorer={random_scorer(tmp_path)}"
+    method = f"snapkv+selection=learned+budgets=uniform+scorer={random_scorer(tmp_path)}"
     whole, chunked = prefill(method, budget, None), prefill(method, budget, chunk)
     assert chunked.compresses_chunks
     torch.testing.assert_close(kept_scores(chunked), kept_scores(whole))
@@ -154,7 +154,7 @@ def test_compress_chunks_false_compresses_at_the_prompts_end(tmp_path):
     and as keepkv.vllm serves; the layers hold the whole prompt until then."""
     ids, mask = random_batch(batch=1, length=LENGTH, pad=(0,))
     keepkv.enable(MODEL)
-    cache = keepkv.CompressedCache(MODEL.config, f"snapkv+selection=learned+scorer={random_scorer(tmp_path)}", 4)
+    cache = keepkv.CompressedCache(MODEL.config, f"snapkv+selection=learned+budgets=uniform+scorer={random_scorer(tmp_path)}", 4)
     cache.start_prefill(mask, compress_chunks=False)
     assert not cache.compresses_chunks
     with torch.no_grad():

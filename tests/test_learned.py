@@ -177,7 +177,7 @@ def test_keeps_the_sinks_and_the_highest_predicted_entries(tmp_path, sign):
     input_ids, attention_mask = random_batch(pad=(0, 6))
     full = keepkv.CompressedCache(model.config, "full", 1.0)
     prefill(model, full, input_ids, attention_mask)
-    cache = keepkv.CompressedCache(model.config, LEARNED, 10, scorer=path)
+    cache = keepkv.CompressedCache(model.config, f"{LEARNED}+budgets=uniform", 10, scorer=path)
     prefill(model, cache, input_ids, attention_mask)
     for full_layer, layer in zip(full.layers, cache.layers):
         score = sign * full_layer.keys.float().norm(dim=-1).log()
@@ -191,7 +191,7 @@ def test_keeps_the_sinks_and_the_highest_predicted_entries(tmp_path, sign):
 def test_ranks_by_the_scorer_and_protects_the_decoding_window(scorer_file):
     model = tiny_model("llama-gqa")
     input_ids, attention_mask = random_batch(pad=(0, 6))
-    cache = keepkv.CompressedCache(model.config, LEARNED, 12, scorer=scorer_file)
+    cache = keepkv.CompressedCache(model.config, f"{LEARNED}+budgets=uniform", 12, scorer=scorer_file)
     for cache in decode_loop(model, input_ids, attention_mask, cache, steps=6):
         pass
     for layer in cache.layers:
@@ -227,7 +227,8 @@ def test_layer_budgets_follow_the_predicted_scores(tmp_path):
     budgets = cache.layer_budgets.float()
     assert (budgets[1] > budgets[0]).all() and torch.equal(budgets.mean((0, 2)), torch.tensor([10.0, 10.0]))
     assert keepkv.get_method(f"{LEARNED}+budgets=layers").allocates_from_all_layers
-    assert not keepkv.get_method(LEARNED).allocates_from_all_layers
+    assert keepkv.get_method(LEARNED).allocates_from_all_layers  # the default split is kvzip's
+    assert not keepkv.get_method(f"{LEARNED}+budgets=uniform").allocates_from_all_layers
 
 
 def test_needs_no_attention_statistics_and_no_pass():
@@ -341,7 +342,8 @@ def test_the_shipped_scorer_fits_the_embedded_model():
     with warnings.catch_warnings():
         warnings.simplefilter("error", KeepKVWarning)
         cache = keepkv.compress(model, tokenizer, context, method=LEARNED, budget=0.3)
-    assert all(int(layer.live_counts().max()) < int(layer.real_seen.max()) for layer in cache.layers)
+    kept = sum(int(layer.live_counts().sum()) for layer in cache.layers)  # layers split the budget unevenly
+    assert kept < 0.5 * sum(int(layer.real_seen.sum()) * layer.keys.shape[1] for layer in cache.layers)
 
 
 @pytest.mark.integration

@@ -112,7 +112,7 @@ def alone(cache: CompressedCache, query, key, value, layer_idx: int = 0) -> torc
 PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0"  # docs/keepkv.md
 
 
-LEARNED = with_scorer("snapkv+selection=learned+sinks=1+selection.window=2", CONFIG)  # a scorer fitted to CONFIG
+LEARNED = with_scorer("snapkv+selection=learned+budgets=uniform+sinks=1+selection.window=2", CONFIG)  # a scorer fitted to CONFIG
 
 
 @pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2", PAPER_KEEPKV, "keepkv+interval=3",

@@ -243,8 +243,8 @@ def test_serve_help_lists_the_served_methods():
     ("d2o", 3, 1, 3, ["layer budgets drawn from every layer's scores under tensor parallelism"]),
     ("d2o", 1, 1, 3, []),
     ("kvzip+budgets=global", 2, 1, 3, ["layer budgets drawn from every layer's scores under tensor parallelism"]),
-    ("snapkv+selection=learned", 3, 1, 3, ["a scorer per KV head of the model (selection learned) under tensor parallelism"]),
-    ("keepkv+selection=learned", 1, 1, 3, []),
+    ("snapkv+selection=learned+budgets=uniform", 3, 1, 3, ["a scorer per KV head of the model (selection learned) under tensor parallelism"]),
+    ("keepkv+selection=learned+budgets=uniform", 1, 1, 3, []),
     ("full", 3, 1, 3, []),
 ])
 def test_parallel_engines_refuse_what_would_need_communication(method, tensor, pipeline, kv_heads, refused):
@@ -426,13 +426,13 @@ def test_serve_passes_a_learned_selections_scorer_and_refuses_it_elsewhere(tmp_p
 
     model = tmp_path / "SmolLM2-135M-Instruct"
     model.mkdir()
-    argv, _ = command(["--model", str(model), "--method", "snapkv+selection=learned", "--scorer", str(default_scorer())],
+    argv, _ = command(["--model", str(model), "--method", "snapkv+selection=learned+budgets=uniform", "--scorer", str(default_scorer())],
                       monkeypatch=monkeypatch)
     settings = json.loads(argv[argv.index("--additional-config") + 1])["keepkv"]
-    assert settings["method"] == f"snapkv+selection=learned+scorer={default_scorer().resolve()}+interval=16"
+    assert settings["method"] == f"snapkv+selection=learned+budgets=uniform+scorer={default_scorer().resolve()}+interval=16"
     for method, message in (("snapkv", "--scorer is the learned selection's"), ("full", "drop --scorer")):
         with pytest.raises(ValueError, match=message):
             command(["--model", str(model), "--method", method, "--scorer", str(default_scorer())], monkeypatch=monkeypatch)
     with pytest.raises(ValueError, match="no scorer file"):
-        command(["--model", str(model), "--method", "snapkv+selection=learned", "--scorer", str(tmp_path / "none.pt")],
+        command(["--model", str(model), "--method", "snapkv+selection=learned+budgets=uniform", "--scorer", str(tmp_path / "none.pt")],
                 monkeypatch=monkeypatch)

@@ -26,7 +26,7 @@ from keepkv.paged import SERVED_METHODS, PagedCompression, rank_config  # noqa: 
 NEW_TOKENS = 24
 KEPT = "vllm_ranks.KeptEntries"  # tests/vllm_ranks.py: each worker's kept positions, through collective_rpc
 PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0"  # docs/keepkv.md
-SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", PAPER_KEEPKV, "snapkv+selection=learned"]
+SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", PAPER_KEEPKV, "snapkv+selection=learned+budgets=uniform"]
 
 
 @pytest.fixture(scope="module")
@@ -580,7 +580,7 @@ def test_a_learned_scorer_of_another_model_is_refused_before_any_worker_starts(m
                "bias": torch.zeros(2, 2)}
     path = Scorer("linear", "values+pairs", config_key(other), tensors).save(tmp_path / "other.pt")
     with pytest.raises(SettingError, match="trained on another model .*keepkv train-scorer") as raised:
-        Engine(model_dir, {"method": f"snapkv+selection=learned+scorer={path}", "budget": 0.3})
+        Engine(model_dir, {"method": f"snapkv+selection=learned+budgets=uniform+scorer={path}", "budget": 0.3})
     assert "\n" not in str(raised.value)
     assert not no_engine_core
 

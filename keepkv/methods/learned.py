@@ -49,10 +49,12 @@ class LearnedScores(ScoredSelection):
         (capped by what the sinks leave); the prompt's own compression protects none. 0: scores alone.
     budgets : str
         How the budget is split over layers and KV heads, as ``kvzip``'s, from the predicted scores:
-        "uniform" (default: every layer and head keeps the budget, each layer compressed as its own
-        prefill ends, as a serving engine sizes requests), "layers" (every head of a layer keeps as
-        many, the layers sized by one top-k over their slots: kvzip's default), "global", "heads".
-        Any but "uniform" compresses every layer at once, after the last one's prefill.
+        "layers" (default, kvzip's: every head of a layer keeps as many entries, the layers sized by
+        one top-k over their slots; the best measured on the dev grid, docs/methods.md), "global",
+        "heads", or "uniform" (every layer and head keeps the budget: each layer compressed as its
+        own prefill ends, chunk by chunk when read in chunks, and what a serving engine runs; far
+        worse on the dev grid). Any but "uniform" compresses every layer at once, after the last
+        one's prefill.
     """
 
     name = "learned"
@@ -62,7 +64,7 @@ class LearnedScores(ScoredSelection):
     sinks: int = 4
     window: int = 32
     scorer: str | None = None
-    budgets: str = "uniform"
+    budgets: str = "layers"
 
     def __post_init__(self):
         super().__post_init__()
