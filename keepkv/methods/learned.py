@@ -29,8 +29,9 @@ class LearnedScores(ScoredSelection):
     score from its key (the RoPE-invariant norms of its rotary pairs and its log norm) and its value,
     per layer and KV head; the highest predicted entries are kept. The score of an entry is a
     function of that entry alone: no attention statistics, no question and no reconstruction pass,
-    so a prompt compresses at the end of its own prefill (or chunk by chunk) at no more than a
-    prefill's cost. Scores are computed from the stored entries whenever the layer is planned.
+    so a prompt compresses at the end of its prefill at a prefill's cost (and, with
+    ``budgets="uniform"``, chunk by chunk as it is read). Scores are computed from the stored
+    entries whenever the layer is planned.
 
     While decoding, new entries are scored the same way, and the newest ``window`` generated tokens
     are kept whatever their scores (as ``kvzip``'s).
@@ -58,7 +59,7 @@ class LearnedScores(ScoredSelection):
     """
 
     name = "learned"
-    served = True  # the paged adapter gathers the keys, values and positions it scores
+    served = True  # the paged adapter gathers the keys, values and positions it scores ("uniform" budgets)
     per_model_head = True  # one scorer per KV head of the model
     scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform" budgets)
     sinks: int = 4
