@@ -158,9 +158,9 @@ def assert_equal_up_to_rounding(got: torch.Tensor, expected: torch.Tensor, ulps:
 _SCORERS: dict[str, str] = {}
 
 
-def with_scorer(spec: str, config) -> str:
+def with_scorer(spec: str, config, seed: int = 0) -> str:
     """``spec`` with ``+scorer=PATH`` where it runs the learned selection: a linear scorer of random
-    weights fitted to ``config`` (saved once per config in a temporary folder), since the shipped
+    weights (``seed``) fitted to ``config`` (saved once per config and seed in a temporary folder), since the shipped
     one is the embedded model's and any other model's cache refuses it."""
     if "selection=learned" not in spec or "scorer=" in spec:
         return spec
@@ -170,10 +170,10 @@ def with_scorer(spec: str, config) -> str:
     from keepkv.scorer import FEATURES, Scorer, config_key
 
     key = config_key(config)
-    name = json.dumps(key, sort_keys=True)
+    name = json.dumps([key, seed], sort_keys=True)
     if name not in _SCORERS:
         layers, heads, width = key["layers"], key["kv_heads"], FEATURES["values+pairs"](key["head_dim"])
-        generator = torch.Generator().manual_seed(len(_SCORERS))
+        generator = torch.Generator().manual_seed(seed)
         tensors = {"mean": torch.zeros(layers, heads, width), "std": torch.ones(layers, heads, width),
                    "weight": torch.randn(layers, heads, width, generator=generator), "bias": torch.zeros(layers, heads)}
         path = tempfile.NamedTemporaryFile(prefix="keepkv-test-scorer-", suffix=".pt", delete=False).name

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import keepkv
-from keepkv.scorer import FEATURES, Scorer, config_key
 
+from helpers import with_scorer
 from conftest import fuzz_settings, random_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::keepkv.KeepKVWarning")
@@ -26,17 +26,9 @@ MODEL = tiny_model("llama-gqa", layers=3).double()
 LENGTH = 40
 
 
-def random_scorer(tmp_path, seed: int = 0) -> str:
-    """A linear scorer of random weights for MODEL, saved: an entry-local score like any trained one."""
-    layers, kv_heads = MODEL.config.num_hidden_layers, MODEL.config.num_key_value_heads
-    width = FEATURES["values+pairs"](MODEL.config.hidden_size // MODEL.config.num_attention_heads)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {"mean": torch.zeros(layers, kv_heads, width), "std": torch.ones(layers, kv_heads, width),
-               "weight": torch.randn(layers, kv_heads, width, generator=generator),
-               "bias": torch.zeros(layers, kv_heads)}
-    path = tmp_path / f"scorer-{seed}.pt"
-    Scorer("linear", "values+pairs", config_key(MODEL.config), tensors).save(path)
-    return str(path)
+def random_scorer(tmp_path=None, seed: int = 0) -> str:
+    """A scorer file of random weights for MODEL (tests/helpers.with_scorer): an entry-local score like any trained one."""
+    return with_scorer("snapkv+selection=learned", MODEL.config, seed).split("+scorer=")[1]
 
 
 def kept_scores(cache, layer: int = 0) -> torch.Tensor:
