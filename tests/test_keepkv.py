@@ -18,7 +18,7 @@ from keepkv.methods.keepkv import EmaAttention, KeepKV, KeepKVMerge
 from keepkv.offload import FullKVCopy
 from keepkv.perturbation import _attend, builtin_document, format_perturbation, perturbation, recompute_logits
 
-from conftest import decode_loop, random_batch, tiny_model
+from conftest import decode_loop, greedy_decode, random_batch, tiny_model
 
 # KeepKV with its own EMA selection and ungated merges (every kept entry may take merges, as in
 # the paper): the theorems and the EMA are tested on it (the registered default selects with
@@ -253,6 +253,52 @@ def test_ema_initialisation_matches_eq8_by_hand(score_norm):
     got_order = got[: size - rows + 1].argsort(descending=True)
     if score_norm == "none":
         assert torch.equal(got_order[:3], loud_order[:3])
+
+
+@pytest.mark.parametrize("score_norm", ["none", "row"])
+def test_pooled_ema_is_eq8_of_each_querys_mean_score_over_its_group(score_norm):
+    """ema_heads="pooled": one word per entry and KV head, the EMA (eq. 8) of each query row's mean
+    score over the GQA group, ln((1/g) Σ_h s^h) ("row": of its shares s^h / Z^h, read back on the
+    newest row's scale, the geometric mean of its heads' Z^h). With "none" that is the mean of the
+    g per-head EMAs that ema_heads="each" keeps, so an entry's EMA reads no other entry."""
+    torch.manual_seed(5)
+    batch, kv_heads, group, size, dim, rows = 1, 1, 3, 9, 8, 3
+    keys, values = torch.randn(batch, kv_heads, size, dim), torch.randn(batch, kv_heads, size, dim)
+    window = torch.randn(batch, kv_heads, group, rows, dim) * 2
+    pooled = keepkv_ema(window=rows, alpha=0.5, score_norm=score_norm, ema_heads="pooled")
+    layer = store_from(keys, values, window, pooled, 0.35)
+    assert layer.extras["ema_log_s"].shape == (batch, kv_heads, size, 1)
+    logits = 0.35 * window[0, 0] @ keys[0, 0].T  # [g, r, S]
+    visible = torch.arange(size)[None] <= torch.arange(size - rows, size)[:, None]  # [r, S]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    log_z = torch.logsumexp(logits, dim=-1)  # [g, r]
+    scores = logits - log_z[..., None] if score_norm == "row" else logits
+    per_row = scores.exp().mean(0)  # [r, S]
+    weights = torch.tensor([0.25, 0.5, 1.0])[:, None] * visible
+    expected = ((per_row * weights).sum(0) / weights.sum(0)).log() + (log_z[:, -1].mean() if score_norm == "row" else 0.0)
+    got = ema_scores(pooled.merging, layer)[0, 0, 0]
+    assert torch.allclose(got, expected, atol=1e-5), (got, expected)
+    each = keepkv_ema(window=rows, alpha=0.5, score_norm=score_norm, ema_heads="each")
+    layer_each = store_from(keys, values, window, each, 0.35)
+    assert layer_each.extras["ema_log_s"].shape == (batch, kv_heads, size, group)
+    if score_norm == "none":  # EMA is linear: the mean of the heads' EMAs
+        mean_of_heads = layer_each.extras["ema_log_s"].logsumexp(-1) - math.log(group)
+        assert torch.allclose(layer.extras["ema_log_s"][..., 0], mean_of_heads, atol=1e-5)
+
+
+@torch.no_grad()
+def test_ema_heads_are_one_method_on_mha():
+    """On an MHA model (g = 1) the pooled EMA is the per-head one: the same logits, bit for bit."""
+    model = tiny_model("llama-mha", layers=2)
+    runs = [greedy_decode(model, f"keepkv+ema_heads={heads}", 16, steps=12) for heads in ("pooled", "each")]
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][2].layers[0].extras["ema_log_s"].shape[-1] == 1
+
+
+def test_group_key_rule_needs_each_heads_ema():
+    with pytest.raises(ValueError, match="^zip_key='group' weighs each query head by its own EMA: use it with ema_heads='each'$"):
+        keepkv.get_method("keepkv+zip_key=group+ema_heads=pooled")
+    assert keepkv.get_method("keepkv+zip_key=group+ema_heads=each").merging.zip_key == "group"
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ from .snapkv import ObservationWindow
 
 SCORE_MODES = ("ema", "exact")
 SCORE_NORMS = ("none", "row")
+EMA_HEADS = ("pooled", "each")
 PREFILL_ORDERS = ("merge_first", "evict_first")
 SIMILARITIES = ("key", "key_value")
 
@@ -366,6 +367,13 @@ class KeepKVMerge(ZipMerge):
         N >= 1: rebuild every layer from the full copy every N decode steps (selection ``ema``
         only), and compress it as a prompt's end with the exact logits of the newest query, so
         the rebuilt store is lossless for it on MHA. None: never, and no full copy is kept.
+    ema_heads : str or None
+        "pooled": one EMA word per entry and KV head, of the mean over the GQA group of each
+        query's scores (with ``score_norm="none"``, the mean of the g per-head EMAs), so an entry
+        costs one word whatever the group size. "each": one EMA per query head of the group
+        (g words), pooled as merges read them (:func:`keepkv.merging.pool_log_scores`). The same
+        on an MHA model (g = 1). None (default): "pooled", or "each" with ``zip_key="group"``,
+        whose key rule weighs each query head by its own EMA.
     """
 
     name = "keepkv"
@@ -382,6 +390,7 @@ class KeepKVMerge(ZipMerge):
     prefill_scores: str = "exact"
     prefill_order: str = "evict_first"
     refresh_interval: int | None = None
+    ema_heads: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -393,6 +402,15 @@ class KeepKVMerge(ZipMerge):
         check_choice("scores", self.scores, SCORE_MODES)
         check_choice("prefill_scores", self.prefill_scores, SCORE_MODES)
         check_choice("prefill_order", self.prefill_order, PREFILL_ORDERS)
+        if self.ema_heads is not None:
+            check_choice("ema_heads", self.ema_heads, EMA_HEADS)
+        if self.ema_heads == "pooled" and self.zip_key == "group":
+            raise ValueError("zip_key='group' weighs each query head by its own EMA: use it with ema_heads='each'")
+
+    @property
+    def pooled_ema(self) -> bool:
+        """Whether the EMA is one word per entry and KV head (``ema_heads``)."""
+        return self.ema_heads == "pooled" or (self.ema_heads is None and self.zip_key != "group")
 
     @property
     def reads_every_entry(self) -> bool:
@@ -409,9 +427,14 @@ class KeepKVMerge(ZipMerge):
         return Needs(logits=not is_prefill)
 
     def entry_extras(self, group: int) -> dict[str, Extra]:
-        """The EMA (:meth:`observe`): ln S per query head of the group. Its normaliser ln N is not
-        stored: it follows from the entry's position (:meth:`ema_log_n`)."""
-        return {"ema_log_s": Extra(NEG_INF, trailing=(group,))}
+        """The EMA (:meth:`observe`): ln S pooled over the group (one word), or per query head
+        (``ema_heads="each"``). Its normaliser ln N is not stored: it follows from the entry's
+        position (:meth:`ema_log_n`)."""
+        return {"ema_log_s": Extra(NEG_INF, trailing=(self._ema_words(group),))}
+
+    def _ema_words(self, group: int) -> int:
+        """EMA words per entry and KV head: 1 pooled, ``group`` with ``ema_heads="each"``."""
+        return 1 if self.pooled_ema else group
 
     # -- the EMA ----------------------------------------------------------------------------
     def observe(self, layer, stats: StepStats) -> None:
@@ -441,7 +464,7 @@ class KeepKVMerge(ZipMerge):
 
     def _start_layer(self, layer, group: int, scaling: float) -> None:
         batch, kv_heads = layer.bias.shape[:2]
-        layer.add_extra("ema_log_s", fill=NEG_INF, trailing=(group,))
+        layer.add_extra("ema_log_s", fill=NEG_INF, trailing=(self._ema_words(group),))
         layer.state.pop("ema_span", None)
         layer.state.update(
             scaling=scaling,
@@ -489,6 +512,8 @@ class KeepKVMerge(ZipMerge):
             log_z = torch.logsumexp(seen, dim=-1).nan_to_num(0.0, 0.0, 0.0)  # [B, H_kv, g, r]; 0: nothing seen
             scores = logits - log_z[..., None]
             layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see _log_scale
+        if self.pooled_ema and scores.shape[2] > 1:  # ln (1/g) Σ_h s^h: the group's mean score
+            scores = scores.logsumexp(dim=2, keepdim=True) - math.log(scores.shape[2])  # [B, H_kv, 1, r, S]
         if rows == 1:
             new_s = scores[:, :, :, 0] + log_fresh
         else:
@@ -531,7 +556,12 @@ class KeepKVMerge(ZipMerge):
     def _log_scale(self, layer) -> torch.Tensor | float:
         """[B, H_kv, g] ln Z of the newest query with ``score_norm="row"`` (else 0): the EMA of
         normalised scores times it is on the logit scale of that query, as ZIP's key rule needs."""
-        return layer.state["log_z"][..., None] if self.score_norm == "row" else 0.0
+        if self.score_norm != "row":
+            return 0.0
+        log_z = layer.state["log_z"]
+        if self.pooled_ema:  # the group's shares on one scale: the geometric mean of the heads'
+            log_z = log_z.mean(-1, keepdim=True)
+        return log_z[..., None]
 
     def ranking_scores(self, layer) -> LogScores:
         """The EMA log-scores of the live entries, per query head and pooled over the group
