@@ -70,11 +70,13 @@ def servable_method(spec: str) -> ComposedMethod:
 SERVED_METHODS = tuple(sorted(served_names()[0]))  # what the refusal names, for callers that list them
 
 
-def rank_config(config, num_heads: int, num_kv_heads: int) -> SimpleNamespace:
-    """The model's ``config`` as one tensor-parallel rank holds it: the model's depth, and the
+def rank_config(config, num_heads: int, num_kv_heads: int, rank: int = 0) -> SimpleNamespace:
+    """The model's ``config`` as tensor-parallel rank ``rank`` holds it: the model's depth, and the
     ``num_heads`` query heads and ``num_kv_heads`` KV heads of the rank (vLLM gives a rank
-    ``num_attention_heads // tp`` and ``num_key_value_heads // tp``). A :class:`PagedCompression`
-    given it shapes its budgets [L, B, H_kv], its slots' words and its stores by the rank's heads.
+    ``num_attention_heads // tp`` and ``num_key_value_heads // tp``, rank r the KV heads from
+    ``first_kv_head = r * num_kv_heads``). A :class:`PagedCompression` given it shapes its budgets
+    [L, B, H_kv], its slots' words and its stores by the rank's heads, and hands a method with
+    parameters per KV head of the model (the learned selection's scorer) the rank's first head.
 
     Each rank's query heads must be whole groups of its KV heads (``num_heads`` a multiple of
     ``num_kv_heads``, the model's group size): a KV head replicated over ranks, each holding part of
@@ -85,7 +87,7 @@ def rank_config(config, num_heads: int, num_kv_heads: int) -> SimpleNamespace:
         raise ValueError(f"a rank of {num_heads} query heads and {num_kv_heads} KV heads does not hold whole groups of "
                          f"the model's {group} query heads per KV head")
     return SimpleNamespace(num_hidden_layers=config.num_hidden_layers, num_attention_heads=num_heads,
-                           num_key_value_heads=num_kv_heads)
+                           num_key_value_heads=num_kv_heads, first_kv_head=rank * num_kv_heads)
 
 
 # Intra-op threads of a compression's method work: hundreds of small tensor ops over [R, H_kv, S];
@@ -195,7 +197,7 @@ class PagedCompression:
     def __init__(self, config, method: str, budget: int | float, chunked: bool = False, keep_prompt: bool = False,
                  kernel: PagedKernel | None = None):
         validate_budget(budget)
-        self.method = servable_method(method)
+        self.method = servable_method(method).for_heads(getattr(config, "first_kv_head", 0))
         if keep_prompt:
             check_keep_prompt(self.method, budget)
         self.config = config

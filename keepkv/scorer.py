@@ -151,9 +151,10 @@ class Scorer:
     def head_dim(self) -> int:
         return int(self.key["head_dim"])
 
-    def fits(self, layer_idx: int, kv_heads: int, head_dim: int) -> bool:
-        """Whether it scores layer ``layer_idx`` of ``kv_heads`` heads of size ``head_dim``."""
-        return layer_idx < self.layers and kv_heads == self.kv_heads and head_dim == self.head_dim
+    def fits(self, layer_idx: int, kv_heads: int, head_dim: int, first_head: int = 0) -> bool:
+        """Whether it scores layer ``layer_idx`` of ``kv_heads`` heads of size ``head_dim`` from the
+        model's head ``first_head`` (all of the model's heads, or a tensor-parallel rank's)."""
+        return layer_idx < self.layers and head_dim == self.head_dim and first_head + kv_heads <= self.kv_heads
 
     def _on(self, device) -> dict[str, torch.Tensor]:
         device = torch.device(device)
@@ -162,18 +163,23 @@ class Scorer:
         return self._placed[device]
 
     def predict(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, first_head: int = 0) -> torch.Tensor:
         """[B, H_kv, S] fp32 predicted log KVzip scores of layer ``layer_idx``'s entries: keys
         (after RoPE), values [B, H_kv, S, D], positions [B, H_kv, S] (read by the feature sets that
-        un-rotate the keys)."""
-        if not self.fits(layer_idx, keys.shape[1], keys.shape[-1]):
+        un-rotate the keys); the H_kv heads are the model's from ``first_head`` (a rank's)."""
+        kv_heads = keys.shape[1]
+        if not self.fits(layer_idx, kv_heads, keys.shape[-1], first_head):
+            heads = f"{kv_heads} heads" + (f" from head {first_head}" if first_head else "")
             raise ValueError(
                 f"this scorer scores {self.layers} layers of {self.kv_heads} KV heads of {self.head_dim}; got layer "
-                f"{layer_idx} of {keys.shape[1]} heads of {keys.shape[-1]}: train one for this model "
+                f"{layer_idx} of {heads} of {keys.shape[-1]}: train one for this model "
                 "(keepkv.scorer_training.train_scorer)"
             )
         x = features(keys, values, self.features, positions, self.key.get("rope_theta"))
-        return self._predict(self._on(keys.device), layer_idx, x)
+        tensors = self._on(keys.device)
+        if kv_heads != self.kv_heads:  # every tensor is [L, H, ...]
+            tensors = {name: t[:, first_head : first_head + kv_heads] for name, t in tensors.items()}
+        return self._predict(tensors, layer_idx, x)
 
     def _predict(self, t: dict, layer, x: torch.Tensor) -> torch.Tensor:
         """x [B, H, S, F] raw features of layer ``layer`` (an int, or a slice/index of layers when

@@ -140,20 +140,21 @@ def test_paged_requests_decode_as_alone(method, budget):
     assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
 
 
-@pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "keepkv+interval=3"])
+@pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "keepkv+interval=3", LEARNED])
 @pytest.mark.parametrize("budget", [0.5, 3])
 def test_tensor_parallel_ranks_compress_their_own_heads_as_the_whole_model(method, budget):
     """Two tensor-parallel ranks, each holding one KV head and its query group (``rank_config``),
     fed their heads' slices of the same requests (unequal prompts, one joining mid-way), with no
     communication: every step each rank's output and the positions each of its slots holds are the
-    whole model's for those heads, in the model's last layer (PyramidKV's smallest budget). The
+    whole model's for those heads, in the model's last layer (PyramidKV's smallest budget; the
+    learned selection scores each rank's head with the scorer's weights of that head). The
     outputs agree up to fp32 rounding (a head slice may take another matmul kernel than all the
     heads), the kept positions exactly: the random inputs leave no score within rounding of a tie."""
     generator = torch.Generator().manual_seed(3)
     layer = CONFIG.num_hidden_layers - 1
     whole = Engine(PagedCompression(CONFIG, method, budget))
-    ranks = [Engine(PagedCompression(rank_config(CONFIG, HEADS // KV_HEADS, 1), method, budget))
-             for _ in range(KV_HEADS)]
+    ranks = [Engine(PagedCompression(rank_config(CONFIG, HEADS // KV_HEADS, 1, rank=rank), method, budget))
+             for rank in range(KV_HEADS)]
     group = HEADS // KV_HEADS
     prompts = {0: 9, 1: 14}
     for step in range(10):
@@ -178,7 +179,8 @@ def test_tensor_parallel_ranks_compress_their_own_heads_as_the_whole_model(metho
 def test_a_rank_holds_whole_query_groups():
     """A rank's query heads are whole groups of its KV heads: a KV head replicated over ranks (each
     holding part of its group) is refused in one line."""
-    assert vars(rank_config(CONFIG, 2, 1)) == {"num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1}
+    assert vars(rank_config(CONFIG, 2, 1, rank=1)) == {"num_hidden_layers": 3, "num_attention_heads": 2,
+                                                       "num_key_value_heads": 1, "first_kv_head": 1}
     for heads, kv_heads in ((1, 1), (2, 2), (4, 0)):
         with pytest.raises(ValueError, match="does not hold whole groups of the model's 2 query heads per KV head") as raised:
             rank_config(CONFIG, heads, kv_heads)
@@ -384,7 +386,8 @@ def test_keepkv_merges_and_keeps_its_state_per_request(method):
     slots' extra words), each layer decodes as that layer alone, and each request's per-layer
     state (its lost votes) is its own cache's, filed apart per request."""
     paged = PagedCompression(CONFIG, method, 6)
-    assert paged.meta_words > 3  # position, bias, the EMA's words (one per query head of a group) and more
+    # position, bias and the EMA's one word per KV head, + the score of a selection that keeps one (SnapKV's)
+    assert paged.meta_words == 3 + ("score" in paged.extras)
     merged = False
     for layer in range(CONFIG.num_hidden_layers):
         for engine, request, prompt, cache in decode_beside_alone(paged, method, 6, layer, 10 + layer, 6):
@@ -563,8 +566,9 @@ def test_a_prompt_aborted_mid_way_leaves_nothing_behind_for_long(monkeypatch):
 def test_a_keepkv_slot_costs_snapkvs_plus_its_bias_and_ema_words(head_dim, dtype, heads, kv_heads):
     """keepkv's keys and values are as wide as snapkv's whatever the head size (its votes are read
     from one fp32 word by keepkv's paged kernel, not carried in wider keys): its slot costs snapkv's
-    plus the bias word and the EMA's g words per KV head (ln S per query head of the group; its
-    normaliser ln N follows from the position), which the Hugging Face cache keeps too."""
+    plus 8 bytes, the bias word and one EMA word per KV head (ln S pooled over the group; its
+    normaliser ln N follows from the position), which the Hugging Face cache keeps too; with
+    ``ema_heads="each"``, g EMA words."""
     config = rank_config(LlamaConfig(num_hidden_layers=2, hidden_size=heads * head_dim, num_attention_heads=heads,
                                      num_key_value_heads=kv_heads),
                          heads, kv_heads)
@@ -572,4 +576,6 @@ def test_a_keepkv_slot_costs_snapkvs_plus_its_bias_and_ema_words(head_dim, dtype
     snapkv = PagedCompression(config, "snapkv", 64).content_bytes(head_dim, dtype)
     keepkv = PagedCompression(config, "keepkv", 64).content_bytes(head_dim, dtype)
     assert snapkv == 2 * head_dim * itemsize + 4 * 2  # key, value, position and score
-    assert keepkv - snapkv == 4 * (1 + heads // kv_heads)
+    assert keepkv - snapkv == 8
+    each = PagedCompression(config, "keepkv+ema_heads=each", 64).content_bytes(head_dim, dtype)
+    assert each - snapkv == 4 * (1 + heads // kv_heads)

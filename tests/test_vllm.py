@@ -354,7 +354,7 @@ def bound_threads(monkeypatch):
     monkeypatch.setenv(BIND, thread_binding(3) or "auto")
 
 
-@pytest.mark.parametrize("method", SERVED_METHODS)
+@pytest.mark.parametrize("method", [*SERVED_METHODS, "snapkv+selection=learned+budgets=uniform"])
 def test_tensor_parallel_ranks_keep_their_heads_entries_as_one_process(model_dir, prompts, single_process, method,
                                                                        bound_threads):
     """TP=3 in fp32, one KV head and its three query heads per rank, no communication but vLLM's own:

@@ -278,6 +278,11 @@ class Method:
         """Raise ValueError, in one line, if this method cannot run on a model of ``config`` (its
         transformers config): the caches call it where they are built, before any work."""
 
+    def for_heads(self, first_kv_head: int) -> "Method":
+        """This method for a cache whose KV head 0 is the model's ``first_kv_head`` (a tensor-parallel
+        rank's): itself, unless it has parameters per KV head of the model (``per_model_head``)."""
+        return self
+
     def setup_layer(self, layer) -> None:
         """Register per-entry extras on a layer before its first token."""
 
@@ -404,8 +409,8 @@ class Selection:
     ``allocate``."""
     per_model_head: ClassVar[bool] = False
     """Whether it ranks a KV head's entries with parameters of that head of the whole model (the
-    learned selection's scorer): a tensor-parallel rank, which numbers its own heads from 0, cannot
-    index them (``keepkv.vllm`` refuses it there)."""
+    learned selection's scorer): a cache holding some of the model's heads (a tensor-parallel
+    rank's) gives it the first of them (:meth:`for_heads`)."""
     scores_alone: ClassVar[bool] = False
     """Whether an entry's priority is a function of that entry alone (its key, value and position,
     not the other entries nor any query), and ``observe`` at a prefill reads nothing but the tokens
@@ -466,6 +471,11 @@ class Selection:
     def check_model(self, config) -> None:
         """Raise ValueError, in one line, if it cannot rank the entries of a model of ``config``
         (the learned selection: no scorer trained on that model)."""
+
+    def for_heads(self, first_kv_head: int) -> "Selection":
+        """This selection for a cache whose KV head 0 is the model's ``first_kv_head``: itself, unless
+        it ranks with parameters per KV head of the model (``per_model_head``)."""
+        return self
 
     @property
     def reads_every_entry(self) -> bool:
@@ -665,6 +675,12 @@ class ComposedMethod(Method):
 
     def check_model(self, config) -> None:
         self.selection.check_model(config)
+
+    def for_heads(self, first_kv_head: int) -> "ComposedMethod":
+        """This method for a cache whose KV head 0 is the model's ``first_kv_head`` (a tensor-parallel
+        rank's; see ``Selection.for_heads``)."""
+        selection = self.selection.for_heads(first_kv_head)
+        return self if selection is self.selection else dataclasses.replace(self, selection=selection)
 
     @property
     def per_model_head(self) -> bool:

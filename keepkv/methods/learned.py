@@ -8,6 +8,7 @@ scorer file.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,9 @@ class LearnedScores(ScoredSelection):
     window : int
         While decoding under the budget, the newest generated tokens always kept, up to this many
         (capped by what the sinks leave); the prompt's own compression protects none. 0: scores alone.
+    first_head : int
+        The model's KV head that the cache's head 0 is: 0, or a tensor-parallel rank's first (the
+        paged adapter sets it from :func:`keepkv.paged.rank_config`; :meth:`for_heads`).
     budgets : str
         How the budget is split over layers and KV heads, as ``kvzip``'s, from the predicted scores:
         "layers" (default, kvzip's: every head of a layer keeps as many entries, the layers sized by
@@ -66,11 +70,13 @@ class LearnedScores(ScoredSelection):
     window: int = 32
     scorer: str | None = None
     budgets: str = "layers"
+    first_head: int = 0
 
     def __post_init__(self):
         super().__post_init__()
         check_range("window", self.window, 0, math.inf)
         check_choice("budgets", self.budgets, BUDGETS)
+        check_range("first_head", self.first_head, 0, math.inf)
         if self.scorer is not None:
             cached_scorer(self.scorer)  # a missing or unreadable file is refused where the method is built
 
@@ -110,10 +116,13 @@ class LearnedScores(ScoredSelection):
                  else "the shipped scorer (the embedded SmolLM2-135M-Instruct's)")
         check_key(self._scorer().key, config_key(config), f"learned: {where}")
 
+    def for_heads(self, first_kv_head: int) -> "LearnedScores":
+        return self if first_kv_head == self.first_head else dataclasses.replace(self, first_head=first_kv_head)
+
     def scores(self, layer) -> torch.Tensor:
         """[B, H_kv, S] the scorer's predicted log KVzip scores of the layer's entries (empty slots
-        included: the plan leaves them out)."""
-        return self._scorer().predict(layer.layer_idx, layer.keys, layer.values, layer.positions)
+        included: the plan leaves them out), by the scorer's heads from ``first_head``."""
+        return self._scorer().predict(layer.layer_idx, layer.keys, layer.values, layer.positions, self.first_head)
 
     def priority(self, layer, merge_scores=None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for the sinks and the decoding window, else the predicted log score."""

@@ -147,11 +147,12 @@ def compression(vllm_config: VllmConfig) -> PagedCompression | None:
         return None
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     heads = (model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel))  # this rank's
+    rank = parallel.rank % parallel.tensor_parallel_size  # vLLM's worker sets the rank
     key = (chosen["method"], chosen["budget"], chosen["chunked"], chosen.get("keep_prompt", False),
-           str(model.dtype), heads)
+           str(model.dtype), heads, rank)
     if key not in _COMPRESSIONS:
         _COMPRESSIONS.clear()
-        _COMPRESSIONS[key] = PagedCompression(rank_config(model.hf_text_config, *heads), **chosen,
+        _COMPRESSIONS[key] = PagedCompression(rank_config(model.hf_text_config, *heads, rank=rank), **chosen,
                                               kernel=VllmCpuKernel(str(vllm_config.cache_config.cache_dtype)))
     _WORKER.update(paged=_COMPRESSIONS[key], num_layers=model.hf_text_config.num_hidden_layers,
                    max_model_len=model.max_model_len, tensor_parallel_size=parallel.tensor_parallel_size)

@@ -30,9 +30,6 @@ REFUSED = {
     "layer budgets drawn from every layer's scores under tensor parallelism":
         "each rank holds only its own heads' scores (an all-gather across ranks is not built) "
         "(--tensor-parallel-size 1)",
-    "a scorer per KV head of the model (selection learned) under tensor parallelism":
-        "a rank numbers its own KV heads from 0 and would score them with the first heads' weights (a rank's "
-        "slice of the scorer is not built) (--tensor-parallel-size 1)",
     "LoRA": "untested with keepkv's attention (drop --enable-lora)",
     "an fp8 KV cache": "keepkv's slots hold keys and values in the model's dtype (--kv-cache-dtype auto)",
     "sliding-window models": "keepkv attends over every kept entry",
@@ -98,8 +95,6 @@ def parallel_problems(method: str, tensor_parallel: int, pipeline_parallel: int,
         "KV heads replicated over ranks": tensor_parallel > kv_heads,
         "layer budgets drawn from every layer's scores under tensor parallelism":
             tensor_parallel > 1 and get_method(method).allocates_from_all_layers,
-        "a scorer per KV head of the model (selection learned) under tensor parallelism":
-            tensor_parallel > 1 and get_method(method).per_model_head,
     }
     return [name for name, present in found.items() if present]
 
