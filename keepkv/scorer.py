@@ -131,6 +131,10 @@ class Scorer:
     key: dict
     tensors: dict[str, torch.Tensor]
     report: dict = field(default_factory=dict)
+    layer_shares: dict = field(default_factory=dict)
+    """KVzip's layer split of its predictions on typical documents (``budgets="trained"``):
+    {"budgets": [NB] budget fractions, "shares": [NB][L] each layer's budget over the mean}; empty
+    in a file saved before it was measured."""
     _placed: dict = field(default_factory=dict, repr=False, compare=False)  # device -> tensors there
 
     def __post_init__(self):
@@ -155,6 +159,21 @@ class Scorer:
         """Whether it scores layer ``layer_idx`` of ``kv_heads`` heads of size ``head_dim`` from the
         model's head ``first_head`` (all of the model's heads, or a tensor-parallel rank's)."""
         return layer_idx < self.layers and head_dim == self.head_dim and first_head + kv_heads <= self.kv_heads
+
+    def shares_at(self, fractions: torch.Tensor) -> torch.Tensor:
+        """[B, L] fp64 each layer's budget over the mean at budgets ``fractions`` [B] of the prompt:
+        :attr:`layer_shares` interpolated linearly between the measured budgets (the nearest at
+        either end). ValueError, in one line, when none were measured."""
+        if not self.layer_shares:
+            raise ValueError("this scorer has no layer shares (budgets='trained'): train it again with "
+                             "`keepkv train-scorer`, which measures them")
+        grid = torch.tensor(self.layer_shares["budgets"], dtype=torch.float64)
+        table = torch.tensor(self.layer_shares["shares"], dtype=torch.float64)  # [NB, L]
+        at = fractions.detach().double().cpu().clamp(float(grid[0]), float(grid[-1]))
+        upper = torch.searchsorted(grid, at).clamp(1, len(grid) - 1)
+        lower = upper - 1
+        weight = ((at - grid[lower]) / (grid[upper] - grid[lower]))[:, None]
+        return table[lower] * (1 - weight) + table[upper] * weight
 
     def _on(self, device) -> dict[str, torch.Tensor]:
         device = torch.device(device)
@@ -197,7 +216,7 @@ class Scorer:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"format": FORMAT, "kind": self.kind, "features": self.features, "key": dict(self.key),
                     "tensors": {name: t.detach().cpu().contiguous() for name, t in self.tensors.items()},
-                    "report": dict(self.report)}, path)
+                    "report": dict(self.report), "layer_shares": dict(self.layer_shares)}, path)
         return path
 
 
@@ -209,7 +228,8 @@ def load_scorer(path: str | os.PathLike, config=None) -> Scorer:
         raise ValueError(f"no scorer file at {str(path)!r}: train one with `keepkv train-scorer --model MODEL --out FILE`")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
-        scorer = Scorer(saved["kind"], saved["features"], saved["key"], saved["tensors"], saved.get("report", {}))
+        scorer = Scorer(saved["kind"], saved["features"], saved["key"], saved["tensors"], saved.get("report", {}),
+                        saved.get("layer_shares", {}))
     except Exception as error:  # a truncated or foreign file, in one line
         raise ValueError(f"{str(path)!r} is no keepkv scorer file ({type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''})") from None

@@ -31,6 +31,7 @@ from .cache import CompressedCache
 from .eval.tasks import prose_corpus, stdlib_sources
 from .generation import context_and_question_ids
 from .methods import get_method
+from .methods.kvzip import ContextReconstruction
 from .scorer import NEEDS_POSITIONS, ScorerData, Scorer, config_key
 
 
@@ -84,6 +85,33 @@ def kvzip_scores(model, tokenizer, text: str, chat: bool = True, chunk: int = 20
     return keys, values, scores, positions
 
 
+SHARE_BUDGETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.7, 1.0)  # the budgets layer_shares measures
+SHARE_DOCUMENTS = 8  # documents layer_shares averages over
+
+
+@torch.no_grad()
+def layer_shares(scorer: Scorer, documents: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 budgets: tuple[float, ...] = SHARE_BUDGETS, sinks: int = 4) -> dict:
+    """KVzip's "layers" split of ``scorer``'s predictions, averaged over ``documents`` (keys, values
+    [L, H_kv, S, D] and positions [S] each): for each budget (a fraction of the document), each
+    layer's budget over the mean, {"budgets": [NB], "shares": [NB][L]} (``Scorer.layer_shares``,
+    what ``budgets="trained"`` splits by)."""
+    split = ContextReconstruction(sinks=sinks, budgets="layers")
+    shares = []
+    for budget in budgets:
+        total = None
+        for keys, values, positions in documents:
+            layers, kv_heads, size = keys.shape[:3]
+            scores = [scorer.predict(layer, keys[layer][None], values[layer][None],
+                                     positions.expand(kv_heads, -1)[None]) for layer in range(layers)]
+            row = torch.tensor([max(1, round(budget * size))])
+            per_layer = split.allocate(layers, kv_heads, row, torch.tensor([size]), scores)[:, 0, 0].double()
+            per_layer = per_layer / per_layer.mean()
+            total = per_layer if total is None else total + per_layer
+        shares.append([round(float(x), 4) for x in total / len(documents)])
+    return {"budgets": list(budgets), "shares": shares}
+
+
 def train_scorer(model, tokenizer, texts: list[str] | None = None, *, kind: str = "linear", documents: int = 50,
                  chars: int = 4000, holdout: float = 0.1, features: str = "values+pairs", chat: bool = True,
                  chunk: int = 2048, share: float = 1.0, sample: int = 256, skip: int = 4, ridge: float = 1e-3,
@@ -115,16 +143,20 @@ def train_scorer(model, tokenizer, texts: list[str] | None = None, *, kind: str 
     random.Random(seed).shuffle(order)
     held = set(order[: math.ceil(holdout * len(texts))] if len(texts) > 1 and holdout > 0 else [])
     data = ScorerData(key["layers"], key["kv_heads"], key["head_dim"], features, sample, skip, seed, key)
+    kept = []  # documents layer_shares reads: the held-out ones first
     started = time.perf_counter()
     bar = tqdm(texts, desc=f"scorer: kvzip targets", unit="doc", disable=not progress)
     for index, text in enumerate(bar):
         keys, values, scores, positions = kvzip_scores(model, tokenizer, text, chat, chunk, share)
         data.add(keys, values, scores, positions, held_out=index in held)
+        kept.append((index not in held, index, (keys, values, positions)))
+        kept = sorted(kept, key=lambda item: item[:2])[:SHARE_DOCUMENTS]
         bar.set_postfix(tokens=int(positions.numel()), held_out=index in held)
     gathered = time.perf_counter()
     scorer = data.fit(kind, ridge, hidden, epochs, seed=seed, progress=progress)
     fitted = time.perf_counter()
     scorer.report.update(data.evaluate(scorer))
+    scorer.layer_shares = layer_shares(scorer, [document for _, _, document in kept])
     scorer.report.update(kind=kind, features=features, documents=len(texts), seconds_targets=round(gathered - started, 2),
                          seconds_fit=round(fitted - gathered, 2))
     if save is not None:

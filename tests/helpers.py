@@ -161,7 +161,8 @@ _SCORERS: dict[str, str] = {}
 def with_scorer(spec: str, config, seed: int = 0) -> str:
     """``spec`` with ``+scorer=PATH`` where it runs the learned selection: a linear scorer of random
     weights (``seed``) fitted to ``config`` (saved once per config and seed in a temporary folder), since the shipped
-    one is the embedded model's and any other model's cache refuses it."""
+    one is the embedded model's and any other model's cache refuses it. Its layer shares
+    (``budgets="trained"``) give the first layer 1.5 times the mean budget and the last 0.5 at 10%."""
     if "selection=learned" not in spec or "scorer=" in spec:
         return spec
     import json
@@ -177,5 +178,6 @@ def with_scorer(spec: str, config, seed: int = 0) -> str:
         tensors = {"mean": torch.zeros(layers, heads, width), "std": torch.ones(layers, heads, width),
                    "weight": torch.randn(layers, heads, width, generator=generator), "bias": torch.zeros(layers, heads)}
         path = tempfile.NamedTemporaryFile(prefix="keepkv-test-scorer-", suffix=".pt", delete=False).name
-        _SCORERS[name] = str(Scorer("linear", "values+pairs", key, tensors).save(path))
+        shares = {"budgets": [0.1, 1.0], "shares": [torch.linspace(1.5, 0.5, layers).tolist(), [1.0] * layers]}
+        _SCORERS[name] = str(Scorer("linear", "values+pairs", key, tensors, layer_shares=shares).save(path))
     return f"{spec}+scorer={_SCORERS[name]}"

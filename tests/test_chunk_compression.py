@@ -133,6 +133,19 @@ def test_a_learned_scorer_keeps_the_whole_prompts_entries_where_its_entries_are_
     assert kept(chunked) == kept(whole)
 
 
+@pytest.mark.parametrize("budget", [1, 5, 12, 0.3])
+def test_trained_layer_shares_compress_chunk_by_chunk_and_keep_the_whole_prompts_first_layer(tmp_path, budget):
+    """budgets='trained' sizes the layers from the prompt's length alone (the scorer's layer shares):
+    a prompt read in chunks is compressed chunk by chunk, each layer to its own share, and the first
+    layer keeps the whole prompt's entries."""
+    method = f"snapkv+selection=learned+budgets=trained+scorer={random_scorer(tmp_path)}"
+    whole, chunked = prefill(method, budget, None), prefill(method, budget, 8)
+    assert chunked.compresses_chunks
+    assert torch.equal(chunked.layer_budgets, whole.layer_budgets)
+    assert (whole.layer_budgets[0] >= whole.layer_budgets[-1]).all()  # the helper's shares: 1.5 down to 0.5
+    torch.testing.assert_close(kept_scores(chunked), kept_scores(whole))
+
+
 def test_learned_with_a_split_over_layers_is_compressed_at_the_prompts_end(tmp_path):
     """budgets='layers' sizes the layers from every layer's scores: no chunk can be compressed early."""
     method = f"snapkv+selection=learned+budgets=layers+scorer={random_scorer(tmp_path)}"

@@ -434,11 +434,12 @@ def test_what_is_served_is_declared_on_the_parts():
     assert sorted(methods) == sorted(["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keydiff", "keepkv"])
     assert sorted(selections) == sorted(["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keydiff", "ema", "learned"])
     assert merges == ["none", "keepkv"]
-    for spec in (*methods, "snapkv+merge=keepkv", "keepkv+merge=none", "keepkv+selection=ema+kernel=3"):
+    for spec in (*methods, "snapkv+merge=keepkv", "keepkv+merge=none", "keepkv+selection=ema+kernel=3",
+                 "snapkv+selection=learned+budgets=uniform"):
         assert serving_refusal(keepkv.get_method(spec)) is None, spec
         assert serving_refusal(keepkv.get_method(spec), keep_prompt=True) is None, spec
     for spec in ("cam", "d2o", "kvmerger", "kvmerger+merge=none", "snapkv+merge=zip", "keepkv+selection=kvzip", "full",
-                 "zeromerge", "kvreviver", "snapkv+selection=learned"):
+                 "zeromerge", "kvreviver", "snapkv+selection=learned+budgets=layers", "snapkv+selection=learned"):
         reason = serving_refusal(keepkv.get_method(spec))
         assert reason and "\n" not in reason and reason.startswith(spec.split("+")[0]), (spec, reason)
     assert serving_refusal(keepkv.get_method("kvzip")).startswith("kvzip: its reconstruction pass is a second prefill")

@@ -227,8 +227,44 @@ def test_layer_budgets_follow_the_predicted_scores(tmp_path):
     budgets = cache.layer_budgets.float()
     assert (budgets[1] > budgets[0]).all() and torch.equal(budgets.mean((0, 2)), torch.tensor([10.0, 10.0]))
     assert keepkv.get_method(f"{LEARNED}+budgets=layers").allocates_from_all_layers
-    assert keepkv.get_method(LEARNED).allocates_from_all_layers  # the default split is kvzip's
+    assert not keepkv.get_method(LEARNED).allocates_from_all_layers  # the default split is the trained shares
     assert not keepkv.get_method(f"{LEARNED}+budgets=uniform").allocates_from_all_layers
+
+
+def test_trained_shares_interpolate_between_the_measured_budgets():
+    scorer = planted_scorer()
+    with pytest.raises(ValueError, match="^this scorer has no layer shares") as raised:
+        scorer.shares_at(torch.tensor([0.1]))
+    assert "\n" not in str(raised.value)
+    scorer.layer_shares = {"budgets": [0.1, 0.3], "shares": [[0.5, 1.5], [1.0, 1.0]]}
+    got = scorer.shares_at(torch.tensor([0.05, 0.1, 0.2, 0.3, 0.9]))
+    expected = torch.tensor([[0.5, 1.5], [0.5, 1.5], [0.75, 1.25], [1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    assert torch.allclose(got, expected)
+
+
+def test_trained_budgets_split_by_the_scorers_shares_from_the_lengths_alone(tmp_path):
+    """budgets="trained": each layer keeps the scorer's share of the row's budget at that fraction of
+    the prompt, whatever the entries (unlike "layers", planned from the prompt's length alone), so
+    a prompt compresses chunk by chunk and a serving engine runs it; a scorer without shares is
+    refused in one line where the cache is built."""
+    model = tiny_model("llama-gqa")
+    scorer = planted_scorer(0.0)
+    scorer.tensors["bias"][1] = 5.0  # "layers" would favour layer 1; the shares favour layer 0
+    no_shares = str(scorer.save(tmp_path / "bare.pt"))
+    scorer.layer_shares = {"budgets": [0.1, 1.0], "shares": [[1.5, 0.5], [1.0, 1.0]]}
+    path = str(scorer.save(tmp_path / "shares.pt"))
+    spec = f"{LEARNED}+budgets=trained"
+    method = keepkv.get_method(spec, scorer=path)
+    assert not method.allocates_from_all_layers and method.compresses_chunks and method.selection.layered
+    budgets = method.allocate(2, 2, torch.tensor([4, 10]), torch.tensor([40, 100]))  # 10% of each prompt
+    assert budgets[:, :, 0].tolist() == [[6, 15], [2, 5]]
+    input_ids, attention_mask = random_batch(pad=(0, 6))
+    cache = keepkv.CompressedCache(model.config, spec, 10, scorer=path)
+    prefill(model, cache, input_ids, attention_mask)
+    assert (cache.layer_budgets[0] > cache.layer_budgets[1]).all()
+    with pytest.raises(ValueError, match="has no layer shares for budgets='trained'") as raised:
+        keepkv.CompressedCache(model.config, spec, 10, scorer=no_shares)
+    assert "\n" not in str(raised.value)
 
 
 def test_needs_no_attention_statistics_and_no_pass():
@@ -242,7 +278,7 @@ BUDGETS = st.one_of(st.integers(1, 40), st.sampled_from([0.05, 0.1, 0.3, 0.5, 0.
 
 
 @given(budget=BUDGETS, interval=st.integers(1, 4), merge=st.sampled_from(sorted(MERGES)),
-       split=st.sampled_from(["uniform", "layers", "global", "heads"]))
+       split=st.sampled_from(["uniform", "layers", "global", "heads", "trained"]))
 def test_every_row_and_head_keeps_exactly_its_budget_with_any_merge(scorer_file, budget, interval, merge, split):
     """Rows of 30, 21 and 10 real tokens, 8 decode steps: each row and head of each layer holds
     min(its budget + the tokens since its last compression, its tokens), with every merge that
@@ -316,6 +352,9 @@ def test_train_scorer_reports_held_out_figures(tmp_path):
     assert report["heldout_documents"] == 1 and report["train_documents"] == 9
     assert -1 <= report["spearman"] <= 1 and 0 <= report["overlap@0.2"] <= 1
     assert load_scorer(tmp_path / "s.pt", config=model).report == report
+    shares = load_scorer(tmp_path / "s.pt").layer_shares  # KVzip's layer split of its predictions
+    assert len(shares["shares"]) == len(shares["budgets"]) and all(len(row) == 2 for row in shares["shares"])
+    assert all(abs(sum(row) / 2 - 1) < 1e-3 for row in shares["shares"]) and shares["shares"][-1] == [1.0, 1.0]
 
 
 def test_default_corpus_is_offline_text():

@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--budget", type=float, default=0.1)
-    parser.add_argument("--methods", default="snapkv+selection=learned+budgets=uniform,snapkv+selection=learned,snapkv,kvzip")
+    parser.add_argument("--methods", default="snapkv+selection=learned,snapkv+selection=learned+budgets=layers,snapkv,kvzip")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()

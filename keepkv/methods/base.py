@@ -472,6 +472,11 @@ class Selection:
         """Raise ValueError, in one line, if it cannot rank the entries of a model of ``config``
         (the learned selection: no scorer trained on that model)."""
 
+    def serving_refusal(self) -> str | None:
+        """Why an engine should not serve this selection's configuration, in one line, or None (the
+        learned selection's trained layer split: an engine's blocks serve every layer)."""
+        return None
+
     def for_heads(self, first_kv_head: int) -> "Selection":
         """This selection for a cache whose KV head 0 is the model's ``first_kv_head``: itself, unless
         it ranks with parameters per KV head of the model (``per_model_head``)."""
@@ -973,6 +978,8 @@ def serving_refusal(method: Method, keep_prompt: bool = False) -> str | None:
             return f"{name}: its {kind} {part.name!r} is not served"
     if method.merging.refresh_interval is not None:
         return "refresh_interval (it keeps a full copy of the cache)"
+    if method.selection.serving_refusal() is not None:
+        return f"{name}: {method.selection.serving_refusal()}"
     if method.allocates_from_all_layers:  # a served selection's variant (learned+budgets=layers)
         return (f"{name}: layer budgets drawn from every layer's scores (a request is sized from its prompt's "
                 "length alone; use budgets='uniform')")

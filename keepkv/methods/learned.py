@@ -21,6 +21,8 @@ from .base import (
 )
 from .kvzip import BUDGETS, ContextReconstruction
 
+LEARNED_BUDGETS = (*BUDGETS, "trained")
+
 
 @register_selection
 @dataclass(frozen=True)
@@ -30,9 +32,9 @@ class LearnedScores(ScoredSelection):
     score from its key (the RoPE-invariant norms of its rotary pairs and its log norm) and its value,
     per layer and KV head; the highest predicted entries are kept. The score of an entry is a
     function of that entry alone: no attention statistics, no question and no reconstruction pass,
-    so a prompt compresses at the end of its prefill at a prefill's cost (and, with
-    ``budgets="uniform"``, chunk by chunk as it is read). Scores are computed from the stored
-    entries whenever the layer is planned.
+    so a prompt compresses at a prefill's cost, chunk by chunk as it is read with the default
+    ``budgets="trained"`` (layer budgets from the prompt's length alone). Scores are computed from
+    the stored entries whenever the layer is planned.
 
     While decoding, new entries are scored the same way, and the newest ``window`` generated tokens
     are kept whatever their scores (as ``kvzip``'s).
@@ -54,35 +56,38 @@ class LearnedScores(ScoredSelection):
         paged adapter sets it from :func:`keepkv.paged.rank_config`; :meth:`for_heads`).
     budgets : str
         How the budget is split over layers and KV heads, as ``kvzip``'s, from the predicted scores:
-        "layers" (default, kvzip's: every head of a layer keeps as many entries, the layers sized by
-        one top-k over their slots; the best measured on the dev grid, docs/methods.md), "global",
-        "heads", or "uniform" (every layer and head keeps the budget: each layer compressed as its
-        own prefill ends, chunk by chunk when read in chunks, and what a serving engine runs; far
-        worse on the dev grid). Any but "uniform" compresses every layer at once, after the last
-        one's prefill.
+        "trained" (default: each layer keeps the share of the budget that the "layers" split gives
+        it on typical documents, measured when the scorer was trained,
+        :attr:`keepkv.scorer.Scorer.layer_shares`; on the dev grid as good as "layers", in less
+        memory, docs/methods.md), "layers" (kvzip's: every head of a layer keeps as many entries,
+        the layers sized by one top-k over their slots), "global", "heads", or "uniform" (every
+        layer and head keeps the budget; far worse on the dev grid).
+        "uniform" and "trained" depend on the prompt's length alone: each layer is compressed as its
+        own prefill ends, chunk by chunk when read in chunks, and a serving engine runs them. The
+        others compress every layer at once, after the last one's prefill.
     """
 
     name = "learned"
-    served = True  # the paged adapter gathers the keys, values and positions it scores ("uniform" budgets)
+    served = True  # the paged adapter gathers the keys, values and positions it scores ("uniform", "trained")
     per_model_head = True  # one scorer per KV head of the model
-    scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform" budgets)
+    scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform", "trained")
     sinks: int = 4
     window: int = 32
     scorer: str | None = None
-    budgets: str = "layers"
+    budgets: str = "trained"
     first_head: int = 0
 
     def __post_init__(self):
         super().__post_init__()
         check_range("window", self.window, 0, math.inf)
-        check_choice("budgets", self.budgets, BUDGETS)
+        check_choice("budgets", self.budgets, LEARNED_BUDGETS)
         check_range("first_head", self.first_head, 0, math.inf)
         if self.scorer is not None:
             cached_scorer(self.scorer)  # a missing or unreadable file is refused where the method is built
 
     @property
     def allocates_from_all_layers(self) -> bool:
-        return self.budgets != "uniform"
+        return self.budgets not in ("uniform", "trained")
 
     @property
     def layered(self) -> bool:
@@ -95,7 +100,19 @@ class LearnedScores(ScoredSelection):
 
     def allocate(self, layers, kv_heads, row_budget, prompt_lengths, scores=None):
         """Budgets [L, B, H_kv] whose mean is each row's budget, split as ``kvzip``'s are
-        (:meth:`keepkv.methods.kvzip.ContextReconstruction.allocate`) from the predicted scores."""
+        (:meth:`keepkv.methods.kvzip.ContextReconstruction.allocate`) from the predicted scores;
+        with ``budgets="trained"``, by the scorer's layer shares at the row's budget as a fraction of
+        its prompt (:meth:`keepkv.scorer.Scorer.shares_at`): a function of the lengths alone."""
+        if self.budgets == "trained":
+            fraction = row_budget.double() / torch.as_tensor(prompt_lengths, device=row_budget.device).double().clamp(min=1)
+            shares = self._scorer().shares_at(fraction).to(row_budget.device)  # [B, L]
+            if shares.shape[1] != layers:
+                raise ValueError(f"learned: the scorer's layer shares are for {shares.shape[1]} layers, not {layers}: "
+                                 "train one for this model with `keepkv train-scorer`")
+            per_layer = (row_budget.double()[:, None] * shares).t()  # [L, B]
+            cumulative = per_layer.cumsum(0).round()  # rounded so that the layers' total is the rows'
+            budgets = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1])).long().clamp(min=1)
+            return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
         split = ContextReconstruction(sinks=self.sinks, budgets=self.budgets)
         return split.allocate(layers, kv_heads, row_budget, prompt_lengths, scores)
 
@@ -115,6 +132,15 @@ class LearnedScores(ScoredSelection):
         where = (f"the scorer {self.scorer!r}" if self.scorer is not None
                  else "the shipped scorer (the embedded SmolLM2-135M-Instruct's)")
         check_key(self._scorer().key, config_key(config), f"learned: {where}")
+        if self.budgets == "trained" and not self._scorer().layer_shares:
+            raise ValueError(f"learned: {where} has no layer shares for budgets='trained': train it again with "
+                             "`keepkv train-scorer`, which measures them")
+
+    def serving_refusal(self) -> str | None:
+        if self.budgets == "trained":
+            return ("budgets='trained' gives layers budgets up to 10x apart, and an engine's blocks serve every "
+                    "layer, so a request would hold its largest layer's slots and save little (use budgets='uniform')")
+        return None
 
     def for_heads(self, first_kv_head: int) -> "LearnedScores":
         return self if first_kv_head == self.first_head else dataclasses.replace(self, first_head=first_kv_head)
