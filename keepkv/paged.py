@@ -62,7 +62,8 @@ def servable_method(spec: str) -> ComposedMethod:
     reason = serving_refusal(method)
     if reason is not None:
         in_its_words = method.not_served or (method.merging is not None and (
-            method.merging.refresh_interval is not None or (method.allocates_from_all_layers and method.selection.served)))
+            method.merging.refresh_interval is not None or method.selection.serving_refusal() is not None
+            or (method.allocates_from_all_layers and method.selection.served)))
         raise ValueError(f"keepkv.vllm does not serve {reason}; got {spec!r}" if in_its_words else f"{served}; got {spec!r}")
     return method
 

@@ -265,6 +265,12 @@ def test_trained_budgets_split_by_the_scorers_shares_from_the_lengths_alone(tmp_
     with pytest.raises(ValueError, match="has no layer shares for budgets='trained'") as raised:
         keepkv.CompressedCache(model.config, spec, 10, scorer=no_shares)
     assert "\n" not in str(raised.value)
+    from keepkv.paged import servable_method
+
+    with pytest.raises(ValueError, match="^keepkv.vllm does not serve snapkv: budgets='trained' gives layers budgets "
+                                         "up to 10x apart") as raised:  # an engine's blocks serve every layer
+        servable_method(spec)
+    assert "\n" not in str(raised.value)
 
 
 def test_needs_no_attention_statistics_and_no_pass():
