@@ -978,8 +978,9 @@ def serving_refusal(method: Method, keep_prompt: bool = False) -> str | None:
             return f"{name}: its {kind} {part.name!r} is not served"
     if method.merging.refresh_interval is not None:
         return "refresh_interval (it keeps a full copy of the cache)"
-    if method.selection.serving_refusal() is not None:
-        return f"{name}: {method.selection.serving_refusal()}"
+    refused = method.selection.serving_refusal()
+    if refused is not None:
+        return f"{name}: {refused}"
     if method.allocates_from_all_layers:  # a served selection's variant (learned+budgets=layers)
         return (f"{name}: layer budgets drawn from every layer's scores (a request is sized from its prompt's "
                 "length alone; use budgets='uniform')")
