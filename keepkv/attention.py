@@ -215,6 +215,26 @@ def softmax_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
 
 
+def kept_query_stats(query_g, keys, bias, positions, query_positions, scaling: float, needs: Needs) -> StepStats:
+    """The statistics of the decoding queries a cache kept since its last compression, computed at
+    that compression over its entries (the paged adapter's; the Hugging Face cache computes them
+    at each step, in :func:`attend`).
+
+    query_g [B, H_kv, g, N, D], oldest first; keys [B, H_kv, S, D]; bias, positions [B, H_kv, S];
+    query_positions [B, N]. Each query sees the entries held at its position (positions up to its
+    own), with their bias: nothing was evicted or merged between compressions, so these are the
+    probabilities it had. Logits [B, H_kv, g, N, S] where ``needs`` asks for them.
+    """
+    logits = scaled_logits(query_g, keys, scaling)
+    probs = None
+    if needs.probs:
+        visible = positions[:, :, None, :] <= query_positions[:, None, :, None]  # [B, H_kv, N, S]
+        biased = (logits + bias[:, :, None, None, :]).masked_fill(~visible[:, :, None], NEG_INF)
+        probs = softmax_probs(biased)
+    return StepStats(query=query_g, scaling=scaling, is_prefill=False, probs=probs,
+                     logits=logits if needs.logits else None)
+
+
 def attend(
     query, keys, values, bias, block_mask, scaling: float, needs: Needs = Needs(), is_prefill: bool = False,
     binary_bias: bool = False, decode_kernel=None,

@@ -125,11 +125,7 @@ def signs_of(sketch, token_ids: torch.Tensor) -> torch.Tensor:
 def request_state(paged, first_block: int, layer: int) -> dict:
     """The method's state that a PagedCompression filed for the request whose first block is
     ``first_block``, at ``layer`` (per-row tensors as [1, ...])."""
-    row = torch.tensor([paged._rows[first_block]])
-    joined = dict(paged._layer_state.get(layer, {}))
-    slabs = paged._slabs.get(layer, {})
-    joined.update({name: slab.index_select(0, row) for name, slab in slabs.items() if slab is not None})
-    return joined
+    return paged.requests.states([first_block], layer)
 
 
 def slot_positions(paged, kv_cache: torch.Tensor, blocks: torch.Tensor, size: int, head_dim: int) -> torch.Tensor:

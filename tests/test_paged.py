@@ -9,6 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 
 import keepkv.paged as paged_module
+import keepkv.paged_requests
+from keepkv.paged_plan import StepPlan
 from keepkv import CompressedCache
 from keepkv.budgets import budget_floor, row_budgets
 from keepkv.methods import SELECTIONS, get_method
@@ -240,7 +242,7 @@ def test_prompts_read_in_chunks_decode_as_the_hf_paths_chunked_prefill(method, b
             held = int(references[request].layers[0].live_counts().max())
             assert held == (done if done < prompt else paged.stored(prompt, done))
     assert all(fed[r] > plans[r][0] + 3 for r in plans)  # every request decoded past its close step
-    assert not paged.chunks  # nothing of a prompt's statistics kept past its compression
+    assert not paged.requests.chunks  # nothing of a prompt's statistics kept past its compression
     assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
 
 
@@ -471,9 +473,8 @@ def test_a_step_builds_its_plan_once_for_every_layer(method, monkeypatch):
     for layer, engine in enumerate(caches):
         engine.step(prompts, layer)
     built, plans = [], []
-    original_build = paged_module._StepPlan.build.__func__
-    monkeypatch.setattr(paged_module._StepPlan, "build",
-                        classmethod(lambda cls, *a: built.append(a[1]) or original_build(cls, *a)))
+    original_build = StepPlan.build.__func__
+    monkeypatch.setattr(StepPlan, "build", classmethod(lambda cls, *a: built.append(a[2]) or original_build(cls, *a)))
     plan = paged.kernel.plan
     monkeypatch.setattr(paged.kernel, "plan", lambda start, lens, *a: plans.append(tuple(lens.tolist())) or plan(start, lens, *a))
     decode, calls = paged_module.paged_decode, []  # keepkv's decoding rows: keepkv's paged kernel
@@ -550,17 +551,17 @@ def test_a_prompt_aborted_mid_way_leaves_nothing_behind_for_long(monkeypatch):
     """An engine aborts a request between two chunks of its prompt (a client gone): what its chunks
     filed for its close is dropped once it went unseen for STALE_STEPS steps, while a request
     still reading its prompt keeps its own."""
-    monkeypatch.setattr(paged_module, "STALE_STEPS", 4)
+    monkeypatch.setattr(keepkv.paged_requests, "STALE_STEPS", 4)
     generator = torch.Generator().manual_seed(8)
     paged = PagedCompression(CONFIG, "snapkv", 0.5, chunked=True)
     engine = Engine(paged)
     engine.step({0: tokens(generator, 6)}, prompts={0: 12})  # request 0: half its prompt, then aborted
-    assert len(paged.chunks) == 1
+    assert len(paged.requests.chunks) == 1
     engine.step({1: tokens(generator, 5)}, prompts={1: 40})
     for _ in range(6):  # request 1 reads its prompt on, 5 tokens a step
         engine.step({1: tokens(generator, 5)})
-    filed = {key for key, _ in paged.chunks}
-    assert len(paged.chunks) == 1 and filed == {engine.tables[1][0]}  # request 1's own, request 0's gone
+    filed = {key for key, _ in paged.requests.chunks}
+    assert len(paged.requests.chunks) == 1 and filed == {engine.tables[1][0]}  # request 1's own, request 0's gone
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -92,7 +92,7 @@ class _Watched:
 
     def _note(self, what):
         module = sys._getframe(2).f_globals.get("__name__", "")
-        if module == "keepkv.paged":
+        if module.startswith("keepkv.paged"):
             self.writes.append(f"keepkv.paged {what}")
 
 
@@ -119,7 +119,7 @@ def paged_writes(monkeypatch):
 
         def guarded(self, name, value):
             module = sys._getframe(1).f_globals.get("__name__", "")
-            if module == "keepkv.paged":
+            if module.startswith("keepkv.paged"):  # the adapter and its parts (paged_slots, paged_requests, ...)
                 writes.append(f"keepkv.paged assigns {cls.__name__}.{name}")
             if name in containers and type(value) in kinds:  # watch the container for item writes
                 value = kinds[type(value)](value)

@@ -1,0 +1,328 @@
+"""A paged step's plan: the entries each request holds, from token counts alone, and the rows
+and index tensors one engine step shares among its layers.
+
+:class:`PagedSizes` says how many entries a layer of a request holds after any number of tokens,
+by the Hugging Face cache's rules (:mod:`keepkv.budgets`), so an engine's scheduler can size a
+request's blocks without reading its cache. :class:`StepPlan` sorts a step's requests by what they
+do (:class:`~keepkv.paged_requests.PagedBatch`'s phases) and builds, once per step (per layer where
+layers hold different sizes, PyramidKV's), the host-built index tensors the layers read.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .budgets import MAX_BUDGET, capacity_bound, decode_interval, held_entries, prompt_budgets
+from .kernels.paged import PagedGeometry
+from .paged_layout import PagedLayout
+from .paged_requests import PagedBatch, PagedRequests
+
+
+class PagedSizes:
+    """Entries per head a layer of a request holds, as a :class:`~keepkv.cache.CompressedCache` of
+    that request alone holds them (``method``, ``budget``, ``config`` and ``keep_prompt`` as
+    :class:`~keepkv.paged.PagedCompression`'s)."""
+
+    def __init__(self, method, budget, config, keep_prompt: bool):
+        self.method, self.budget, self.config, self.keep_prompt = method, budget, config, keep_prompt
+        self.decoding = "keep_prompt" if keep_prompt else "compress"
+        self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
+        self._intervals: dict[int, int] = {}  # prompt length -> decode steps between compressions
+
+    @functools.cached_property
+    def layered(self) -> bool:
+        """Whether the layers may keep budgets of their own: the selection allocates them (PyramidKV,
+        KeepKV's EMA selection); a kept prompt's budgets are the same in every layer."""
+        return not self.keep_prompt and self.method.selection.layered
+
+    def kept(self, prompt_length: int, layer: int = 0) -> int:
+        """Entries per head ``layer`` keeps once compressed (:func:`keepkv.budgets.prompt_budgets`, the
+        Hugging Face cache's rule; the same for every head of a layer, and for every layer but
+        PyramidKV's), fixed by the prompt's length."""
+        if prompt_length not in self._kept:
+            budgets, _ = prompt_budgets(self.method, self.budget, self.decoding, self.config.num_hidden_layers,
+                                        self.config.num_key_value_heads, torch.tensor([prompt_length]))
+            layers = self.config.num_hidden_layers
+            self._kept[prompt_length] = [MAX_BUDGET] * layers if budgets is None else budgets[:, 0, 0].tolist()
+        return self._kept[prompt_length][layer]
+
+    def interval(self, prompt_length: int) -> int:
+        """Decode steps between compressions (:func:`keepkv.budgets.decode_interval`: the method's,
+        but no more than its smallest budget beyond a kept prompt), as the Hugging Face cache of
+        that request alone compresses."""
+        if prompt_length not in self._intervals:
+            budgets = torch.tensor([self.kept(prompt_length, layer) for layer in range(self.config.num_hidden_layers)])
+            self._intervals[prompt_length] = decode_interval(
+                self.method.interval, budgets - (prompt_length if self.keep_prompt else 0))
+        return self._intervals[prompt_length]
+
+    def stored(self, prompt_length: int, computed: int, layer: int = 0, closed: int | None = None) -> int:
+        """Entries ``layer`` holds per head after ``computed`` tokens (prompt included).
+
+        A layer keeps min(prompt, budget - (k - 1)) after the prefill, takes one entry per decode
+        step and shrinks back every k = :meth:`interval` steps: min(P + t, budget - (k - 1) + t mod
+        k) after t decode steps (:func:`keepkv.budgets.held_entries`), never more than its budget.
+        ``closed``: the tokens it held at its close when more than its prompt (``keep_prompt``, a
+        replay after a preemption: :class:`~keepkv.paged_requests.PagedBatch`); t counts from
+        there, and every entry is held until its first compression, ``interval`` steps later.
+        """
+        closed = prompt_length if closed is None else closed
+        interval = self.interval(prompt_length)
+        if self.keep_prompt and computed - closed < interval:
+            return computed  # nothing compressed since its close (a kept prompt's close compresses nothing)
+        return held_entries(self.kept(prompt_length, layer), closed, computed, interval)
+
+    def capacity(self, prompt_length: int) -> int:
+        """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
+        return max(capacity_bound(self.method, prompt_length, self.budget, self.config, self.keep_prompt))
+
+    def held(self, batch: PagedBatch, row: int, layer: int, after: bool) -> int:
+        """Entries ``row`` of ``batch`` holds in ``layer`` once the step's tokens are in (``after``:
+        after the step's compressions too)."""
+        phase, done, length = batch.phases[row], batch.computed[row], batch.query_lengths[row]
+        if phase == "chunk":  # a prompt read in chunks is held whole until its close
+            return done + length
+        if phase == "prefill":  # a whole prompt, compressed in its own step
+            return self.stored(length, length, layer) if after else length
+        prompt, closed = batch.prompt[row], batch.closed[row]
+        if after:
+            return self.stored(prompt, done + 1, layer, closed)
+        return self.stored(prompt, done, layer, closed) + 1  # what it held, and the step's token
+
+
+@dataclass
+class KernelCall:
+    """One engine kernel call's shapes (host int32 tensors) and plan; ``tokens``: the attending
+    rows' tokens in the step's token axis (None: every token)."""
+
+    tokens: torch.Tensor | None
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    plan: object
+
+
+@dataclass
+class DecodeCall:
+    """keepkv's paged kernel's call over decoding rows (their tokens in the step, block table and
+    lengths on the step's device, the longest length, where an entry lives)."""
+
+    tokens: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    max_len: int
+    geometry: PagedGeometry
+
+
+@dataclass
+class StepPlan:
+    """The step's rows by what they do, and the index tensors shared by its layers (built at its
+    first layer: :meth:`build`)."""
+
+    batch: PagedBatch
+    sizes: PagedSizes
+    closing: list[int]  # close rows: a chunked prompt compressed before its first decode token
+    dense: list[list[int]]  # whole prompts over their budget, each alone
+    prompts_ending: list[list[int]]  # whole prompts within their budget, attended in place, each alone
+    chunks: list[int]  # prompt chunks read in place
+    attending: list[int]  # rows whose new tokens are written and attended in place
+    decoding: list[int]  # rows decoding a token (close rows too)
+    compressing: list[list[int]]  # decoding rows due to compress, by equal size
+    decode_tokens: torch.Tensor
+    decode_slab_rows: torch.Tensor
+    decode_query_index: torch.Tensor
+    block_size: int
+    cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, sizes: PagedSizes, requests: PagedRequests, batch: PagedBatch, block_size: int,
+              device) -> "StepPlan":
+        closing, dense, ending, chunks, attending, decoding = [], [], [], [], [], []
+        layers = range(sizes.config.num_hidden_layers)
+        due = []
+        for row, phase in enumerate(batch.phases):
+            length, done = batch.query_lengths[row], batch.computed[row]
+            if phase == "prefill":
+                if length > min(sizes.stored(length, length, layer) for layer in layers):
+                    dense.append([row])
+                    continue
+                ending.append([row])
+            elif phase == "chunk":
+                chunks.append(row)
+            else:
+                if phase == "close":
+                    closing.append(row)
+                decoding.append(row)
+                decoded = done - batch.closed[row] + 1  # decode steps so far, this one too
+                if decoded % sizes.interval(batch.prompt[row]) == 0:
+                    due.append(row)
+            attending.append(row)
+        # Rows due to compress run together when they hold as many entries (their new entries are
+        # then the store's last slots, as in the Hugging Face cache); sizes are the same in every
+        # layer but PyramidKV's, whose layers scale them alike.
+        by_size: dict = {}
+        for row in due:
+            held = tuple(sizes.held(batch, row, layer, False) for layer in layers)
+            key = (batch.prompt[row] if sizes.keep_prompt else 0, sizes.interval(batch.prompt[row]), held)
+            by_size.setdefault(key, []).append(row)
+        tokens = torch.tensor([batch.query_start[r] for r in decoding], dtype=torch.long)
+        slab_rows = requests.slab_rows([batch.first_block[r] for r in decoding])
+        query_index = torch.tensor([(batch.computed[r] - batch.closed[r]) % sizes.interval(batch.prompt[r])
+                                    if requests.query_rows else 0 for r in decoding], dtype=torch.long)
+        return cls(batch, sizes, closing, dense, ending, chunks, attending, decoding, list(by_size.values()),
+                   tokens.to(device), slab_rows.to(device), query_index.to(device), block_size)
+
+    # -- sizes ----------------------------------------------------------------------------------
+    def held(self, rows, layer: int, when: str) -> tuple:
+        """Entries each of ``rows`` holds in ``layer``, per head: "written" once a prompt that ended
+        is compressed (a close row's) and the step's tokens are in (what the kernel reads); "after"
+        the step, compressions included."""
+        key = ("sizes", tuple(rows), layer if self.sizes.layered else 0, when)
+        if key not in self.cache:
+            self.cache[key] = tuple(self.sizes.held(self.batch, row, layer, when == "after") for row in rows)
+        return self.cache[key]
+
+    def closed_sizes(self, rows: list[int], layer: int) -> tuple:
+        """Entries each of ``rows`` (close rows) holds in ``layer`` once its prompt is compressed."""
+        batch = self.batch
+        return tuple(self.sizes.stored(batch.prompt[r], batch.computed[r], layer, batch.closed[r]) for r in rows)
+
+    def budgets(self, rows: list[int], layer: int, device) -> tuple:
+        """([R, H_kv] entries layer ``layer`` keeps, [R] mean budgets, [R] kept prompts or None), as
+        the Hugging Face cache sets them when a prompt ends (``keepkv.budgets.prompt_budgets``)."""
+        key = ("budgets", tuple(rows), layer)
+        if key not in self.cache:
+            sizes = self.sizes
+            prompts = torch.tensor([self.batch.prompt[r] for r in rows])  # every row but a chunk's knows its prompt
+            budgets, mean = prompt_budgets(sizes.method, sizes.budget, sizes.decoding, sizes.config.num_hidden_layers,
+                                           sizes.config.num_key_value_heads, prompts)
+            frozen = prompts.to(device) if sizes.keep_prompt else None
+            self.cache[key] = (budgets[layer].to(device), mean.to(device), frozen)
+        return self.cache[key]
+
+    def interval(self, rows: list[int]) -> int:
+        """The decode interval of rows compressed together: the rows due together share it
+        (:meth:`build` groups them by it); rows closing together may not (a budget below the
+        method's interval), and take the shortest."""
+        return min(self.sizes.interval(self.batch.prompt[r]) for r in rows)
+
+    def starts(self, rows: list[int]) -> tuple:
+        """The first slot each row may write: with ``keep_prompt`` a prompt's slots (which its own
+        steps, or another request's, a shared prefix, wrote) are never written again."""
+        return tuple(self.batch.prompt[r] for r in rows) if self.sizes.keep_prompt else (0,) * len(rows)
+
+    # -- index tensors -------------------------------------------------------------------------
+    def blocks_of(self, rows: list[int], size: int) -> torch.Tensor:
+        """[R, ceil(size / block_size)] int64 the rows' blocks holding slots 0..size-1."""
+        key = ("blocks", tuple(rows), size)
+        if key not in self.cache:
+            count = max(1, math.ceil(size / self.block_size))
+            self.cache[key] = self.batch.block_table[rows][:, :count].long()
+        return self.cache[key]
+
+    def orders(self, kernel, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("orders", layout)
+        if key not in self.cache:
+            self.cache[key] = kernel.orders(layout.block_size, layout.head_dim, layout.dtype)
+        return self.cache[key]
+
+    def new_slots(self, layer: int):
+        """(slots [N] int64, tokens [N] or None: the attending rows' tokens, positions [N] int64):
+        where each attending row's new tokens go (its next slots) and the positions they are."""
+        batch = self.batch
+        sizes = self.held(self.attending, layer, "written")
+        key = ("new", sizes)
+        if key not in self.cache:
+            rows = torch.tensor(self.attending)
+            lengths = torch.tensor([batch.query_lengths[r] for r in self.attending])
+            total = int(lengths.sum())
+            row = torch.repeat_interleave(torch.arange(len(rows)), lengths, output_size=total)
+            within = torch.arange(total) - (lengths.cumsum(0) - lengths)[row]  # each new token's index in its row
+            slot = (torch.tensor(sizes) - lengths)[row] + within  # its slot: after what its row held
+            block = batch.block_table[rows][row, slot // self.block_size].long()
+            tokens = torch.tensor([batch.query_start[r] for r in self.attending])[row] + within
+            positions = torch.tensor([batch.computed[r] for r in self.attending])[row] + within
+            device = self.decode_tokens.device
+            every = total == batch.query_start[-1]
+            self.cache[key] = ((block * self.block_size + slot % self.block_size).to(device),
+                               None if every else tokens.to(device), positions.to(device))
+        return self.cache[key]
+
+    def word_rows(self, layout: PagedLayout, slots: torch.Tensor) -> torch.Tensor:
+        """[N, H_kv, M] indices of the words of slots [N] in the flat fp32 view."""
+        key = ("words", layout, slots.data_ptr(), slots.numel())
+        if key not in self.cache:
+            block, offset = slots // layout.block_size, slots % layout.block_size
+            first = layout.word_index(block[:, None], torch.arange(layout.kv_heads, device=slots.device)[None, :],
+                                      offset[:, None])
+            self.cache[key] = first[..., None] + torch.arange(layout.words, device=slots.device)
+        return self.cache[key]
+
+    @staticmethod
+    def fresh_words(extras: dict, fills: dict, layout: PagedLayout, positions: torch.Tensor) -> torch.Tensor:
+        """[N, H_kv, M] the words of new entries: position, bias 0, every extra at its fill."""
+        words = [0.0] * layout.biased
+        for name, shape in extras.items():
+            words += [fills[name]] * math.prod(shape)
+        tail = torch.tensor(words, dtype=torch.float32, device=positions.device)
+        fresh = torch.cat([positions.float()[:, None], tail[None].expand(len(positions), -1)], dim=1)
+        return fresh[:, None].expand(-1, layout.kv_heads, -1)
+
+    def kernel_call(self, kernel, layer: int, layout: PagedLayout, num_heads: int, rows: list[int]) -> KernelCall:
+        """The engine kernel's call over ``rows`` (attending rows, in step order)."""
+        batch = self.batch
+        sizes = self.held(rows, layer, "written")
+        key = ("call", tuple(rows), sizes)
+        if key not in self.cache:
+            lengths = [batch.query_lengths[r] for r in rows]
+            starts = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+            tokens = None
+            if len(rows) != len(batch.phases):
+                tokens = torch.cat([torch.arange(batch.query_start[r], batch.query_start[r + 1]) for r in rows])
+                tokens = tokens.to(self.decode_tokens.device)
+            seq_lens = torch.tensor(sizes, dtype=torch.int32)
+            table = batch.block_table[rows].to(torch.int32)
+            self.cache[key] = KernelCall(tokens, starts, seq_lens, table, kernel.plan(starts, seq_lens, num_heads, layout))
+        return self.cache[key]
+
+    def voted(self, layer: int) -> tuple[int, ...]:
+        """The decoding rows that layer ``layer`` of a request has compressed (it holds fewer entries
+        than it has seen): the only ones whose entries may carry votes. A request never compressed
+        holds every token, unmerged."""
+        key = ("voted", layer if self.sizes.layered else 0)
+        if key not in self.cache:
+            sizes = self.held(self.decoding, layer, "written")
+            self.cache[key] = tuple(row for row, size in zip(self.decoding, sizes) if size < self.batch.computed[row] + 1)
+        return self.cache[key]
+
+    def unvoted(self, layer: int) -> list[int]:
+        """The attending rows that are not :meth:`voted`: the engine's kernel attends them."""
+        key = ("unvoted", layer if self.sizes.layered else 0)
+        if key not in self.cache:
+            voted = set(self.voted(layer))
+            self.cache[key] = [row for row in self.attending if row not in voted]
+        return self.cache[key]
+
+    def decode_call(self, kernel, rows: tuple, layer: int, layout: PagedLayout) -> DecodeCall:
+        """keepkv's paged kernel's call over decoding ``rows``."""
+        sizes = self.held(rows, layer, "written")
+        key = ("decode", rows, sizes, layout)
+        if key not in self.cache:
+            device = self.decode_tokens.device
+            tokens = torch.tensor([self.batch.query_start[r] for r in rows], device=device)
+            table = self.batch.block_table[list(rows)].to(device=device, dtype=torch.int32)
+            seq_lens = torch.tensor(sizes, dtype=torch.int32, device=device)
+            self.cache[key] = DecodeCall(tokens, table, seq_lens, max(sizes), layout.geometry(*self.orders(kernel, layout)))
+        return self.cache[key]
+
+    def index_among(self, attended: tuple, rows: list[int]) -> torch.Tensor:
+        """[R] where ``rows`` are among ``attended`` (rows of one kernel call)."""
+        key = ("index", attended, tuple(rows))
+        if key not in self.cache:
+            where = {row: index for index, row in enumerate(attended)}
+            self.cache[key] = torch.tensor([where[row] for row in rows], device=self.decode_tokens.device)
+        return self.cache[key]
