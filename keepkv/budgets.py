@@ -9,12 +9,13 @@ how many entries a layer holds while it decodes.
   interval - 1 entries, so that it never holds more than its budget between steps
   (``keepkv.step.LayerStep.set_budget``, :func:`held_entries`, :func:`capacity_bound`).
 
-The cache (keepkv.cache), a serving scheduler (``capacity_bound``) and the paged adapter
-(keepkv.paged) all read these functions.
+The cache (keepkv.cache), a serving scheduler (``capacity_bound``, :class:`RequestSizes`) and the
+paged adapter (keepkv.paged) all read these functions.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -227,3 +228,63 @@ def capacity_bound(method, prompt_length: int, budget: int | float, config, keep
         if budgets is None:
             return None
     return (budgets.amax(dim=(1, 2)) + 1).tolist()
+
+
+class RequestSizes:
+    """Entries per head a layer of one request holds after any number of tokens, from token counts
+    alone, as a :class:`~keepkv.cache.CompressedCache` of that request alone holds them: what an
+    engine's scheduler sizes a request's blocks by, and the paged adapter its slots (``method``,
+    ``budget``, ``config`` and ``keep_prompt`` as :class:`~keepkv.paged.PagedCompression`'s)."""
+
+    def __init__(self, method, budget, config, keep_prompt: bool):
+        self.method, self.budget, self.config, self.keep_prompt = method, budget, config, keep_prompt
+        self.decoding = "keep_prompt" if keep_prompt else "compress"
+        self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
+        self._intervals: dict[int, int] = {}  # prompt length -> decode steps between compressions
+
+    @functools.cached_property
+    def layered(self) -> bool:
+        """Whether the layers may keep budgets of their own: the selection allocates them (PyramidKV,
+        KeepKV's EMA selection); a kept prompt's budgets are the same in every layer."""
+        return not self.keep_prompt and self.method.selection.layered
+
+    def kept(self, prompt_length: int, layer: int = 0) -> int:
+        """Entries per head ``layer`` keeps once compressed (:func:`keepkv.budgets.prompt_budgets`, the
+        Hugging Face cache's rule; the same for every head of a layer, and for every layer but
+        PyramidKV's), fixed by the prompt's length."""
+        if prompt_length not in self._kept:
+            budgets, _ = prompt_budgets(self.method, self.budget, self.decoding, self.config.num_hidden_layers,
+                                        self.config.num_key_value_heads, torch.tensor([prompt_length]))
+            layers = self.config.num_hidden_layers
+            self._kept[prompt_length] = [MAX_BUDGET] * layers if budgets is None else budgets[:, 0, 0].tolist()
+        return self._kept[prompt_length][layer]
+
+    def interval(self, prompt_length: int) -> int:
+        """Decode steps between compressions (:func:`keepkv.budgets.decode_interval`: the method's,
+        but no more than its smallest budget beyond a kept prompt), as the Hugging Face cache of
+        that request alone compresses."""
+        if prompt_length not in self._intervals:
+            budgets = torch.tensor([self.kept(prompt_length, layer) for layer in range(self.config.num_hidden_layers)])
+            self._intervals[prompt_length] = decode_interval(
+                self.method.interval, budgets - (prompt_length if self.keep_prompt else 0))
+        return self._intervals[prompt_length]
+
+    def stored(self, prompt_length: int, computed: int, layer: int = 0, closed: int | None = None) -> int:
+        """Entries ``layer`` holds per head after ``computed`` tokens (prompt included).
+
+        A layer keeps min(prompt, budget - (k - 1)) after the prefill, takes one entry per decode
+        step and shrinks back every k = :meth:`interval` steps: min(P + t, budget - (k - 1) + t mod
+        k) after t decode steps (:func:`keepkv.budgets.held_entries`), never more than its budget.
+        ``closed``: the tokens it held at its close when more than its prompt (``keep_prompt``, a
+        replay after a preemption: :class:`~keepkv.paged_requests.PagedBatch`); t counts from
+        there, and every entry is held until its first compression, ``interval`` steps later.
+        """
+        closed = prompt_length if closed is None else closed
+        interval = self.interval(prompt_length)
+        if self.keep_prompt and computed - closed < interval:
+            return computed  # nothing compressed since its close (a kept prompt's close compresses nothing)
+        return held_entries(self.kept(prompt_length, layer), closed, computed, interval)
+
+    def capacity(self, prompt_length: int) -> int:
+        """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
+        return max(capacity_bound(self.method, prompt_length, self.budget, self.config, self.keep_prompt))

@@ -29,8 +29,8 @@ it had.
 
 The parts, one module each: the planes of a block (:mod:`keepkv.paged_layout`), reading and
 writing a layer's slots (:mod:`keepkv.paged_slots`), the requests and what they file between
-steps (:mod:`keepkv.paged_requests`), sizes and the step's index tensors (:mod:`keepkv.paged_plan`).
-This module knows nothing of vLLM (``keepkv.vllm`` wires it in, with vLLM's kernel);
+steps (:mod:`keepkv.paged_requests`), the step's rows and index tensors (:mod:`keepkv.paged_plan`),
+sizes from token counts (:class:`keepkv.budgets.RequestSizes`). This module knows nothing of vLLM (``keepkv.vllm`` wires it in, with vLLM's kernel);
 :class:`~keepkv.paged_layout.TorchPagedKernel` is the reference kernel.
 """
 
@@ -44,12 +44,12 @@ from types import SimpleNamespace
 import torch
 
 from .attention import Needs, StepStats, attend, group_queries, join_prefill_stats, kept_query_stats
-from .budgets import check_keep_prompt, validate_budget
+from .budgets import RequestSizes, check_keep_prompt, validate_budget
 from .methods import METHODS, get_method
 from .methods.base import ComposedMethod, serving_refusal, served_names
 from .kernels.paged import cpu_backend, numba_threads, paged_decode
 from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
-from .paged_plan import PagedSizes, StepPlan
+from .paged_plan import StepPlan
 from .paged_requests import PagedBatch, PagedRequests
 from .paged_slots import PagedSlots
 from .step import LayerStep
@@ -164,7 +164,7 @@ class PagedCompression:
         self.spec = method
         self.kernel = kernel if kernel is not None else TorchPagedKernel()
         self.step = LayerStep(self.method, self.decoding)
-        self.sizes = PagedSizes(self.method, budget, config, keep_prompt)
+        self.sizes = RequestSizes(self.method, budget, config, keep_prompt)
         # Budget 1.0 is the identity: requests are attended in place and nothing else runs.
         self.keeps_everything = isinstance(budget, float) and budget == 1.0
         self.biased = self.method.merging.writes_bias  # votes: a bias word, and keys wide enough to carry it
@@ -218,7 +218,7 @@ class PagedCompression:
         """Bytes per slot and KV head of the paged layout (key, value, words: vLLM's ``state_content_bytes``)."""
         return self.layout(block_size, self.config.num_key_value_heads, head_dim, dtype).cell_bytes
 
-    # Sizes from token counts (an engine's scheduler reads them): keepkv.paged_plan.PagedSizes's.
+    # Sizes from token counts (an engine's scheduler reads them): keepkv.budgets.RequestSizes's.
     def kept(self, prompt_length: int, layer: int = 0) -> int:
         """Entries per head ``layer`` of a request keeps once its prompt is compressed."""
         return self.sizes.kept(prompt_length, layer)

@@ -1,97 +1,36 @@
-"""A paged step's plan: the entries each request holds, from token counts alone, and the rows
-and index tensors one engine step shares among its layers.
+"""A paged step's plan: the rows and index tensors one engine step shares among its layers.
 
-:class:`PagedSizes` says how many entries a layer of a request holds after any number of tokens,
-by the Hugging Face cache's rules (:mod:`keepkv.budgets`), so an engine's scheduler can size a
-request's blocks without reading its cache. :class:`StepPlan` sorts a step's requests by what they
-do (:class:`~keepkv.paged_requests.PagedBatch`'s phases) and builds, once per step (per layer where
-layers hold different sizes, PyramidKV's), the host-built index tensors the layers read.
+:class:`StepPlan` sorts a step's requests by what they do (:class:`~keepkv.paged_requests.PagedBatch`'s
+phases) and builds, once per step (per layer where layers hold different sizes, PyramidKV's), the
+index tensors the layers read, on the host, from token counts
+(:class:`keepkv.budgets.RequestSizes`: what a layer of a request holds after any token).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .budgets import MAX_BUDGET, capacity_bound, decode_interval, held_entries, prompt_budgets
+from .budgets import RequestSizes, prompt_budgets
 from .kernels.paged import PagedGeometry
 from .paged_layout import PagedLayout
 from .paged_requests import PagedBatch, PagedRequests
 
 
-class PagedSizes:
-    """Entries per head a layer of a request holds, as a :class:`~keepkv.cache.CompressedCache` of
-    that request alone holds them (``method``, ``budget``, ``config`` and ``keep_prompt`` as
-    :class:`~keepkv.paged.PagedCompression`'s)."""
-
-    def __init__(self, method, budget, config, keep_prompt: bool):
-        self.method, self.budget, self.config, self.keep_prompt = method, budget, config, keep_prompt
-        self.decoding = "keep_prompt" if keep_prompt else "compress"
-        self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
-        self._intervals: dict[int, int] = {}  # prompt length -> decode steps between compressions
-
-    @functools.cached_property
-    def layered(self) -> bool:
-        """Whether the layers may keep budgets of their own: the selection allocates them (PyramidKV,
-        KeepKV's EMA selection); a kept prompt's budgets are the same in every layer."""
-        return not self.keep_prompt and self.method.selection.layered
-
-    def kept(self, prompt_length: int, layer: int = 0) -> int:
-        """Entries per head ``layer`` keeps once compressed (:func:`keepkv.budgets.prompt_budgets`, the
-        Hugging Face cache's rule; the same for every head of a layer, and for every layer but
-        PyramidKV's), fixed by the prompt's length."""
-        if prompt_length not in self._kept:
-            budgets, _ = prompt_budgets(self.method, self.budget, self.decoding, self.config.num_hidden_layers,
-                                        self.config.num_key_value_heads, torch.tensor([prompt_length]))
-            layers = self.config.num_hidden_layers
-            self._kept[prompt_length] = [MAX_BUDGET] * layers if budgets is None else budgets[:, 0, 0].tolist()
-        return self._kept[prompt_length][layer]
-
-    def interval(self, prompt_length: int) -> int:
-        """Decode steps between compressions (:func:`keepkv.budgets.decode_interval`: the method's,
-        but no more than its smallest budget beyond a kept prompt), as the Hugging Face cache of
-        that request alone compresses."""
-        if prompt_length not in self._intervals:
-            budgets = torch.tensor([self.kept(prompt_length, layer) for layer in range(self.config.num_hidden_layers)])
-            self._intervals[prompt_length] = decode_interval(
-                self.method.interval, budgets - (prompt_length if self.keep_prompt else 0))
-        return self._intervals[prompt_length]
-
-    def stored(self, prompt_length: int, computed: int, layer: int = 0, closed: int | None = None) -> int:
-        """Entries ``layer`` holds per head after ``computed`` tokens (prompt included).
-
-        A layer keeps min(prompt, budget - (k - 1)) after the prefill, takes one entry per decode
-        step and shrinks back every k = :meth:`interval` steps: min(P + t, budget - (k - 1) + t mod
-        k) after t decode steps (:func:`keepkv.budgets.held_entries`), never more than its budget.
-        ``closed``: the tokens it held at its close when more than its prompt (``keep_prompt``, a
-        replay after a preemption: :class:`~keepkv.paged_requests.PagedBatch`); t counts from
-        there, and every entry is held until its first compression, ``interval`` steps later.
-        """
-        closed = prompt_length if closed is None else closed
-        interval = self.interval(prompt_length)
-        if self.keep_prompt and computed - closed < interval:
-            return computed  # nothing compressed since its close (a kept prompt's close compresses nothing)
-        return held_entries(self.kept(prompt_length, layer), closed, computed, interval)
-
-    def capacity(self, prompt_length: int) -> int:
-        """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
-        return max(capacity_bound(self.method, prompt_length, self.budget, self.config, self.keep_prompt))
-
-    def held(self, batch: PagedBatch, row: int, layer: int, after: bool) -> int:
-        """Entries ``row`` of ``batch`` holds in ``layer`` once the step's tokens are in (``after``:
-        after the step's compressions too)."""
-        phase, done, length = batch.phases[row], batch.computed[row], batch.query_lengths[row]
-        if phase == "chunk":  # a prompt read in chunks is held whole until its close
-            return done + length
-        if phase == "prefill":  # a whole prompt, compressed in its own step
-            return self.stored(length, length, layer) if after else length
-        prompt, closed = batch.prompt[row], batch.closed[row]
-        if after:
-            return self.stored(prompt, done + 1, layer, closed)
-        return self.stored(prompt, done, layer, closed) + 1  # what it held, and the step's token
+def held(sizes: RequestSizes, batch: PagedBatch, row: int, layer: int, after: bool) -> int:
+    """Entries ``row`` of ``batch`` holds in ``layer`` once the step's tokens are in (``after``:
+    after the step's compressions too)."""
+    phase, done, length = batch.phases[row], batch.computed[row], batch.query_lengths[row]
+    if phase == "chunk":  # a prompt read in chunks is held whole until its close
+        return done + length
+    if phase == "prefill":  # a whole prompt, compressed in its own step
+        return sizes.stored(length, length, layer) if after else length
+    prompt, closed = batch.prompt[row], batch.closed[row]
+    if after:
+        return sizes.stored(prompt, done + 1, layer, closed)
+    return sizes.stored(prompt, done, layer, closed) + 1  # what it held, and the step's token
 
 
 @dataclass
@@ -124,7 +63,7 @@ class StepPlan:
     first layer: :meth:`build`)."""
 
     batch: PagedBatch
-    sizes: PagedSizes
+    sizes: RequestSizes
     closing: list[int]  # close rows: a chunked prompt compressed before its first decode token
     dense: list[list[int]]  # whole prompts over their budget, each alone
     prompts_ending: list[list[int]]  # whole prompts within their budget, attended in place, each alone
@@ -139,7 +78,7 @@ class StepPlan:
     cache: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, sizes: PagedSizes, requests: PagedRequests, batch: PagedBatch, block_size: int,
+    def build(cls, sizes: RequestSizes, requests: PagedRequests, batch: PagedBatch, block_size: int,
               device) -> "StepPlan":
         closing, dense, ending, chunks, attending, decoding = [], [], [], [], [], []
         layers = range(sizes.config.num_hidden_layers)
@@ -166,8 +105,8 @@ class StepPlan:
         # layer but PyramidKV's, whose layers scale them alike.
         by_size: dict = {}
         for row in due:
-            held = tuple(sizes.held(batch, row, layer, False) for layer in layers)
-            key = (batch.prompt[row] if sizes.keep_prompt else 0, sizes.interval(batch.prompt[row]), held)
+            counts = tuple(held(sizes, batch, row, layer, False) for layer in layers)
+            key = (batch.prompt[row] if sizes.keep_prompt else 0, sizes.interval(batch.prompt[row]), counts)
             by_size.setdefault(key, []).append(row)
         tokens = torch.tensor([batch.query_start[r] for r in decoding], dtype=torch.long)
         slab_rows = requests.slab_rows([batch.first_block[r] for r in decoding])
@@ -183,7 +122,7 @@ class StepPlan:
         the step, compressions included."""
         key = ("sizes", tuple(rows), layer if self.sizes.layered else 0, when)
         if key not in self.cache:
-            self.cache[key] = tuple(self.sizes.held(self.batch, row, layer, when == "after") for row in rows)
+            self.cache[key] = tuple(held(self.sizes, self.batch, row, layer, when == "after") for row in rows)
         return self.cache[key]
 
     def closed_sizes(self, rows: list[int], layer: int) -> tuple:
