@@ -202,6 +202,37 @@ def test_ranks_by_the_scorer_and_protects_the_decoding_window(scorer_file):
         assert (layer.live_counts() == 12).all()
 
 
+@pytest.mark.parametrize("merge", ["none", "keepkv"])
+def test_the_prompts_last_tokens_stay_at_its_compression_and_while_decoding(scorer_file, merge):
+    """prompt_window=5 at budget 12 (rows of 24 and 18 real tokens): every layer and head holds each
+    row's last 5 prompt tokens after its prompt's compression and after every decode step, whatever
+    their scores (the sinks and the generated window leave room: 4 + 3 + 5 <= 12), and exactly its
+    budget; with prompt_window=0 the scores alone rank them (the planted scorer drops some)."""
+    model = tiny_model("llama-gqa")
+    input_ids, attention_mask = random_batch(pad=(0, 6))
+    prompt_lengths = attention_mask.sum(-1)[:, None, None]
+
+    def holds_tail(cache):
+        for layer in cache.layers:
+            positions = layer.positions.masked_fill(~layer.live(), -1)[..., None]  # [B, H_kv, S, 1]
+            tail = prompt_lengths[..., None] - torch.arange(1, 6)  # [B, 1, 1, 5]
+            if not (positions == tail).any(-2).all():
+                return False
+            assert (layer.live_counts() == 12).all()
+        return True
+
+    method = f"{LEARNED}+budgets=uniform+merge={merge}+interval=1"
+    for steps in range(4):
+        cache = keepkv.CompressedCache(model.config, f"{method}+prompt_window=5", 12, scorer=scorer_file)
+        for cache in decode_loop(model, input_ids, attention_mask, cache, steps=steps):
+            pass
+        assert holds_tail(cache), steps
+    unprotected = keepkv.CompressedCache(model.config, method, 12, scorer=scorer_file)
+    for unprotected in decode_loop(model, input_ids, attention_mask, unprotected, steps=3):
+        pass
+    assert not holds_tail(unprotected)
+
+
 def test_a_model_without_a_scorer_is_refused_in_one_line_before_any_work():
     """The shipped scorer is the embedded model's: a cache for another model is refused where it is
     built, naming what differs and how to train one."""

@@ -118,7 +118,7 @@ LEARNED = with_scorer("snapkv+selection=learned+budgets=uniform+sinks=1+selectio
 
 
 @pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", "streamingllm+sinks=2", PAPER_KEEPKV, "keepkv+interval=3",
-                                    LEARNED, LEARNED.replace("snapkv+", "keepkv+")])
+                                    LEARNED, LEARNED.replace("snapkv+", "keepkv+"), f"{LEARNED}+prompt_window=2"])
 @pytest.mark.parametrize("budget", [0.5, 3, 1, 1.0, 10_000])
 def test_paged_requests_decode_as_alone(method, budget):
     """Requests of unequal prompts, one joining mid-way (a step mixing a prefill with decodes), give

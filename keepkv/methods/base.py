@@ -876,6 +876,19 @@ def protected(layer, sinks: int, recent: torch.Tensor) -> torch.Tensor:
     return (is_sink | is_recent) & layer.live()
 
 
+def prompt_tail(layer, window: int, taken: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, S] bool: each row's last ``window`` prompt tokens (the prompt's end as
+    :func:`note_prompt_end` recorded it, its newest tokens where none was), capped by what the
+    budget leaves after ``taken`` [B, H_kv] other protected entries. A kept prompt's entries are
+    kept anyway (``decoding="keep_prompt"``): none then."""
+    if layer.frozen is not None:
+        return torch.zeros_like(layer.live())
+    prompt_seen = layer.state.get("prompt_seen", layer.real_seen)[:, None, None]  # [B, 1, 1]
+    count = (layer.open_budget - taken).clamp(min=0, max=window)[..., None]  # [B, H_kv, 1]
+    positions = layer.positions
+    return (positions >= prompt_seen - count) & (positions < prompt_seen) & layer.live()
+
+
 def note_prompt_end(layer) -> None:
     """Record the tokens each row has seen as its prompt ends (``layer.state["prompt_seen"]`` [B]):
     what :func:`generated_recent_count` counts generated tokens from. Call it from ``observe`` at the

@@ -17,7 +17,8 @@ import torch
 from ..scorer import cached_scorer, check_key, config_key, default_scorer
 from ..store import NEG_INF
 from .base import (
-    ScoredSelection, check_choice, check_range, generated_recent_count, note_prompt_end, protected, register_selection,
+    ScoredSelection, check_choice, check_range, generated_recent_count, note_prompt_end, prompt_tail, protected,
+    register_selection,
 )
 from .kvzip import BUDGETS, ContextReconstruction
 
@@ -50,7 +51,12 @@ class LearnedScores(ScoredSelection):
         Leading tokens always kept (4, as ``kvzip``).
     window : int
         While decoding under the budget, the newest generated tokens always kept, up to this many
-        (capped by what the sinks leave); the prompt's own compression protects none. 0: scores alone.
+        (capped by what the sinks leave). 0: scores alone.
+    prompt_window : int
+        The prompt's last tokens always kept, at its compression and while decoding, up to this
+        many (capped by what the sinks and ``window`` leave): a question inside the prompt, and the
+        chat template's turn that follows it, which an entry's own key and value do not mark as
+        needed. 0: none (the scores alone rank the prompt's entries).
     first_head : int
         The model's KV head that the cache's head 0 is: 0, or a tensor-parallel rank's first (the
         paged adapter sets it from :func:`keepkv.paged.rank_config`; :meth:`for_heads`).
@@ -73,6 +79,7 @@ class LearnedScores(ScoredSelection):
     scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform", "trained")
     sinks: int = 4
     window: int = 32
+    prompt_window: int = 0
     scorer: str | None = None
     budgets: str = "trained"
     first_head: int = 0
@@ -80,6 +87,7 @@ class LearnedScores(ScoredSelection):
     def __post_init__(self):
         super().__post_init__()
         check_range("window", self.window, 0, math.inf)
+        check_range("prompt_window", self.prompt_window, 0, math.inf)
         check_choice("budgets", self.budgets, LEARNED_BUDGETS)
         check_range("first_head", self.first_head, 0, math.inf)
         if self.scorer is not None:
@@ -151,7 +159,13 @@ class LearnedScores(ScoredSelection):
         return self._scorer().predict(layer.layer_idx, layer.keys, layer.values, layer.positions, self.first_head)
 
     def priority(self, layer, merge_scores=None) -> torch.Tensor:
-        """[B, H_kv, S]: +inf for the sinks and the decoding window, else the predicted log score."""
-        is_protected = protected(layer, self.sinks, generated_recent_count(layer, self.window))
+        """[B, H_kv, S]: +inf for the sinks, the decoding window and the prompt's last
+        ``prompt_window`` tokens, else the predicted log score."""
+        recent = generated_recent_count(layer, self.window)
+        is_protected = protected(layer, self.sinks, recent)
+        if self.prompt_window:
+            sinks = layer.open_budget.clamp(max=self.sinks)
+            taken = sinks + torch.minimum(recent, layer.open_budget - sinks)  # what protected() kept
+            is_protected = is_protected | prompt_tail(layer, self.prompt_window, taken)
         return self.scores(layer).masked_fill(is_protected, float("inf"))
 
