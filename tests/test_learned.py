@@ -289,6 +289,11 @@ def test_trained_budgets_split_by_the_scorers_shares_from_the_lengths_alone(tmp_
     assert not method.allocates_from_all_layers and method.compresses_chunks and method.selection.layered
     budgets = method.allocate(2, 2, torch.tensor([4, 10]), torch.tensor([40, 100]))  # 10% of each prompt
     assert budgets[:, :, 0].tolist() == [[6, 15], [2, 5]]
+    # prompt_window=2: each layer first keeps its 4 sinks and 2 prompt tokens (a row's whole budget
+    # when it is smaller), the shares split the rest: 6 + 4·1.5 and 6 + 4·0.5 of the second row's 10
+    windowed = keepkv.get_method(f"{spec}+prompt_window=2", scorer=path)
+    budgets = windowed.allocate(2, 2, torch.tensor([4, 10]), torch.tensor([40, 100]))
+    assert budgets[:, :, 0].tolist() == [[4, 12], [4, 8]]
     input_ids, attention_mask = random_batch(pad=(0, 6))
     cache = keepkv.CompressedCache(model.config, spec, 10, scorer=path)
     prefill(model, cache, input_ids, attention_mask)

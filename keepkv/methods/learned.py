@@ -56,7 +56,8 @@ class LearnedScores(ScoredSelection):
         The prompt's last tokens always kept, at its compression and while decoding, up to this
         many (capped by what the sinks and ``window`` leave): a question inside the prompt, and the
         chat template's turn that follows it, which an entry's own key and value do not mark as
-        needed. 0: none (the scores alone rank the prompt's entries).
+        needed. With ``budgets="trained"`` every layer keeps room for it and the sinks before the
+        shares split the rest. 0: none (the scores alone rank the prompt's entries).
     first_head : int
         The model's KV head that the cache's head 0 is: 0, or a tensor-parallel rank's first (the
         paged adapter sets it from :func:`keepkv.paged.rank_config`; :meth:`for_heads`).
@@ -110,14 +111,18 @@ class LearnedScores(ScoredSelection):
         """Budgets [L, B, H_kv] whose mean is each row's budget, split as ``kvzip``'s are
         (:meth:`keepkv.methods.kvzip.ContextReconstruction.allocate`) from the predicted scores;
         with ``budgets="trained"``, by the scorer's layer shares at the row's budget as a fraction of
-        its prompt (:meth:`keepkv.scorer.Scorer.shares_at`): a function of the lengths alone."""
+        its prompt (:meth:`keepkv.scorer.Scorer.shares_at`): a function of the lengths alone. With a
+        ``prompt_window``, every layer first keeps room for its sinks and that window, and the
+        shares split the rest."""
         if self.budgets == "trained":
             fraction = row_budget.double() / torch.as_tensor(prompt_lengths, device=row_budget.device).double().clamp(min=1)
             shares = self._scorer().shares_at(fraction).to(row_budget.device)  # [B, L]
             if shares.shape[1] != layers:
                 raise ValueError(f"learned: the scorer's layer shares are for {shares.shape[1]} layers, not {layers}: "
                                  "train one for this model with `keepkv train-scorer`")
-            per_layer = (row_budget.double()[:, None] * shares).t()  # [L, B]
+            # Each layer keeps its sinks and the prompt's last tokens (prompt_window), then its share of the rest.
+            reserve = row_budget.double().clamp(max=self.sinks + self.prompt_window if self.prompt_window else 0)
+            per_layer = (reserve[:, None] + (row_budget.double() - reserve)[:, None] * shares).t()  # [L, B]
             cumulative = per_layer.cumsum(0).round()  # rounded so that the layers' total is the rows'
             budgets = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1])).long().clamp(min=1)
             return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
