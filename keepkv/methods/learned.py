@@ -56,8 +56,8 @@ class LearnedScores(ScoredSelection):
         The prompt's last tokens always kept, at its compression and while decoding, up to this
         many (capped by what the sinks and ``window`` leave): a question inside the prompt, and the
         chat template's turn that follows it, which an entry's own key and value do not mark as
-        needed. With ``budgets="trained"`` a layer whose share is smaller than its sinks and this
-        window gets room for them. 0: none (the scores alone rank the prompt's entries).
+        needed. With ``budgets="trained"`` every layer keeps room for it and the sinks before the
+        shares split the rest. 0: none (the scores alone rank the prompt's entries).
     first_head : int
         The model's KV head that the cache's head 0 is: 0, or a tensor-parallel rank's first (the
         paged adapter sets it from :func:`keepkv.paged.rank_config`; :meth:`for_heads`).
@@ -112,32 +112,22 @@ class LearnedScores(ScoredSelection):
         (:meth:`keepkv.methods.kvzip.ContextReconstruction.allocate`) from the predicted scores;
         with ``budgets="trained"``, by the scorer's layer shares at the row's budget as a fraction of
         its prompt (:meth:`keepkv.scorer.Scorer.shares_at`): a function of the lengths alone. With a
-        ``prompt_window``, a layer whose share falls short of its sinks and that window is raised
-        to them, at the expense of the layers above them (:meth:`_with_floor`)."""
+        ``prompt_window``, every layer first keeps room for its sinks and that window, and the
+        shares split the rest."""
         if self.budgets == "trained":
             fraction = row_budget.double() / torch.as_tensor(prompt_lengths, device=row_budget.device).double().clamp(min=1)
             shares = self._scorer().shares_at(fraction).to(row_budget.device)  # [B, L]
             if shares.shape[1] != layers:
                 raise ValueError(f"learned: the scorer's layer shares are for {shares.shape[1]} layers, not {layers}: "
                                  "train one for this model with `keepkv train-scorer`")
-            per_layer = self._with_floor(row_budget.double()[:, None] * shares, row_budget.double()).t()  # [L, B]
+            # Each layer keeps its sinks and the prompt's last tokens (prompt_window), then its share of the rest.
+            reserve = row_budget.double().clamp(max=self.sinks + self.prompt_window if self.prompt_window else 0)
+            per_layer = (reserve[:, None] + (row_budget.double() - reserve)[:, None] * shares).t()  # [L, B]
             cumulative = per_layer.cumsum(0).round()  # rounded so that the layers' total is the rows'
             budgets = torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1])).long().clamp(min=1)
             return budgets[:, :, None].expand(layers, -1, kv_heads).clone()
         split = ContextReconstruction(sinks=self.sinks, budgets=self.budgets)
         return split.allocate(layers, kv_heads, row_budget, prompt_lengths, scores)
-
-    def _with_floor(self, wanted: torch.Tensor, row_budget: torch.Tensor) -> torch.Tensor:
-        """wanted [B, L] layer budgets of mean ``row_budget`` [B], each raised to the sinks and the
-        ``prompt_window`` where it falls short (at most the row's budget), the rise taken from the
-        layers above that floor in proportion to what they hold above it: the mean stays the row's."""
-        if not self.prompt_window:
-            return wanted
-        floor = row_budget.clamp(max=self.sinks + self.prompt_window)[:, None]  # [B, 1]
-        deficit = (floor - wanted).clamp(min=0).sum(1, keepdim=True)
-        surplus = (wanted - floor).clamp(min=0)
-        share = surplus / surplus.sum(1, keepdim=True).where(surplus.sum(1, keepdim=True) > 0, 1.0)
-        return torch.maximum(wanted, floor) - deficit * share
 
     def observe(self, layer, stats):
         if stats.is_prefill:
