@@ -170,8 +170,9 @@ def test_a_scorer_that_does_not_fit_the_model_is_refused_in_one_line(scorer_file
 # -- the selection -------------------------------------------------------------------------------
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_keeps_the_sinks_and_the_highest_predicted_entries(tmp_path, sign):
-    """Budget 10 of rows of 24 and 18 real tokens: each row and head keeps its 4 sinks and the 6
-    other entries of highest predicted score (here ±log ||k||), read off a full cache's keys."""
+    """Budget 10 of rows of 24 and 18 real tokens: each row and head keeps its 4 sinks, its prompt's
+    last 2 tokens (``prompt_window``) and the 4 other entries of highest predicted score (here
+    ±log ||k||), read off a full cache's keys."""
     model = tiny_model("llama-gqa")
     path = str(planted_scorer(sign).save(tmp_path / "planted.pt"))
     input_ids, attention_mask = random_batch(pad=(0, 6))
@@ -182,7 +183,8 @@ def test_keeps_the_sinks_and_the_highest_predicted_entries(tmp_path, sign):
     for full_layer, layer in zip(full.layers, cache.layers):
         score = sign * full_layer.keys.float().norm(dim=-1).log()
         position = full_layer.positions
-        score = score.masked_fill(position < 4, float("inf")).masked_fill(position < 0, float("-inf"))
+        tail = position >= attention_mask.sum(-1)[:, None, None] - 2
+        score = score.masked_fill((position < 4) | tail, float("inf")).masked_fill(position < 0, float("-inf"))
         expected = position.gather(-1, score.topk(10, dim=-1).indices).sort(-1).values
         kept = layer.positions.masked_fill(~layer.live(), 10**6).sort(-1).values[..., :10]
         assert torch.equal(kept, expected)
@@ -227,7 +229,7 @@ def test_the_prompts_last_tokens_stay_at_its_compression_and_while_decoding(scor
         for cache in decode_loop(model, input_ids, attention_mask, cache, steps=steps):
             pass
         assert holds_tail(cache), steps
-    unprotected = keepkv.CompressedCache(model.config, method, 12, scorer=scorer_file)
+    unprotected = keepkv.CompressedCache(model.config, f"{method}+prompt_window=0", 12, scorer=scorer_file)
     for unprotected in decode_loop(model, input_ids, attention_mask, unprotected, steps=3):
         pass
     assert not holds_tail(unprotected)
@@ -285,13 +287,13 @@ def test_trained_budgets_split_by_the_scorers_shares_from_the_lengths_alone(tmp_
     scorer.layer_shares = {"budgets": [0.1, 1.0], "shares": [[1.5, 0.5], [1.0, 1.0]]}
     path = str(scorer.save(tmp_path / "shares.pt"))
     spec = f"{LEARNED}+budgets=trained"
-    method = keepkv.get_method(spec, scorer=path)
+    method = keepkv.get_method(f"{spec}+prompt_window=0", scorer=path)
     assert not method.allocates_from_all_layers and method.compresses_chunks and method.selection.layered
     budgets = method.allocate(2, 2, torch.tensor([4, 10]), torch.tensor([40, 100]))  # 10% of each prompt
     assert budgets[:, :, 0].tolist() == [[6, 15], [2, 5]]
     # prompt_window=2: each layer first keeps its 4 sinks and 2 prompt tokens (a row's whole budget
     # when it is smaller), the shares split the rest: 6 + 4·1.5 and 6 + 4·0.5 of the second row's 10
-    windowed = keepkv.get_method(f"{spec}+prompt_window=2", scorer=path)
+    windowed = keepkv.get_method(spec, scorer=path)  # the default prompt_window, 2
     budgets = windowed.allocate(2, 2, torch.tensor([4, 10]), torch.tensor([40, 100]))
     assert budgets[:, :, 0].tolist() == [[4, 12], [4, 8]]
     input_ids, attention_mask = random_batch(pad=(0, 6))

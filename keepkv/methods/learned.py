@@ -57,7 +57,8 @@ class LearnedScores(ScoredSelection):
         many (capped by what the sinks and ``window`` leave): a question inside the prompt, and the
         chat template's turn that follows it, which an entry's own key and value do not mark as
         needed. With ``budgets="trained"`` every layer keeps room for it and the sinks before the
-        shares split the rest. 0: none (the scores alone rank the prompt's entries).
+        shares split the rest. 2 (default: the dev grid's best, docs/methods.md), 0: none (the
+        scores alone rank the prompt's entries).
     first_head : int
         The model's KV head that the cache's head 0 is: 0, or a tensor-parallel rank's first (the
         paged adapter sets it from :func:`keepkv.paged.rank_config`; :meth:`for_heads`).
@@ -80,7 +81,7 @@ class LearnedScores(ScoredSelection):
     scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform", "trained")
     sinks: int = 4
     window: int = 32
-    prompt_window: int = 0
+    prompt_window: int = 2
     scorer: str | None = None
     budgets: str = "trained"
     first_head: int = 0
