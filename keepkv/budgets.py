@@ -16,7 +16,6 @@ paged adapter (keepkv.paged) all read these functions.
 from __future__ import annotations
 
 import functools
-import numbers
 
 import torch
 
