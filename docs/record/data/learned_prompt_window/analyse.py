@@ -47,12 +47,21 @@ def main():
         for label, get in [("kvzip", lambda t, b: theirs(setting, t, "kvzip", b)),
                            ("snapkv", lambda t, b: theirs(setting, t, "snapkv", b))] + [
                 (f"learned, prompt_window={w}", (lambda w: lambda t, b: ours(setting, t, LEARNED if w == 0 else f"{LEARNED}+prompt_window={w}", b))(w))
-                for w in windows]:
+                for w in windows] + [
+                ("keepkv+selection=learned (window 2)", lambda t, b: ours(setting, t, "keepkv+selection=learned", b)),
+                ("learned, budgets=uniform (window 2)", lambda t, b: ours(setting, t, f"{LEARNED}+budgets=uniform", b))]:
             cells = [get(t, b) for t in TASKS for b in (0.1, 0.2, 0.25)]
             if all(c is None for c in cells):
                 continue
             print(f"| {label} | " + " | ".join("-" if c is None else str(sum(c)) for c in cells)
                   + f" | {sum(sum(c) for c in cells if c is not None)} |")
+        merged, alone = "keepkv+selection=learned", f"{LEARNED}+prompt_window=2"
+        row = []
+        for t in TASKS:
+            for b in (0.1, 0.2, 0.25):
+                a, other = ours(setting, t, merged, b), ours(setting, t, alone, b)
+                row.append("-" if a is None or other is None else "{:+d} ± {:.1f}".format(*paired(a, other)))
+        print(f"\nkeepkv+selection=learned − snapkv+selection=learned (both window 2): " + " | ".join(row))
         for w in (2,):
             print(f"\nprompt_window={w}, paired difference (count of 32 ± 95% half-width) against:\n")
             print("| against | " + " | ".join(f"{TASKS[t]} @{b}" for t in TASKS for b in (0.1, 0.2, 0.25)) + " |")
