@@ -372,8 +372,10 @@ class PagedCompression:
         batch, row = plan.batch, rows[0]
         prompt = None if query is not None else self.requests.take_chunk(batch.chunk_keys[row][0], layer)
         length = batch.query_lengths[row] if query is not None else batch.computed[row]
-        newest = query[batch.query_start[row] : batch.query_start[row + 1]].transpose(0, 1)[None] if query is not None \
-            else None if prompt is None else prompt.queries  # [1, H, r, D]
+        if query is not None:  # [1, H, r, D]: the prompt's query rows, or its newest ones its chunks kept
+            newest = query[batch.query_start[row] : batch.query_start[row + 1]].transpose(0, 1)[None]
+        else:
+            newest = None if prompt is None else prompt.queries
         first = 0
         if self.keep_prompt:  # kept whole and unscored: its end reads only the slots of its newest query rows
             first = length - max(1, 0 if newest is None else newest.shape[2])
