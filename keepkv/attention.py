@@ -151,6 +151,18 @@ class StepStats:
         picked["reconstructed"] = {key: top.index_select(0, index) for key, top in self.reconstructed.items()}
         return StepStats(**picked)
 
+    @staticmethod
+    def join(parts: list["StepStats"]) -> "StepStats":
+        """One StepStats whose rows are the rows of ``parts`` in order (each per-row tensor of one
+        shape past its first dimension; anything else as the first part's)."""
+        first = parts[0]
+        joined = {name: torch.cat([getattr(part, name) for part in parts]) if isinstance(value, torch.Tensor) else value
+                  for name, value in vars(first).items()}
+        joined["decayed"] = {decay: torch.cat([part.decayed[decay] for part in parts]) for decay in first.decayed}
+        joined["reconstructed"] = {key: torch.cat([part.reconstructed[key] for part in parts])
+                                   for key in first.reconstructed}
+        return StepStats(**joined)
+
 
 def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, H, q, D] -> [B, H_kv, g, q, D]."""

@@ -53,6 +53,7 @@ __all__ = [
     "ema_log_scores",
     "gathers_candidates",
     "group_logsumexp",
+    "logsumexp_in_place",
     "mean_merge_rows",
     "merged_ema_rows",
     "momentum_merge_rows",
@@ -195,6 +196,13 @@ def group_logsumexp(log_own: torch.Tensor, log_incoming: torch.Tensor, entry_gro
     adds the votes of its group this way (ln Σ p from each entry's ln p)."""
     group_max, own_weight, incoming_weight = _group_weights(log_own, log_incoming, entry_group)
     return group_max + _group_sum(own_weight, incoming_weight, entry_group).log()
+
+
+def logsumexp_in_place(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """ln Σ exp(x) over ``dim`` (removed), computed in ``x``'s own memory, which it overwrites: one
+    buffer where ``torch.logsumexp`` allocates three. -inf where every term is -inf. x: fp32."""
+    top = x.amax(dim, keepdim=True).clamp_min_(torch.finfo(x.dtype).min)  # finite: -inf - top stays -inf
+    return x.sub_(top).exp_().sum(dim).log_().add_(top.squeeze(dim))
 
 
 def _shift_along_query(

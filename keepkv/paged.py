@@ -49,6 +49,7 @@ from .methods import METHODS, get_method
 from .methods.base import ComposedMethod, serving_refusal, served_names
 from .kernels.paged import cpu_backend, numba_threads, paged_decode
 from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
+from .paged_compress import DueCompression, compress_due, runs_due
 from .paged_plan import StepPlan
 from .paged_requests import PagedBatch, PagedRequests
 from .paged_slots import PagedSlots
@@ -107,7 +108,6 @@ def rank_config(config, num_heads: int, num_kv_heads: int, rank: int = 0) -> Sim
 STEP_THREADS = 1
 # A prompt's compression (and a prompt's statistics, O(prompt²) for H2O) keeps the engine's threads.
 PROMPT_THREADS = 0
-
 
 @contextlib.contextmanager
 def _threads(count: int):
@@ -178,7 +178,7 @@ class PagedCompression:
         # query gave (probabilities, logits), or the newest query a merge reads.
         query_rows = self.method.interval if (decode.probs or decode.logits or self.biased) else 0
         self.requests = PagedRequests(self.chunked, keep_prompt, query_rows)
-        # keep_prompt: a compression reads only the generated entries (see _compress).
+        # keep_prompt: a compression reads only the generated entries (see _gather_due).
         self._generated_alone = keep_prompt and not self.method.reads_every_entry
 
     # -- sizes, from token counts only -------------------------------------------------------
@@ -239,9 +239,10 @@ class PagedCompression:
     def batch(
         self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
         prefilling: list[bool] | None = None, block_size: int | None = None, prompts: list[int] | None = None,
+        layers: int | None = None,
     ) -> PagedBatch:
         """The step's :class:`PagedBatch`, each request in its phase (:meth:`keepkv.paged_requests.PagedRequests.batch`)."""
-        return self.requests.batch(query_start, seq_lens, block_table, prefilling, block_size, prompts)
+        return self.requests.batch(query_start, seq_lens, block_table, prefilling, block_size, prompts, layers)
 
     def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float, layer: int = 0):
         """One attention call of every request in ``batch``, for the model's layer ``layer``.
@@ -285,7 +286,10 @@ class PagedCompression:
                                            plan.decode_query_index)
         for rows in plan.compressing:
             with _threads(STEP_THREADS):
-                self._compress(slots, plan, rows, query, scaling, layer)
+                plan.due.append(self._gather_due(slots, plan, rows, query, scaling, layer))
+        if plan.due and runs_due(plan, layer, self.method):  # the step's last layer, or stores of many bytes
+            with _threads(STEP_THREADS):
+                compress_due(plan, self.step, self.requests)
         return output
 
     # -- writes and the kernels --------------------------------------------------------------------
@@ -422,15 +426,15 @@ class PagedCompression:
         self.requests.file_states(store.state, [plan.batch.first_block[r] for r in rows], layer)
 
     # -- decoding ---------------------------------------------------------------------------------
-    def _compress(self, slots: PagedSlots, plan: StepPlan, rows: list[int], query, scaling: float, layer: int) -> None:
-        """Decoding rows whose ``interval`` came round (each holding as many entries): the method
-        observes every query since its last compression, compresses, and the kept entries are
-        written back into the leading slots. With ``keep_prompt`` the store holds only the generated
-        entries, past the prompt (a prompt's entries are never evicted, merged into or rescored, and
-        a query's probabilities are its attention among the generated entries:
-        :func:`keepkv.step.generated_share`), unless the method reads every entry (``reads_every_entry``)."""
+    def _gather_due(self, slots: PagedSlots, plan: StepPlan, rows: list[int], query, scaling: float,
+                    layer: int) -> DueCompression:
+        """Decoding rows whose ``interval`` came round (each holding as many entries), in a store with
+        the method's state and the statistics of every query since their last compression. With
+        ``keep_prompt`` the store holds only the generated entries, past the prompt (a prompt's
+        entries are never evicted, merged into or rescored, and a query's probabilities are its
+        attention among the generated entries: :func:`keepkv.step.generated_share`), unless the
+        method reads every entry (``reads_every_entry``)."""
         batch = plan.batch
-        keys = [batch.first_block[r] for r in rows]
         written = plan.held(rows, layer, "written")
         budget, mean, frozen = plan.budgets(rows, layer, query.device)
         first = batch.prompt[rows[0]] if self._generated_alone else 0  # the rows of a group share their prompt's length
@@ -438,15 +442,11 @@ class PagedCompression:
             budget, frozen = budget - first, None
         store = slots.gather(plan.blocks_of(rows, max(written)), tuple(size - first for size in written),
                              tuple(batch.computed[r] + 1 for r in rows), layer, first)
-        interval = plan.interval(rows)
-        self.step.set_budget(store, budget, mean, frozen, interval)
-        store.resume(state=self.requests.states(keys, layer), pending=interval)
+        store.resume(state=self.requests.states([batch.first_block[r] for r in rows], layer),
+                     pending=plan.interval(rows))
         stats = self._decode_stats(plan, rows, store, query, scaling, layer, first)
-        before = (store.positions.clone(), store.bias.clone())
-        self.step.decode(store, stats)
-        after = tuple(size - first for size in plan.held(rows, layer, "after"))
-        slots.write_back(plan.blocks_of(rows, first + max(after)), plan.starts(rows), store, after, before, first)
-        self.requests.file_states(store.state, keys, layer)
+        return DueCompression(layer, slots, rows, store, stats, (store.positions.clone(), store.bias.clone()), first,
+                              (budget, mean, frozen))
 
     def _decode_stats(self, plan: StepPlan, rows, store: LayerStore, query, scaling, layer, prompt: int = 0) -> StepStats:
         """What the attention of the ``interval`` decoding queries since the last compression gave:
@@ -460,11 +460,12 @@ class PagedCompression:
             return StepStats(query=group_queries(query.index_select(0, tokens)[:, :, None], kv_heads),
                              scaling=scaling, is_prefill=False)
         attended, *stats = plan.cache.get(("stats", layer), ((),))
-        if store.interval == 1 and set(rows) <= set(attended):  # the kernel's pass gave them
+        interval = plan.interval(rows)
+        if interval == 1 and set(rows) <= set(attended):  # the kernel's pass gave them
             return _kernel_stats(stats, plan.index_among(attended, rows), store, query.index_select(0, tokens),
                                  scaling, prompt)
-        # [R, N, H, D], oldest first: the store's interval N, at most the method's (a small budget's is less)
-        queries = self.requests.kept_queries([batch.first_block[r] for r in rows], layer, store.interval)
+        # [R, N, H, D], oldest first: the rows' interval N, at most the method's (a small budget's is less)
+        queries = self.requests.kept_queries([batch.first_block[r] for r in rows], layer, interval)
         newest = torch.tensor([batch.computed[r] for r in rows], device=query.device)  # each row's last query position
         query_positions = newest[:, None] - torch.arange(queries.shape[1] - 1, -1, -1, device=query.device)  # [R, N]
         return kept_query_stats(group_queries(queries.transpose(1, 2), kv_heads), store.keys, store.bias,

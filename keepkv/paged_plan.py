@@ -76,6 +76,7 @@ class StepPlan:
     decode_query_index: torch.Tensor
     block_size: int
     cache: dict = field(default_factory=dict)
+    due: list = field(default_factory=list)  # keepkv.paged_compress.DueCompression, waiting for the method
 
     @classmethod
     def build(cls, sizes: RequestSizes, requests: PagedRequests, batch: PagedBatch, block_size: int,

@@ -46,6 +46,10 @@ class PagedBatch:
     # (None: first_block; keep_prompt: the last slot's block and the token count, see batch())
     chunk_keys: list | None = None
     closed: list[int] | None = None
+    # The model's layers that run this batch, each once and in order (an engine's step): a layer's
+    # due compressions then wait for the last layer, which runs them as one batch. None: each layer
+    # runs its own (a caller that may run only some layers).
+    layers: int | None = None
 
     def __post_init__(self):
         if self.first_block is None:
@@ -102,7 +106,7 @@ class PagedRequests:
     # -- a step's phases ---------------------------------------------------------------------------
     def batch(self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
               prefilling: list[bool] | None = None, block_size: int | None = None,
-              prompts: list[int] | None = None) -> PagedBatch:
+              prompts: list[int] | None = None, layers: int | None = None) -> PagedBatch:
         """The step's :class:`PagedBatch`: ``query_start`` [R+1] where each request's new tokens start,
         ``seq_lens`` [R] the tokens each holds after the step, ``block_table`` [R, max_blocks].
 
@@ -119,7 +123,8 @@ class PagedRequests:
 
         A request's prompt length is filed under its first block, which it holds until it ends;
         with ``keep_prompt`` (whose requests may share leading blocks) under the block of its first
-        generated slot (``block_size``: the engine's, needed then).
+        generated slot (``block_size``: the engine's, needed then). ``layers``: the model's layers
+        that run the batch, each once and in order (:attr:`PagedBatch.layers`), or None.
         """
         lengths = [end - start for start, end in zip(query_start, query_start[1:])]
         computed = [seq - length for seq, length in zip(seq_lens, lengths)]
@@ -132,6 +137,7 @@ class PagedRequests:
             if self.chunked and prefilling is None:
                 raise ValueError("a chunked PagedCompression needs each request's prefilling flag")
             batch = self._prompt_batch(query_start, lengths, computed, block_table, prefilling)
+        batch.layers = layers
         with self._lock:
             self.steps += 1
             for key in batch.first_block:

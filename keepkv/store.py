@@ -575,11 +575,20 @@ class LayerStore(CacheLayerMixin):
                 grown.narrow(2, 0, tensor.shape[2]).copy_(tensor)
             return torch.cat(padded)
 
-        tensors = {name: stacked([layer._tensors[name] for layer in layers], fill) for name, fill in fills.items()}
+        buffers = None
+        if all(layer.size == slots and set(layer.buffers) >= set(fills) for layer in layers) and all(
+            len({layer.buffers[name].shape[1:] for layer in layers}) == 1 for name in fills
+        ):  # one size and like buffers (a step's gathered layers): their buffers joined are the new one's
+            with torch.inference_mode(False):  # a normal tensor, as _new_buffer's
+                buffers = {name: torch.cat([layer.buffers[name] for layer in layers]) for name in fills}
+            tensors = {name: buffer.narrow(2, 0, slots) for name, buffer in buffers.items()}
+        else:
+            tensors = {name: stacked([layer._tensors[name] for layer in layers], fill) for name, fill in fills.items()}
         out = cls.from_entries(
             first.layer_idx, tensors, dict(first.extra_fill), seen=first.seen,
             real_seen=torch.cat([layer.real_seen for layer in layers]),
             binary=all(layer.binary_bias() for layer in layers), headroom=first.headroom, shared=shared,
+            buffers=buffers,
         )
         out.state = {
             name: torch.cat([layer.state[name] for layer in layers]) if how == "cat" else first.state[name]
@@ -595,6 +604,30 @@ class LayerStore(CacheLayerMixin):
                 None if any(f is None for f in frozen) else torch.cat(frozen), first.interval,
             )
         return out
+
+    def split(self, counts: list[int]) -> list["LayerStore"]:
+        """The inverse of :meth:`stack`: a store per part of ``counts`` rows (in order, summing to B),
+        each viewing its rows of this store's buffers (no copy), with its rows of every per-row
+        method state (first dimension B) and the other states as they are. Budgets are not set."""
+        if sum(counts) != self.keys.shape[0]:
+            raise ValueError(f"split: {counts} rows do not add up to the store's {self.keys.shape[0]}")
+        rows, parts, start = self.keys.shape[0], [], 0
+        for count in counts:
+            part = LayerStore(self.layer_idx, self.shared)
+            part.headroom, part.dtype, part.device = self.headroom, self.dtype, self.device
+            part.buffers = {name: buffer.narrow(0, start, count) for name, buffer in self.buffers.items()}
+            part._tensors = {name: tensor.narrow(0, start, count) for name, tensor in self._tensors.items()}
+            part._extra_fill = dict(self._extra_fill)
+            part.seen, part.real_seen = self.seen, self.real_seen.narrow(0, start, count)
+            part._binary = self._binary
+            part.is_initialized = True
+            part.state = {name: value.narrow(0, start, count)
+                          if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows else value
+                          for name, value in self.state.items()}
+            part.pending = self.pending
+            parts.append(part)
+            start += count
+        return parts
 
     # -- memory ----------------------------------------------------------------------------
     def entry_nbytes(self) -> int:

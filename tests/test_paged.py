@@ -178,6 +178,84 @@ def test_tensor_parallel_ranks_compress_their_own_heads_as_the_whole_model(metho
                 assert torch.equal(positions, expected[rank : rank + 1])
 
 
+class LayeredEngine(Engine):
+    """An engine whose every step runs all the model's layers over one batch, as vLLM's does, each
+    layer with its own KV cache; a request's tokens are (query [q, L, H, D], key, value [q, L, H_kv, D]).
+    ``layers``: what the batch says of them (:attr:`PagedBatch.layers`; None: each layer alone)."""
+
+    def __init__(self, paged: PagedCompression, layers: int | None):
+        super().__init__(paged)
+        self.caches = [self.kv_cache.clone() for _ in range(CONFIG.num_hidden_layers)]
+        self.layers = layers
+
+    def forward(self, new: dict, layer: int = 0) -> tuple[dict, PagedBatch]:
+        requests = list(new)
+        width = max(len(self.tables[r]) for r in requests)
+        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests], dtype=torch.int32)
+        starts = [0]
+        for request in requests:
+            starts.append(starts[-1] + new[request][0].shape[0])
+        seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
+        prefilling = [self.computed[r] < self.prompt[r] for r in requests]
+        batch = self.paged.batch(starts, seq_lens, table, prefilling if self.paged.chunked else None,
+                                 layers=self.layers)
+        outputs = {r: [] for r in requests}
+        for layer, kv_cache in enumerate(self.caches):
+            query, key, value = (torch.cat([new[r][i][:, layer] for r in requests]) for i in range(3))
+            output = self.paged.forward(kv_cache, query, key, value, batch, SCALING, layer)
+            for i, r in enumerate(requests):
+                outputs[r].append(output[starts[i] : starts[i + 1]])
+        return {r: torch.stack(out, 1) for r, out in outputs.items()}, batch
+
+
+@pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "keepkv+interval=3", "h2o+interval=3", LEARNED])
+@pytest.mark.parametrize("budget", [0.5, 3])
+def test_a_steps_layers_compress_as_one_batch(method, budget, monkeypatch):
+    """A step whose batch says every layer runs it (``layers``) compresses its layers' due rows at
+    the last layer, in one store per group of rows (one call of the method where each layer would
+    make one, unless the method ranks by the layer, as the learned selection's per-layer scorer does,
+    or its layers hold unequal entries, as PyramidKV's may), and
+    every layer's outputs and kept positions are those of each layer compressed alone, step after
+    step, for requests of unequal prompts, one joining mid-way."""
+    layers = CONFIG.num_hidden_layers
+    calls = {}
+    decode = LayerStep.decode
+
+    def counted(self, layer, stats):
+        calls[key] = calls.get(key, 0) + 1
+        return decode(self, layer, stats)
+
+    monkeypatch.setattr(LayerStep, "decode", counted)
+    engines = {mode: LayeredEngine(PagedCompression(CONFIG, method, budget), mode) for mode in (None, layers)}
+    generator = torch.Generator().manual_seed(7)
+    prompts = {0: 70, 1: 90}  # budget 0.5: over the methods' floors
+    for step in range(36):  # two compressions of the default interval (16)
+        new = {r: tuple(torch.randn(prompts[r] if step == 0 else 1, layers, heads, HEAD_DIM, generator=generator)
+                        for heads in (HEADS, KV_HEADS, KV_HEADS)) for r in prompts}
+        if step == 4:
+            new[2] = tuple(torch.randn(60, layers, heads, HEAD_DIM, generator=generator)
+                           for heads in (HEADS, KV_HEADS, KV_HEADS))
+        outputs = {}
+        for key, engine in engines.items():
+            outputs[key] = engine.step(new)
+        alone, batched = engines[None], engines[layers]
+        for request in new:
+            assert_equal_up_to_rounding(outputs[layers][request], outputs[None][request], msg=f"step {step}")
+            for layer in range(layers):
+                held = alone.paged.stored(alone.prompt[request], alone.computed[request], layer)
+                table = torch.tensor(alone.tables[request])
+                assert torch.equal(slot_positions(batched.paged, batched.caches[layer], table, held, HEAD_DIM),
+                                   slot_positions(alone.paged, alone.caches[layer], table, held, HEAD_DIM))
+    assert calls[None] > 0
+    method = alone.paged.method
+    if method.per_layer:
+        assert calls[layers] == calls[None]
+    elif method.selection.layered:  # layers of unequal budgets hold unequal entries: stacked where equal
+        assert calls[None] / layers <= calls[layers] <= calls[None]
+    else:
+        assert calls[layers] * layers == calls[None]
+
+
 def test_a_rank_holds_whole_query_groups():
     """A rank's query heads are whole groups of its KV heads: a KV head replicated over ranks (each
     holding part of its group) is refused in one line."""

@@ -84,7 +84,7 @@ def keepkv_steps(method: str, requests: int, prompt: int, budget, steps: int, dt
         key, value = (torch.randn(starts[-1], KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
         begin = time.perf_counter()
         batch = paged.batch(starts, [computed + length] * requests, table, [prefilling] * requests, block_size=BLOCK,
-                            prompts=[prompt] * requests)
+                            prompts=[prompt] * requests, layers=LAYERS)  # every layer runs the batch, as an engine's
         for layer, cache in enumerate(caches):
             paged.forward(cache, query, key, value, batch, HEAD_DIM**-0.5, layer)
         return (time.perf_counter() - begin) / LAYERS

@@ -222,6 +222,9 @@ class Method:
     """Why a serving engine cannot run it, in its own words (KVzip: its reconstruction pass), or ""."""
     per_model_head: ClassVar[bool] = False
     """Whether it ranks with parameters of each KV head of the whole model (``Selection.per_model_head``)."""
+    per_layer: ClassVar[bool] = True
+    """Whether a store must hold one layer's rows only (``Selection.per_layer``); a composed method
+    asks its parts."""
     compresses_chunks: ClassVar[bool] = False
     """Whether a prompt read in chunks may be compressed after each chunk, to the budget its whole
     prompt will have, with the same kept entries as one compression at its end (each entry scored
@@ -411,6 +414,10 @@ class Selection:
     """Whether it ranks a KV head's entries with parameters of that head of the whole model (the
     learned selection's scorer): a cache holding some of the model's heads (a tensor-parallel
     rank's) gives it the first of them (:meth:`for_heads`)."""
+    per_layer: ClassVar[bool] = False
+    """Whether its ranking reads parameters of the store's own layer (``layer.layer_idx``: the learned
+    selection's per-layer scorer). Otherwise a store may hold the rows of several layers at once (the
+    paged step compresses a step's layers as one batch), each ranked as in a store of its own."""
     scores_alone: ClassVar[bool] = False
     """Whether an entry's priority is a function of that entry alone (its key, value and position,
     not the other entries nor any query), and ``observe`` at a prefill reads nothing but the tokens
@@ -517,6 +524,9 @@ class Merge:
     refresh_interval: ClassVar[int | None] = None
     """Decode steps between two rebuilds of a layer from a full copy of its entries (KeepKV's
     periodic refresh: a kept prompt cannot stay whole through one); None: never."""
+    per_layer: ClassVar[bool] = False
+    """Whether it reads the store's own layer (``layer.layer_idx``: CaM's keyed draws); see
+    :attr:`Selection.per_layer`."""
     writes_bias: ClassVar[bool] = False
     """Whether it writes entries' bias (votes, ln p): a store's bias is then no longer 0 or -inf, and
     the paged adapter gives each slot a bias word and keys wide enough to carry it to the kernel."""
@@ -690,6 +700,11 @@ class ComposedMethod(Method):
     @property
     def per_model_head(self) -> bool:
         return self.selection.per_model_head
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether a store must hold one layer's rows only (:attr:`Selection.per_layer`)."""
+        return self.selection.per_layer or self.merging.per_layer
 
     @property
     def served(self) -> bool:

@@ -86,6 +86,7 @@ class SpreadMerge(Merge):
     """
 
     name = "spread"
+    per_layer = True  # its draws are keyed by the layer (keyed_uniform)
     merge_count: int = 32
     seed: int = 0
     prefill_merge: bool = False

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
 from ..merging import (
-    KEY_RULES, LogScores, cosine_nearest, ema_log_scores, pool_log_scores, zip_rows, zip_rows_with_ema,
+    KEY_RULES, LogScores, cosine_nearest, ema_log_scores, logsumexp_in_place, pool_log_scores, zip_rows,
+    zip_rows_with_ema,
 )
 from ..offload import FullKVCopy
 from ..store import NEG_INF, slots_of
@@ -489,8 +490,8 @@ class KeepKVMerge(ZipMerge):
         computed them (else computed here). Row r' of r gets weight (1 - α) α^(r-1-r'); the old
         state decays by α^r. A row scores only the live entries at or before its position (causal,
         padding excluded); a kept prompt's entries stay unscored (``LayerStore.overwrite``). A slot
-        that holds no entry keeps whatever it held: every reader masks it (:meth:`ranking_scores`),
-        and an entry that takes the slot brings its own (an append: the fill).
+        that holds no entry may get anything: every reader masks it (:meth:`ranking_scores`), and an
+        entry that takes the slot brings its own (an append: the fill).
         """
         rows = queries.shape[3]
         if logits is None:  # a prefill or a refresh computes its own window's logits
@@ -499,9 +500,9 @@ class KeepKVMerge(ZipMerge):
         decay = rows * math.log(self.alpha)
         visible = None  # a decode step: the newest query sees every live entry, and the bias hides the rest
         if rows > 1:
-            key_pos = layer.positions[:, :, None, :]  # [B, H_kv, 1, S]
-            visible = (layer.live()[:, :, None, :] & (key_pos <= query_pos[:, None, :, None])
-                       & (query_pos >= 0)[:, None, :, None])  # [B, H_kv, r, S]
+            # A row sees the entries at or before its position. Only live slots matter (see above),
+            # and a padding row (position -1) sees none of them.
+            visible = layer.positions[:, :, None, :] <= query_pos[:, None, :, None]  # [B, H_kv, r, S]
         scores = logits
         if self.score_norm == "row":
             # ln Z = ln Σ_j p_j s_j of each query row over what it sees: each query then counts
@@ -512,14 +513,19 @@ class KeepKVMerge(ZipMerge):
             log_z = torch.logsumexp(seen, dim=-1).nan_to_num(0.0, 0.0, 0.0)  # [B, H_kv, g, r]; 0: nothing seen
             scores = logits - log_z[..., None]
             layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see _log_scale
-        if self.pooled_ema and scores.shape[2] > 1:  # ln (1/g) Σ_h s^h: the group's mean score
-            scores = scores.logsumexp(dim=2, keepdim=True) - math.log(scores.shape[2])  # [B, H_kv, 1, r, S]
+        pool = self.pooled_ema and scores.shape[2] > 1  # ln (1/g) Σ_h s^h: the group's mean score
         if rows == 1:
+            if pool:
+                scores = scores.logsumexp(dim=2, keepdim=True) - math.log(scores.shape[2])  # [B, H_kv, 1, 1, S]
             new_s = scores[:, :, :, 0] + log_fresh
         else:
             ages = torch.arange(rows - 1, -1, -1, device=layer.device, dtype=torch.float32)
             weights = (log_fresh + ages * math.log(self.alpha))[:, None].masked_fill(~visible, NEG_INF)  # [B, H_kv, r, S]
-            new_s = torch.logsumexp(weights[:, :, None] + scores, dim=3)  # [B, H_kv, g, S]
+            terms = scores + weights[:, :, None]  # [B, H_kv, g, r, S]: ln((1 - α) α^age s^h)
+            if pool:  # one sum over the group's heads and the rows at once, then the mean over the heads
+                new_s = logsumexp_in_place(terms.flatten(2, 3), 2).unsqueeze(2) - math.log(scores.shape[2])
+            else:
+                new_s = logsumexp_in_place(terms, 3)  # [B, H_kv, g, S]
         # logaddexp on a strided view (the buffers' spare slots, ln S's [B, H_kv, S, g] order) is slow
         # on CPU, so it reads a contiguous [B, H_kv, g, S] copy of ln S (docs/performance.md has the
         # figure); the store writes the result in place.
@@ -589,11 +595,10 @@ class KeepKVMerge(ZipMerge):
         query's exact logits over the live entries, per query head and pooled over the group."""
         if not self._exact(stats):
             return ema
-        if stats.logits is not None:
+        if not stats.is_prefill:
             logits = stats.logits[:, :, :, -1]
-        else:  # a prompt's end: its last query's row of the logits the EMA started from
-            window = min(self.window, stats.query.shape[3])
-            logits = scaled_logits(stats.query[:, :, :, -window:], layer.keys, stats.scaling)[:, :, :, -1]
+        else:  # a prompt's end (or a refresh): the last query's row alone, whatever rows the EMA read
+            logits = scaled_logits(stats.query[:, :, :, -1:], layer.keys, stats.scaling)[:, :, :, 0]
         heads = logits.where(layer.live()[:, :, None], NEG_INF)
         return LogScores(heads, pool_log_scores(heads, layer.bias))
 

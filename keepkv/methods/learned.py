@@ -78,6 +78,7 @@ class LearnedScores(ScoredSelection):
     name = "learned"
     served = True  # the paged adapter gathers the keys, values and positions it scores ("uniform", "trained")
     per_model_head = True  # one scorer per KV head of the model
+    per_layer = True  # and per layer
     scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform", "trained")
     sinks: int = 4
     window: int = 32

@@ -217,8 +217,10 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
         elif self.paged.chunked:  # is_prefilling: computed < prompt before the step (a host tensor)
             prefilling = common.is_prefilling[:rows].tolist()
         starts, lengths = common.query_start_loc_cpu[: rows + 1].tolist(), seq_lens[:rows].tolist()
+        # Every layer of the model runs this batch, in order: the step's compressions wait for the last.
         batch = self.paged.batch(starts, lengths, common.block_table_tensor[:rows], prefilling,
-                                 block_size=self.kv_cache_spec.block_size, prompts=prompts)
+                                 block_size=self.kv_cache_spec.block_size, prompts=prompts,
+                                 layers=self.paged.config.num_hidden_layers)
         return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch)
 
 
