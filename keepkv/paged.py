@@ -429,11 +429,9 @@ class PagedCompression:
     def _gather_due(self, slots: PagedSlots, plan: StepPlan, rows: list[int], query, scaling: float,
                     layer: int) -> DueCompression:
         """Decoding rows whose ``interval`` came round (each holding as many entries), in a store with
-        the method's state and the statistics of every query since their last compression. With
-        ``keep_prompt`` the store holds only the generated entries, past the prompt (a prompt's
-        entries are never evicted, merged into or rescored, and a query's probabilities are its
-        attention among the generated entries: :func:`keepkv.step.generated_share`), unless the
-        method reads every entry (``reads_every_entry``)."""
+        the method's state and the statistics of every query since their last compression; with
+        ``keep_prompt`` only the generated entries, unless the method ``reads_every_entry`` (a
+        kept prompt is never evicted, merged into or rescored: :func:`keepkv.step.generated_share`)."""
         batch = plan.batch
         written = plan.held(rows, layer, "written")
         budget, mean, frozen = plan.budgets(rows, layer, query.device)
