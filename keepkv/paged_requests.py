@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import StepStats
+from .checks import as_int
 
 # Steps a request's key may go unseen before its filed state and kept queries may go to another.
 STALE_STEPS = 256
@@ -126,6 +127,7 @@ class PagedRequests:
         generated slot (``block_size``: the engine's, needed then). ``layers``: the model's layers
         that run the batch, each once and in order (:attr:`PagedBatch.layers`), or None.
         """
+        layers = as_int("layers", layers, low=1, none_ok=True)  # before the step is planned
         lengths = [end - start for start, end in zip(query_start, query_start[1:])]
         computed = [seq - length for seq, length in zip(seq_lens, lengths)]
         if self.keep_prompt:

@@ -256,6 +256,16 @@ def test_a_steps_layers_compress_as_one_batch(method, budget, monkeypatch):
         assert calls[layers] * layers == calls[None]
 
 
+@pytest.mark.parametrize("layers", [0, -1, 1.5, "3", True])
+def test_a_batch_refuses_a_layer_count_that_is_not_a_positive_int(layers):
+    """``layers`` is checked where the batch is built, in one line, before any step is planned."""
+    paged = PagedCompression(CONFIG, "snapkv", 3)
+    before = paged.requests.steps
+    with pytest.raises(ValueError, match="layers must be an int >= 1 \\(or None\\)") as raised:
+        paged.batch([0, 4], [4], torch.tensor([[1]], dtype=torch.int32), layers=layers)
+    assert "\n" not in str(raised.value) and paged.requests.steps == before
+
+
 def test_a_rank_holds_whole_query_groups():
     """A rank's query heads are whole groups of its KV heads: a KV head replicated over ranks (each
     holding part of its group) is refused in one line."""
