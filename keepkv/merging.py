@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import torch
 
+from .entries import add_entries, gather_entries
+
 NEG_INF = float("-inf")
 
 
@@ -109,10 +111,10 @@ def _group_plan(src: torch.Tensor, dst: torch.Tensor, merge: torch.Tensor, num_s
 
 
 def _gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Gather slots along the sequence axis: x [..., S] -> [..., E], x [..., S, D] -> [..., E, D]."""
+    """Gather slots along the sequence axis: x [..., S] -> [..., E], x [B, H_kv, S, D] -> [B, H_kv, E, D]."""
     if x.dim() == index.dim():
         return x.gather(-1, index)
-    return x.gather(-2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+    return gather_entries(x, index)
 
 
 def _per_entry(x: torch.Tensor, entry_group: torch.Tensor) -> torch.Tensor:
@@ -131,7 +133,7 @@ def _group_sum(own: torch.Tensor, incoming: torch.Tensor, entry_group: torch.Ten
         return own + incoming
     if own.dim() == entry_group.dim():
         return own.scatter_add(-1, entry_group, incoming)
-    return own.scatter_add(-2, entry_group.unsqueeze(-1).expand_as(incoming), incoming)
+    return add_entries(own, entry_group, incoming)
 
 
 def _merged_rows(

@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .attention import NEG_INF
+from .entries import gather_entries, write_entries_
 # An uncompressed layer's buffers grow by an eighth of their length, at least GROWTH_MIN slots:
 # reallocations stay rare on long sequences and spare slots stay a small share of short ones.
 # A compressed layer keeps room for one interval's appends instead (LayerStore.headroom).
@@ -43,10 +44,7 @@ CORE = ("keys", "values", "bias", "positions")
 def _move(tensor: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Copy the entries at ``source`` [B, H_kv, n] onto ``target`` slots of tensor [B, H_kv, S, ...],
     in place (all sources are read before any target is written)."""
-    shape = (*source.shape, *tensor.shape[3:])
-    source = source.view(*source.shape, *(1,) * (tensor.dim() - 3)).expand(shape)
-    target = target.view(*target.shape, *(1,) * (tensor.dim() - 3)).expand(shape)
-    return tensor.scatter_(2, target, tensor.gather(2, source))
+    return write_entries_(tensor, target, gather_entries(tensor, source))
 
 
 def slots_of(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +79,7 @@ def write_rows(x: torch.Tensor, groups, merged: torch.Tensor) -> torch.Tensor:
     else:
         rows = merged.where(valid, first)
         slot = groups.slot.where(groups.valid, groups.slot[..., :1])  # [B, H_kv, E]
-    index = slot.view(*slot.shape, *trailing).expand(rows.shape)
-    return x.scatter_(2, index, rows)
+    return write_entries_(x, slot, rows)
 
 
 def split_evenly(total: int, rows: int) -> torch.Tensor:
@@ -397,8 +394,7 @@ class LayerStore(CacheLayerMixin):
         ``rows``: name (keys, values, bias, positions or an extra) -> [B, H_kv, E, ...], in place."""
         for name, row in rows.items():
             current = self._tensors[self._name(name)]
-            slot = index.view(*index.shape, *(1,) * (current.dim() - 3)).expand(*index.shape, *current.shape[3:])
-            current.scatter_(2, slot, row.to(current.dtype))
+            write_entries_(current, index, row.to(current.dtype))
         self._binary &= "bias" not in rows
 
     def merge_into(self, merged) -> None:
