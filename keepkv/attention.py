@@ -127,6 +127,8 @@ class StepStats:
     colmax       [B, H_kv, g, S]      max over the real query rows of the probabilities (if asked)
     reconstructed {pass: [B, H_kv, g, S]} per reconstruction pass run after a prefill: the largest
                                       probability any of its queries gave each prompt entry
+    rebuilt      bool                 the statistics of a layer a method just rebuilt (KeepKV's
+                                      refresh), not of an attention call
     S is the layer's size after the new block was appended.
     """
 
@@ -140,6 +142,7 @@ class StepStats:
     decayed: dict[float, torch.Tensor] = field(default_factory=dict)
     colmax: torch.Tensor | None = None
     reconstructed: dict[Reconstruction, torch.Tensor] = field(default_factory=dict)
+    rebuilt: bool = False
 
     def rows(self, index: torch.Tensor) -> "StepStats":
         """Rows ``index`` [B'] of every per-row tensor (a prefill's, kept for a later chunk or a fork)."""

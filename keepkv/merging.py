@@ -818,7 +818,8 @@ def cosine_nearest(
     for part in src.clamp_min(0).split(max(1, chunk_elements // allowed.numel()), dim=-1):
         src_keys = _gather_entries(keys, part)  # [B, H_kv, e, D]
         src_unit = src_keys / src_keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        similarity = (src_unit @ targets.transpose(-1, -2)).div_(target_norms)  # [B, H_kv, e, S or K]
+        # [B, H_kv, e, S or K], as a view of the [S or K, e] product: a GEMM with few columns is slow on CPU
+        similarity = (targets @ src_unit.transpose(-1, -2)).transpose(-1, -2).div_(target_norms)
         similarity.masked_fill_(excluded, -math.inf)  # in place: one workspace, not two
         sim, idx = similarity.max(dim=-1)
         best_idx.append(idx)

@@ -297,7 +297,8 @@ def test_a_bfloat16_cache_decodes_as_alone(method):
             assert torch.equal(held, live[live >= 0].view(KV_HEADS, -1).sort(-1).values.float())
 
 
-@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", PAPER_KEEPKV, "keepkv+interval=3"])
+@pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", PAPER_KEEPKV, "keepkv+interval=3",
+                                    "keepkv+prefill_scores=ema"])
 @pytest.mark.parametrize("budget", [0.5, 3, 1.0])
 def test_prompts_read_in_chunks_decode_as_the_hf_paths_chunked_prefill(method, budget):
     """A chunked engine (vLLM's chunked prefill) feeds prompts in pieces, the last one of a single

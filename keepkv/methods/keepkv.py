@@ -213,7 +213,7 @@ class ZipMerge(Merge):
         if plan.evict_idx.shape[-1] > 0:
             candidates = self.merge_candidates(layer, plan)
             query = stats.query[:, :, :, -1]  # [B, H_kv, g, D]
-            if stats.logits is None:  # prefill: only the last query's row is needed
+            if stats.is_prefill:  # only the last query's row is needed, whatever rows the statistics hold
                 logits = scaled_logits(query[:, :, :, None], layer.keys, stats.scaling)[:, :, :, 0]
             else:
                 logits = stats.logits[:, :, :, -1]
@@ -446,7 +446,9 @@ class KeepKVMerge(ZipMerge):
         if stats.is_prefill:
             self._start_layer(layer, query.shape[2], stats.scaling)
             window = min(self.window, rows)
-            self._update_ema(layer, query[:, :, :, -window:], layer.positions[:, 0, -window:])
+            # the rows' logits, where the prompt's statistics hold them (a paged prompt's end)
+            logits = None if stats.logits is None else stats.logits[:, :, :, -window:]
+            self._update_ema(layer, query[:, :, :, -window:], layer.positions[:, 0, -window:], logits)
         else:
             self._update_ema(layer, query, layer.positions[:, 0, -rows:], stats.logits)
         if self.refresh_interval is None:
@@ -494,7 +496,7 @@ class KeepKVMerge(ZipMerge):
         entry that takes the slot brings its own (an append: the fill).
         """
         rows = queries.shape[3]
-        if logits is None:  # a prefill or a refresh computes its own window's logits
+        if logits is None:  # a prompt's end whose statistics hold none, or a refresh: computed here
             logits = scaled_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
         log_fresh = math.log1p(-self.alpha)
         decay = rows * math.log(self.alpha)
@@ -584,10 +586,10 @@ class KeepKVMerge(ZipMerge):
     # -- compression -------------------------------------------------------------------------
     def _exact(self, stats: StepStats) -> bool:
         """Whether merges weigh with the newest query's exact logits: as ``prefill_scores`` says at a
-        prompt's end and ``scores`` while decoding; always after a refresh or a merge-first phase,
-        whose statistics hold the logits of the layer they rebuilt."""
+        prompt's end and ``scores`` while decoding; always after a refresh, whose statistics hold
+        the logits of the layer it rebuilt."""
         if stats.is_prefill:
-            return stats.logits is not None or self.prefill_scores == "exact"
+            return stats.rebuilt or self.prefill_scores == "exact"
         return self.scores == "exact"
 
     def merge_weights(self, layer, ema: LogScores, stats: StepStats) -> LogScores:
@@ -623,10 +625,10 @@ class KeepKVMerge(ZipMerge):
         layer.drop(torch.zeros_like(live).scatter_(-1, src, merge))  # src slots are distinct
         query = stats.query[:, :, :, -1:]
         if not self._exact(stats):
-            return StepStats(query=query, scaling=stats.scaling, is_prefill=True)
+            return StepStats(query=query, scaling=stats.scaling, is_prefill=True, rebuilt=stats.rebuilt)
         # the merged keys changed: the query's exact logits over the new store
         logits = scaled_logits(query.contiguous(), layer.keys, stats.scaling)
-        return StepStats(query=query, scaling=stats.scaling, is_prefill=True, logits=logits)
+        return StepStats(query=query, scaling=stats.scaling, is_prefill=True, logits=logits, rebuilt=stats.rebuilt)
 
     def apply(self, layer, plan: EvictionPlan, stats: StepStats) -> None:
         """Merge each evicted entry into its most similar kept one (>= ``threshold``, gated), count
@@ -691,7 +693,7 @@ class KeepKVMerge(ZipMerge):
         layer.state.pop("ema_span", None)  # the EMA starts again
         window = layer.state["query_window"]
         logits = self._update_ema(layer, window, layer.state["query_window_pos"])
-        return StepStats(query=window, scaling=layer.state["scaling"], is_prefill=True, logits=logits)
+        return StepStats(query=window, scaling=layer.state["scaling"], is_prefill=True, logits=logits, rebuilt=True)
 
 
 @register
