@@ -90,6 +90,12 @@ def _count_lost_votes(layer, plan: EvictionPlan, dropped: torch.Tensor) -> None:
         lost += (votes * dropped).sum(-1)
 
 
+def _counted(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(mask [B, H_kv, E], the most True of any row and head): :func:`slots_of`'s arguments to
+    keep every True slot. One host sync."""
+    return mask, int(mask.sum(-1).max())
+
+
 def open_to_merges(kept: torch.Tensor, priority: torch.Tensor, protect: float) -> torch.Tensor:
     """[B, H_kv, S] bool: the ``kept`` entries outside the top ``protect`` share of those the selection
     ranked by score. Of the n kept entries with a finite ``priority`` (the selection's own sinks and
@@ -180,16 +186,17 @@ class ZipMerge(Merge):
         return allowed if frozen is None else allowed & ~frozen
 
     def nearest(self, layer, plan: EvictionPlan, candidates: torch.Tensor, candidate_idx: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(target slot, similarity) [B, H_kv, E] of each evicted entry among ``candidates`` (searched
-        at ``candidate_idx`` [B, H_kv, K] if given, else at the plan's), by the ``similarity`` rule: the
-        cosine of keys, or the mean of the cosines of keys and of values (the cosine of the unit key
-        and unit value side by side)."""
+                src: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target slot, similarity) [B, H_kv, E] of each evicted entry (the plan's, or the slots
+        ``src`` [B, H_kv, E]) among ``candidates`` (searched at ``candidate_idx`` [B, H_kv, K] if
+        given, else at the plan's), by the ``similarity`` rule: the cosine of keys, or the mean of
+        the cosines of keys and of values (the cosine of the unit key and unit value side by side)."""
         candidate_idx = plan.candidate_idx() if candidate_idx is None else candidate_idx
+        src = plan.evict_idx if src is None else src
         if self.similarity == "key":
-            return cosine_nearest(layer.keys, plan.evict_idx, candidates, candidate_idx)
+            return cosine_nearest(layer.keys, src, candidates, candidate_idx)
         both = torch.cat([F.normalize(layer.keys.float(), dim=-1), F.normalize(layer.values.float(), dim=-1)], -1)
-        return cosine_nearest(both, plan.evict_idx, candidates, candidate_idx)
+        return cosine_nearest(both, src, candidates, candidate_idx)
 
     def worth_merging(self, layer, plan: EvictionPlan, pooled: torch.Tensor, merge: torch.Tensor) -> torch.Tensor:
         """``merge`` [B, H_kv, E] bool, less the evicted entries that carry under ``min_mass`` of
@@ -658,13 +665,19 @@ class KeepKVMerge(ZipMerge):
         """ZIP-merge the plan's evicted entries into ``candidates`` (see :meth:`apply`). The gates weigh
         as the merge does. An evicted slot is no merge's target: its votes read the same after."""
         weights = self.merge_weights(layer, ema, stats)
-        dst, similarity = self.nearest(layer, plan, candidates, candidate_idx)
-        src = plan.evict_idx
-        merge = self.worth_merging(layer, plan, weights.pooled, plan.evict_valid & (similarity >= self.threshold))
-        order = None
-        if stats.is_prefill:  # only the entries that merge go through ZIP
-            order, merge = slots_of(merge, int(merge.sum(-1).max()))
-            src, dst = src.gather(-1, order), dst.gather(-1, order)
+        if stats.is_prefill:
+            # Only the entries that may merge (enough mass) are compared with the candidates, and
+            # only those that do (similar enough) go through ZIP: the result is the same.
+            order, eligible = slots_of(*_counted(self.worth_merging(layer, plan, weights.pooled, plan.evict_valid)))
+            dst, similarity = self.nearest(layer, plan, candidates, candidate_idx, plan.evict_idx.gather(-1, order))
+            within, merge = slots_of(*_counted(eligible & (similarity >= self.threshold)))
+            order, dst = order.gather(-1, within), dst.gather(-1, within)
+            src = plan.evict_idx.gather(-1, order)
+        else:
+            order = None
+            dst, similarity = self.nearest(layer, plan, candidates, candidate_idx)
+            src = plan.evict_idx
+            merge = self.worth_merging(layer, plan, weights.pooled, plan.evict_valid & (similarity >= self.threshold))
         if merge.shape[-1] == 0:  # nothing merges: every evicted entry's votes are lost
             _count_lost_votes(layer, plan, plan.evict_valid)
             return
