@@ -120,8 +120,9 @@ class StepStats:
     probs        [B, H_kv, g, q, S]   attention probabilities (if asked)
     colsum       [B, H_kv, g, S]      Σ over query rows of the probabilities (if asked)
     window_probs [B, H_kv, g, w, S]   probabilities of the last w query rows (if asked)
-    logits       [B, H_kv, g, q, S]   fp32 q·k·scaling without the bias (if asked): the very
-                                      logits the attention's probabilities come from
+    logits       [B, H_kv, g, q, S]   fp32 q·k·scaling without the bias (if asked, and at a paged
+                                      prompt's end, of the rows in ``query``): the very logits
+                                      the attention's probabilities come from
     decayed      {λ: [B, H_kv, g, S]} Σ_i λ^(q-1-i) probs_i over the q query rows (if asked):
                                       the newest row weighs 1
     colmax       [B, H_kv, g, S]      max over the real query rows of the probabilities (if asked)
