@@ -251,6 +251,22 @@ def kept_query_stats(query_g, keys, bias, positions, query_positions, scaling: f
                      logits=logits if needs.logits else None)
 
 
+def prompt_window_stats(query_g, keys, bias, positions, scaling: float, window: int) -> StepStats:
+    """A prompt's end statistics for a method that reads only its newest query rows, which were
+    attended already (the paged adapter's: its kernel attended them in place), so no output:
+    the probabilities of the last ``window`` rows, causal among them, as :func:`attend` gives them
+    (``window_probs``), and the logits of every row (fp32, no bias), which a method that folds the
+    rows reads instead of computing them again (KeepKV's EMA).
+
+    query_g [B, H_kv, g, w, D], the rows of the last w entries of keys [B, H_kv, S, D]; bias,
+    positions [B, H_kv, S]."""
+    rows = query_g.shape[3]
+    stats = kept_query_stats(query_g, keys, bias, positions, positions[:, 0, -rows:], scaling,
+                             Needs(probs=window > 0, logits=True))
+    return StepStats(query=query_g, scaling=scaling, is_prefill=True, logits=stats.logits,
+                     window_probs=None if window == 0 else stats.probs[:, :, :, -window:])
+
+
 def attend(
     query, keys, values, bias, block_mask, scaling: float, needs: Needs = Needs(), is_prefill: bool = False,
     binary_bias: bool = False, decode_kernel=None,

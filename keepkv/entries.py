@@ -37,7 +37,8 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if (kv_heads > 1 and strides[1] < slots * features) or (
             batch > 1 and strides[0] < (kv_heads - 1) * strides[1] + slots * features):
         return None  # rows of different (row, head) pairs would overlap
-    last = (batch - 1) * strides[0] // features + (kv_heads - 1) * strides[1] // features + slots  # rows up to the last entry
+    # rows up to the last entry's
+    last = (batch - 1) * strides[0] // features + (kv_heads - 1) * strides[1] // features + slots
     rows = x.as_strided((last, features), (features, 1))
     return rows, (_row_starts(batch, kv_heads, strides[0] // features, strides[1] // features, index.device)
                   + index).reshape(-1)
@@ -59,7 +60,8 @@ def _expanded(index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _advanced(x: torch.Tensor, index: torch.Tensor) -> tuple:
     """The advanced index of x [B, H_kv, S, ...] at index [B, H_kv, E]."""
     batch, kv_heads = x.shape[:2]
-    return torch.arange(batch, device=index.device)[:, None, None], torch.arange(kv_heads, device=index.device)[:, None], index
+    return (torch.arange(batch, device=index.device)[:, None, None],
+            torch.arange(kv_heads, device=index.device)[:, None], index)
 
 
 def gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,9 @@ from types import SimpleNamespace
 
 import torch
 
-from .attention import Needs, StepStats, attend, group_queries, join_prefill_stats, kept_query_stats
+from .attention import (
+    Needs, StepStats, attend, group_queries, join_prefill_stats, kept_query_stats, prompt_window_stats,
+)
 from .budgets import RequestSizes, check_keep_prompt, validate_budget
 from .methods import METHODS, get_method
 from .methods.base import ComposedMethod, serving_refusal, served_names
@@ -339,19 +341,6 @@ class PagedCompression:
         return attend(query, store.keys, store.values, store.bias, mask, scaling, self.method.needs(True), True,
                       store.binary_bias())
 
-    def _window_stats(self, query: torch.Tensor, store: LayerStore, scaling: float) -> StepStats:
-        """A prompt's end statistics for a method that reads only its newest query rows (query
-        [1, H, w, D], the store's last w entries, already attended): the probabilities of the last
-        ``needs.window`` rows, causal among them, as :func:`attend` gives them, and the logits of
-        all w rows (fp32, no bias), which a method that folds those rows reads instead of computing
-        them again (KeepKV's EMA). No output."""
-        rows = query.shape[2]
-        window = self.method.needs(True).window
-        stats = kept_query_stats(group_queries(query, store.keys.shape[1]), store.keys, store.bias, store.positions,
-                                 store.positions[:, 0, -rows:], scaling, Needs(probs=window > 0, logits=True))
-        return StepStats(query=stats.query, scaling=scaling, is_prefill=True, logits=stats.logits,
-                         window_probs=None if window == 0 else stats.probs[:, :, :, -window:])
-
     def _file_chunk(self, slots: PagedSlots, plan: StepPlan, row: int, query, scaling, layer: int) -> None:
         """A prompt's chunk, attended in place: keep what its close will need (the method's state,
         its newest query rows, or its statistics summed so far)."""
@@ -405,7 +394,8 @@ class PagedCompression:
         elif newest is not None and self._sums_prompt:
             _, stats = self._prompt_attention(newest, store, scaling)
         elif newest is not None:
-            stats = self._window_stats(newest[:, :, -self._prompt_rows :], store, scaling)
+            stats = prompt_window_stats(group_queries(newest[:, :, -self._prompt_rows :], store.keys.shape[1]),
+                                        store.keys, store.bias, store.positions, scaling, self.method.needs(True).window)
         else:  # a prompt whose every token another request wrote (a whole shared prefix): no query of its own
             stats = StepStats(query=store.keys.new_zeros(1, slots.layout.kv_heads, self._group, 0, slots.layout.head_dim),
                               scaling=scaling, is_prefill=True)
