@@ -111,6 +111,7 @@ STEP_THREADS = 1
 # A prompt's compression (and a prompt's statistics, O(prompt²) for H2O) keeps the engine's threads.
 PROMPT_THREADS = 0
 
+
 @contextlib.contextmanager
 def _threads(count: int):
     """Run the block with ``count`` intra-op threads (``torch._C``'s setter: vLLM's CPU worker
