@@ -130,6 +130,9 @@ class StepStats:
                                       probability any of its queries gave each prompt entry
     rebuilt      bool                 the statistics of a layer a method just rebuilt (KeepKV's
                                       refresh), not of an attention call
+    static_shapes bool or None        the decode step keeps static shapes and reads nothing back to
+                                      the host (None: where a read would wait or break a compiled
+                                      graph, :func:`static_shapes`)
     S is the layer's size after the new block was appended.
     """
 
@@ -144,6 +147,7 @@ class StepStats:
     colmax: torch.Tensor | None = None
     reconstructed: dict[Reconstruction, torch.Tensor] = field(default_factory=dict)
     rebuilt: bool = False
+    static_shapes: bool | None = None
 
     def rows(self, index: torch.Tensor) -> "StepStats":
         """Rows ``index`` [B'] of every per-row tensor (a prefill's, kept for a later chunk or a fork)."""
@@ -166,6 +170,16 @@ class StepStats:
         joined["reconstructed"] = {key: torch.cat([part.reconstructed[key] for part in parts])
                                    for key in first.reconstructed}
         return StepStats(**joined)
+
+
+def static_shapes(stats: StepStats, tensor: torch.Tensor) -> bool:
+    """Whether a decode step over ``tensor`` keeps static shapes and reads nothing back to the host:
+    ``stats.static_shapes`` if set (``CompressedCache(static_shapes=...)``), else where a host read
+    waits for the device or breaks a graph: off the CPU, or inside ``torch.compile``. On CPU a
+    read costs no wait, and a step may size its work by what it reads (KeepKV's merge)."""
+    if stats.static_shapes is not None:
+        return stats.static_shapes
+    return tensor.device.type != "cpu" or torch.compiler.is_compiling()
 
 
 def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -108,6 +108,12 @@ class CompressedCache(Cache):
         instead of hundreds of operations, and no host sync, after a one-off compilation per
         layer shape (inductor's cache shortens it in later processes); eager, with one warning,
         where compiling fails.
+    static_shapes : bool or None
+        Decode steps keep static shapes and never read a tensor back to the host (what a GPU's
+        launch queue and ``compile`` need). None (default): on an accelerator and with
+        ``compile=True``; on CPU otherwise KeepKV's decoding merge compares and ZIP-merges only
+        the evicted entries that pass its gates, one host read each compression: the same cache,
+        bit for bit, in fewer operations. ``keepkv bench --ops`` counts with True.
     compress_once : bool
         The cache holds a context compressed before any question is seen (:func:`keepkv.compress`
         sets it): a method given by name runs on its compress-once selection where it names one
@@ -148,7 +154,7 @@ class CompressedCache(Cache):
     def __init__(
         self, config, method: str | Method = "full", budget: int | float = 1.0, record: Needs | None = None,
         compile: bool = False, decoding: str = "compress", kernel: str = "torch", compress_once: bool = False,
-        **method_params,
+        static_shapes: bool | None = None, **method_params,
     ):
         if isinstance(config, torch.nn.Module) and hasattr(config, "config"):
             config = config.config  # the model, for its config
@@ -170,7 +176,11 @@ class CompressedCache(Cache):
         self.kernel = kernel
         self._decode_kernels: dict = {}  # device -> the decode kernel ``kernel`` names, resolved once
         self.method = method_of(method, method_params, as_bool("compress_once", compress_once))
-        self.step = LayerStep(self.method, decoding, self.compile)  # what the method does to a layer, by phase
+        if static_shapes is not None:
+            static_shapes = as_bool("static_shapes", static_shapes)
+        self.static_shapes = static_shapes
+        # what the method does to a layer, by phase
+        self.step = LayerStep(self.method, decoding, self.compile, static_shapes)
         self.method_spec = method if isinstance(method, str) else method.name  # the variant as given
         self.budget = budget
         self.num_layers = config.num_hidden_layers
@@ -649,7 +659,7 @@ class CompressedCache(Cache):
         if self.record is None or self.prompt_lengths is None:
             raise ValueError("fork() needs a cache built with record=Needs(...) that has seen a prefill")
         cache = CompressedCache(self.config, method, budget, compile=self.compile, decoding=decoding, kernel=self.kernel,
-                                **method_params)
+                                static_shapes=self.static_shapes, **method_params)
         missing = self.record.missing(cache.method.needs(True))
         if missing:
             raise ValueError(

@@ -9,7 +9,7 @@ each row's live entries into its first ``sizes`` slots, through the engine's cac
 keys and values that changed.
 
 Host reads (each a device sync on a GPU), both in a compression, never in a decode step that
-does not compress:
+does not compress (on CPU a KeepKV merge reads one more: ``keepkv.attention.static_shapes``):
 
 - :meth:`PagedSlots.gather` asks whether every entry it read has a bias of 0 (a store without
   votes then attends through a bool mask, as the Hugging Face cache's does);

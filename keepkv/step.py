@@ -36,14 +36,17 @@ DECODING = ("compress", "append", "keep_prompt")
 class LayerStep:
     """A method's phases on one layer's store (:class:`keepkv.store.LayerStore`), for a cache
     that decodes as ``decoding`` says (``CompressedCache(decoding=...)``). ``compile``: each decode
-    step's ``observe`` and ``compress`` run as one ``torch.compile`` graph (:mod:`keepkv.fused`)."""
+    step's ``observe`` and ``compress`` run as one ``torch.compile`` graph (:mod:`keepkv.fused`).
+    ``static_shapes``: as ``CompressedCache``'s (True with ``compile``), handed to the method in
+    each decode step's statistics."""
 
-    def __init__(self, method, decoding: str = "compress", compile: bool = False):
+    def __init__(self, method, decoding: str = "compress", compile: bool = False, static_shapes: bool | None = None):
         if decoding not in DECODING:
             raise ValueError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {decoding!r}")
         self.method = method
         self.decoding = decoding
         self._method_step = CompiledStep() if compile else method_step
+        self.static_shapes = True if compile else static_shapes
 
     def start(self, layer) -> None:
         """A layer's first tokens: the method registers its per-entry extras."""
@@ -108,6 +111,8 @@ class LayerStep:
         generated entries (:func:`generated_share`)."""
         if layer.frozen is not None and stats.probs is not None:
             stats = generated_share(layer, stats)
+        if self.static_shapes is not None:
+            stats = replace(stats, static_shapes=self.static_shapes)
         compress = self.compresses(layer)
         self._method_step(self.method, layer, stats, compress)  # decode shapes are stable: compiled once
         if compress:

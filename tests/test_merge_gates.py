@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import keepkv
 from keepkv.merging import zip_merge_rows
 
-from conftest import random_batch, tiny_model
+from conftest import decode_loop, random_batch, tiny_model
 from helpers import applied, gate_merges, zip_merge
 
 SIZE, HEADS, DIM = 12, 2, 8
@@ -278,3 +278,34 @@ def test_min_mass_merges_only_entries_worth_their_mass():
 def test_bad_candidate_parameters_raise_one_line(params):
     with pytest.raises(ValueError, match=next(iter(params))):
         keepkv.get_method("keepkv", **params)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), spec=st.sampled_from([
+    "keepkv", "keepkv+interval=4", "keepkv+selection=ema+min_mass=0+threshold=-1.0",
+    "keepkv+min_mass=0.001+threshold=0.0+protect=0", "keepkv+selection=snapkv+threshold=-1.0+max_value_change=None",
+]), budget=st.sampled_from([1, 9, 0.3, 1.0]), arch=st.sampled_from(["llama-mha", "llama-gqa"]))
+def test_a_decoding_merge_of_only_the_entries_that_merge_equals_the_merge_of_all(seed, spec, budget, arch):
+    """On CPU a decoding ZIP merge compares and merges only the evicted entries that pass the mass
+    and similarity gates (one host read, free there); the cache is the same, bit for bit, as the
+    static path's (``static_shapes=True``: what an accelerator and compile run), which runs every
+    evicted entry through the merge."""
+    from unittest import mock
+
+    import keepkv.methods.keepkv as keepkv_methods
+
+    model = tiny_model(arch, layers=2)
+    ids, mask = random_batch(batch=3, length=24, pad=(0, 5, 13), seed=seed)
+    caches, counted = {}, []
+    for static in (True, False):
+        with mock.patch.object(keepkv_methods, "_counted", wraps=keepkv_methods._counted) as spy:
+            cache = keepkv.CompressedCache(model.config, spec, budget, static_shapes=static)
+            for cache in decode_loop(model, ids, mask, cache, steps=10):
+                pass
+        caches[static], _ = cache, counted.append(spy.call_count)
+    assert counted[0] <= counted[1]  # the compact path counts at every compression, the static one at a prompt's end
+    if budget == 9 and spec.startswith("keepkv+selection"):  # 9 entries, every evicted one may merge
+        assert counted[0] < counted[1]
+    for static, compact in zip(caches[True].layers, caches[False].layers):
+        for name in ("keys", "values", "bias", "positions"):
+            assert torch.equal(getattr(static, name), getattr(compact, name)), name

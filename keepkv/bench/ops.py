@@ -263,7 +263,8 @@ def count_method(model, method: str, budget, prompt_len: int = 512, batch: int =
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # CPU kernels visible to the profiler
-    cache = CompressedCache(config, method, budget_for(method, budget), compile=compile, **params)
+    # static_shapes: an accelerator's decode step (on CPU, KeepKV's merge would size its work by a host read)
+    cache = CompressedCache(config, method, budget_for(method, budget), compile=compile, static_shapes=True, **params)
     cache.method.prepare(model)  # as keepkv.generate and the bench do (KVReviver's Fisher scores)
 
     def forward(tokens):

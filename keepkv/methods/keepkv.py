@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits
+from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits, static_shapes
 from ..merging import (
     KEY_RULES, LogScores, cosine_nearest, ema_log_scores, logsumexp_in_place, pool_log_scores, zip_rows,
     zip_rows_with_ema,
@@ -641,11 +641,13 @@ class KeepKVMerge(ZipMerge):
         """Merge each evicted entry into its most similar kept one (>= ``threshold``, gated), count
         the votes of those dropped (``layer.state["lost_votes"]``), then keep the plan's entries.
 
-        While decoding the merge always runs, on every device: reading "does anything merge?" would
-        be a host sync, and an empty merge changes nothing, bit for bit. At a prompt's end (a
-        prefill or a refresh: one compression of many entries, where a sync costs nothing) the
-        evicted keys are compared with the merge candidates only, and only the entries that merge
-        go through ZIP; the result is the same."""
+        Where a host read costs nothing (a prompt's end, one compression of many entries; and a
+        decode step that need not keep static shapes: :func:`keepkv.attention.static_shapes`, on
+        CPU outside ``torch.compile``) the evicted
+        entries that carry enough mass are compared with the merge candidates only, and only those
+        that merge go through ZIP: the result is the same, bit for bit. Elsewhere (a decode step on
+        CUDA, or compiled) every evicted entry goes through the merge with static shapes, with no
+        host read: an empty merge changes nothing."""
         if plan.evict_idx.shape[-1] > 0:
             log_scale, ema = self._log_scale(layer), plan.merge_scores
             candidates = self.merge_candidates(layer, plan)
@@ -665,7 +667,7 @@ class KeepKVMerge(ZipMerge):
         """ZIP-merge the plan's evicted entries into ``candidates`` (see :meth:`apply`). The gates weigh
         as the merge does. An evicted slot is no merge's target: its votes read the same after."""
         weights = self.merge_weights(layer, ema, stats)
-        if stats.is_prefill:
+        if stats.is_prefill or not static_shapes(stats, layer.keys):
             # Only the entries that may merge (enough mass) are compared with the candidates, and
             # only those that do (similar enough) go through ZIP: the result is the same.
             order, eligible = slots_of(*_counted(self.worth_merging(layer, plan, weights.pooled, plan.evict_valid)))
