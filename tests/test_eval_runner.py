@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
@@ -642,3 +644,24 @@ def test_a_stopped_run_keeps_its_finished_cells_and_resumes(model, tokenizer, tm
     assert sorted(computed) == ["fidelity-120-full-1.0.json", "fidelity-120-window-0.3.json"]
     assert {name: (out / "cells" / name).stat().st_mtime_ns for name in kept} == stamps
     assert len(rows) == 4
+
+
+@settings(max_examples=50, deadline=None)
+@given(methods=st.lists(st.text(alphabet="ab/%+=.", min_size=1, max_size=8), min_size=2, max_size=4, unique=True))
+def test_a_cell_is_one_file_in_cells_whatever_its_methods_spec(methods):
+    """A spec with a path in a parameter (``scorer=dir/file.pt``) still names one file directly in
+    ``cells/`` (where ``keepkv report`` reads them), and distinct specs never share a file."""
+    out = Path("/nonexistent-run")
+    paths = [runner_module.cell_path(out, "needle", 1024, f"snapkv+scorer={method}", 0.1) for method in methods]
+    assert all(path.parent == out / "cells" for path in paths)
+    assert len(set(paths)) == len(paths)
+
+
+def test_report_reads_the_cell_of_a_spec_with_a_path(tmp_path):
+    from keepkv.eval.summary import load_cells
+
+    spec = "snapkv+selection=learned+scorer=/tmp/scorers/mine.pt"
+    path = runner_module.cell_path(tmp_path, "needle", 1024, spec, 0.1)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"suite": "needle", "length": 1024, "method": spec, "budget": 0.1, "records": [{"score": 1.0}]}))
+    assert load_cells(tmp_path) == {("needle", 1024): {(spec, 0.1): [{"score": 1.0}]}}

@@ -278,8 +278,11 @@ def _budget_label(budget) -> str:
 
 
 def cell_path(out_dir: Path, suite: str, length: int, method: str, budget) -> Path:
-    """Where the JSON records of one cell go."""
-    return Path(out_dir) / "cells" / f"{suite}-{length}-{method}-{_budget_label(budget)}.json"
+    """Where the JSON records of one cell go: one file in ``cells/``, whatever the method's spec
+    holds (a path separator in a parameter, ``scorer=dir/file.pt``, is written ``%2F``, and ``%``
+    itself ``%25``; the file holds the spec as given)."""
+    name = f"{suite}-{length}-{method}-{_budget_label(budget)}".replace("%", "%25").replace("/", "%2F")
+    return Path(out_dir) / "cells" / f"{name}.json"
 
 
 @dataclass
