@@ -112,8 +112,8 @@ class CompressedCache(Cache):
         Decode steps keep static shapes and never read a tensor back to the host (what a GPU's
         launch queue and ``compile`` need). None (default): on an accelerator and with
         ``compile=True``; on CPU otherwise KeepKV's decoding merge compares and ZIP-merges only
-        the evicted entries that pass its gates, one host read each compression: the same cache,
-        bit for bit, in fewer operations. ``keepkv bench --ops`` counts with True.
+        the evicted entries that pass its gates (one host read each compression): the same cache,
+        bit for bit. ``keepkv bench --ops`` counts with True.
     compress_once : bool
         The cache holds a context compressed before any question is seen (:func:`keepkv.compress`
         sets it): a method given by name runs on its compress-once selection where it names one
@@ -176,8 +176,8 @@ class CompressedCache(Cache):
         self.kernel = kernel
         self._decode_kernels: dict = {}  # device -> the decode kernel ``kernel`` names, resolved once
         self.method = method_of(method, method_params, as_bool("compress_once", compress_once))
-        if static_shapes is not None:
-            static_shapes = as_bool("static_shapes", static_shapes)
+        if static_shapes is not None and not isinstance(static_shapes, bool):
+            raise ValueError(f"static_shapes must be True, False or None, got {shown(static_shapes)}")
         self.static_shapes = static_shapes
         # what the method does to a layer, by phase
         self.step = LayerStep(self.method, decoding, self.compile, static_shapes)

@@ -243,7 +243,8 @@ def test_a_wrong_argument_to_compress_is_named_in_one_line(kwargs, argument):
 @pytest.mark.parametrize(
     "args, kwargs, argument",
     [((None,), {}, "config"), ((5, "full"), {}, "config"), ((MODEL.config, None), {}, "method"),
-     ((MODEL.config, "full"), dict(compile=1), "compile"), ((MODEL.config, "full"), dict(record=3), "record")],
+     ((MODEL.config, "full"), dict(compile=1), "compile"), ((MODEL.config, "full"), dict(record=3), "record"),
+     ((MODEL.config, "keepkv", 0.5), dict(static_shapes="yes"), "static_shapes")],
 )
 def test_a_wrong_argument_to_compressed_cache_is_named_in_one_line(args, kwargs, argument):
     _refused(lambda: keepkv.CompressedCache(*args, **kwargs), argument)

@@ -642,12 +642,12 @@ class KeepKVMerge(ZipMerge):
         the votes of those dropped (``layer.state["lost_votes"]``), then keep the plan's entries.
 
         Where a host read costs nothing (a prompt's end, one compression of many entries; and a
-        decode step that need not keep static shapes: :func:`keepkv.attention.static_shapes`, on
-        CPU outside ``torch.compile``) the evicted
-        entries that carry enough mass are compared with the merge candidates only, and only those
-        that merge go through ZIP: the result is the same, bit for bit. Elsewhere (a decode step on
-        CUDA, or compiled) every evicted entry goes through the merge with static shapes, with no
-        host read: an empty merge changes nothing."""
+        decode step that need not keep static shapes, :func:`keepkv.attention.static_shapes`: on
+        CPU outside ``torch.compile``) the evicted entries that carry enough mass are compared
+        with the merge candidates only, and only those that merge go through ZIP: the result is
+        the same, bit for bit. Elsewhere (a decode step on CUDA, or compiled) every evicted entry
+        goes through the merge with static shapes, with no host read: an empty merge changes
+        nothing."""
         if plan.evict_idx.shape[-1] > 0:
             log_scale, ema = self._log_scale(layer), plan.merge_scores
             candidates = self.merge_candidates(layer, plan)
