@@ -3,6 +3,7 @@ line `keepkv serve` builds (tests/test_vllm.py starts the server itself, in the 
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -366,6 +367,47 @@ def test_the_serving_bench_spreads_ragged_prompts_around_the_length():
     assert abs(sum(ragged) / 32 - 1024) < 1
     assert prompt_lengths(32, 1024, ragged=True) == ragged  # a fixed order: runs compare
     assert min(prompt_lengths(3, 1, ragged=True)) == 1  # never an empty prompt
+
+
+def test_the_shared_documents_shape_interleaves_documents_and_counts_prompt_tokens_computed():
+    """--documents: request i asks about document i mod D; the count of prompt tokens computed takes
+    each scheduled request's tokens inside its prompt past what it had (computed or cached)."""
+    from keepkv.vllm.bench import interleaved, prompt_tokens_computed
+
+    assert interleaved(3, 7) == [0, 1, 2, 0, 1, 2, 0]
+    assert interleaved(1, 3) == [0, 0, 0]
+    requests = {"a": SimpleNamespace(num_prompt_tokens=100), "b": SimpleNamespace(num_prompt_tokens=50),
+                "c": SimpleNamespace(num_prompt_tokens=10)}
+    output = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=64)],  # 64 found in the prefix cache
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["b", "c"], num_computed_tokens=[40, 10]),
+        num_scheduled_tokens={"a": 36, "b": 16, "c": 1},  # b: its last 10 prompt tokens and 6 more; c decodes
+    )
+    assert prompt_tokens_computed(output, requests) == 36 + 10 + 0
+    output.scheduled_new_reqs[0].num_computed_tokens = 0  # a miss: a chunk of the prompt
+    output.num_scheduled_tokens["a"] = 48
+    assert prompt_tokens_computed(output, requests) == 48 + 10
+
+
+def test_the_serving_bench_refuses_shared_document_flags_it_cannot_honour(capsys):
+    from keepkv.vllm import bench
+
+    for argv, says in [(["--documents", "4"], "need --shared-prefix"),
+                       (["--shared-prefix", "64", "--prompt-modes", "keep,squash"], "--prompt-modes takes"),
+                       (["--shared-prefix", "64", "--prompt-modes", "keep,keep"], "--prompt-modes takes"),
+                       (["--shared-prefix", "64", "--documents", "0"], "--documents must be >= 1"),
+                       (["--shared-prefix", "64", "--prompt-budget", "1.5"], "--prompt-budget must be")]:
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_bench_names_an_engine_by_its_prompt_mode_only_where_it_runs_several():
+    from keepkv.vllm.bench import engine_name
+
+    assert engine_name(None) == "full (stock vLLM)"
+    assert engine_name({"method": "keepkv", "budget": 64}) == "keepkv"
+    assert engine_name({"method": "keepkv", "budget": 0.1, "prompt_mode": "compress"}) == "keepkv (compress prompts)"
 
 
 def test_serve_says_it_is_warming_up_until_the_server_is_ready(monkeypatch, capsys):

@@ -17,6 +17,16 @@ methods run with ``--keep-prompt`` (prompts kept whole, ``--budget`` generated e
     python -m keepkv.vllm.bench --shared-prefix 1024 --prompt-len 32 --requests 16 --gen-len 512 \
         --full-requests 2 --methods snapkv,keepkv --budget 64
 
+With ``--documents D`` there are D shared prefixes (documents) of N tokens instead of one, and
+request i starts with document i mod D (submitted interleaved: 1, 2, ..., D, 1, 2, ...), the
+"shared documents" shape: each engine also reports the prompt tokens it computed (a count, steady
+from run to run). ``--prompt-modes keep,compress`` runs each method twice: keeping prompts whole
+(prefix caching on) and compressing each request's prompt to ``--prompt-budget`` (its document
+read again by every request: keepkv's prompt-compressing mode turns prefix caching off)::
+
+    python -m keepkv.vllm.bench --shared-prefix 4096 --documents 8 --prompt-len 32 --requests 64 \
+        --gen-len 64 --full-requests 2 --methods keepkv --budget 64 --prompt-modes keep,compress
+
 With ``--tensor-parallel-size N`` every engine runs N ranks, each with the blocks above for its
 share of the heads; each engine's start time (building ``LLM``) is reported beside its tokens/s.
 """
@@ -36,9 +46,11 @@ import time
 
 BLOCK_SIZE = 128  # vLLM's CPU default
 PROGRESS_EVERY = 10.0  # seconds between progress lines of one engine
-COLUMNS = [("engine", "method"), ("KV blocks", "blocks"), ("peak concurrent requests", "peak_running"),
+COLUMNS = [("engine", "engine"), ("KV blocks", "blocks"), ("peak concurrent requests", "peak_running"),
            ("scheduler steps", "steps"), ("tokens/s", "tokens_per_s"), ("vs stock", "tokens_per_s_vs_full")]
 START = ("start (s)", "start_seconds")
+COMPUTED = ("prompt tokens computed", "prompt_tokens_computed")
+PROMPT_MODES = ("keep", "compress")
 
 
 def prompt_lengths(count: int, length: int, ragged: bool) -> list[int]:
@@ -49,6 +61,24 @@ def prompt_lengths(count: int, length: int, ragged: bool) -> list[int]:
     spread = [max(1, length // 2 + (length * i) // max(1, count - 1)) for i in range(count)]
     random.Random(0).shuffle(spread)
     return spread
+
+
+def interleaved(documents: int, requests: int) -> list[int]:
+    """The document each of ``requests`` requests asks about, submitted interleaved over ``documents``:
+    0, 1, ..., documents - 1, 0, 1, ..."""
+    return [i % documents for i in range(requests)]
+
+
+def prompt_tokens_computed(output, requests: dict) -> int:
+    """Prompt tokens a scheduler step (vLLM's ``SchedulerOutput``) computes: each scheduled request's
+    tokens that fall in its prompt (``requests``: the scheduler's, id -> request with its
+    ``num_prompt_tokens``), past what it had computed or found in the prefix cache. A preempted
+    request's prompt read again counts again."""
+    done = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+    cached = output.scheduled_cached_reqs
+    done.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return sum(max(0, min(count, requests[request].num_prompt_tokens - done[request]))
+               for request, count in output.num_scheduled_tokens.items())
 
 
 def stdlib_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
@@ -91,6 +121,15 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     params = vllm.SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    computed = [0]
+    schedule = scheduler.schedule
+
+    def counted_schedule(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        computed[0] += prompt_tokens_computed(output, scheduler.requests)
+        return output
+
+    scheduler.schedule = counted_schedule
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
@@ -116,12 +155,22 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     engine_core.shutdown()  # a parallel engine's workers stop before the next engine starts
     gc.collect()
     return {
-        "method": keepkv["method"] if keepkv else "full (stock vLLM)",
-        "prefix_cache_hit_tokens": cached if prefix_caching else None, "tensor_parallel_size": tensor_parallel_size,
+        "engine": engine_name(keepkv), "method": keepkv["method"] if keepkv else "full (stock vLLM)",
+        "prefix_cache_hit_tokens": cached if prefix_caching else None, "prompt_tokens_computed": computed[0],
+        "tensor_parallel_size": tensor_parallel_size,
         "blocks": blocks, "kv_bytes": blocks * block_bytes * tensor_parallel_size, "peak_running": peak, "steps": steps,
         "start_seconds": round(started, 2), "seconds": round(seconds, 2), "generated_tokens": generated,
         "tokens_per_s": round(generated / seconds, 2),
     }
+
+
+def engine_name(keepkv: dict | None) -> str:
+    """An engine's name in the table: stock, or the method and, where the bench runs prompt modes,
+    how it treats the prompt."""
+    if not keepkv:
+        return "full (stock vLLM)"
+    mode = keepkv.get("prompt_mode")
+    return keepkv["method"] if mode is None else f"{keepkv['method']} ({mode} prompts)"
 
 
 def main(argv=None) -> None:
@@ -131,7 +180,16 @@ def main(argv=None) -> None:
                         help="fraction of each prompt kept (default 0.1); with --shared-prefix, generated entries kept "
                         "per request (an int, default 256)")
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
-                        help="every prompt starts with the same N tokens; prefix caching on, methods keep prompts whole")
+                        help="every prompt starts with the same N tokens (one of --documents); prefix caching on, and "
+                        "methods keep prompts whole unless --prompt-modes says compress")
+    parser.add_argument("--documents", type=int, default=1, metavar="D",
+                        help="with --shared-prefix: D shared prefixes of N tokens, request i starting with document "
+                        "i mod D (default 1)")
+    parser.add_argument("--prompt-modes", default="keep", metavar="MODES",
+                        help="with --shared-prefix, comma-separated: 'keep' (prompts kept whole, prefix caching on; "
+                        "the default) and/or 'compress' (each prompt compressed to --prompt-budget, prefix caching off)")
+    parser.add_argument("--prompt-budget", type=float, default=0.1,
+                        help="with --prompt-modes compress: fraction of each prompt kept (default 0.1)")
     parser.add_argument("--requests", type=int, default=32, help="requests submitted at once (default 32)")
     parser.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
     parser.add_argument("--ragged", action="store_true",
@@ -146,9 +204,16 @@ def main(argv=None) -> None:
                         "bytes for its share of the heads (default 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    for name in ("requests", "prompt_len", "gen_len", "full_requests", "tensor_parallel_size"):
+    for name in ("requests", "prompt_len", "gen_len", "full_requests", "tensor_parallel_size", "documents"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    modes = args.prompt_modes.split(",")
+    if any(mode not in PROMPT_MODES for mode in modes) or len(set(modes)) != len(modes):
+        parser.error(f"--prompt-modes takes {' and/or '.join(PROMPT_MODES)}, comma-separated, got {args.prompt_modes!r}")
+    if not args.shared_prefix and (args.documents > 1 or modes != ["keep"]):
+        parser.error("--documents and --prompt-modes need --shared-prefix")
+    if not 0 < args.prompt_budget <= 1:
+        parser.error("--prompt-budget must be in (0, 1]")
     keep_prompt = args.shared_prefix > 0
     if args.budget is None:
         args.budget = 256 if keep_prompt else 0.1
@@ -174,13 +239,12 @@ def main(argv=None) -> None:
     model_dir = tempfile.mkdtemp(prefix="keepkv-vllm-")
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    lengths = prompt_lengths(args.requests + (1 if keep_prompt else 0), args.prompt_len, args.ragged)
-    if keep_prompt:  # one more stdlib file: the shared prefix
-        lengths[-1] = args.shared_prefix
-    prompts = stdlib_prompts(tokenizer, lengths)
+    documents = args.documents if keep_prompt else 0
+    lengths = prompt_lengths(args.requests, args.prompt_len, args.ragged) + [args.shared_prefix] * documents
+    prompts = stdlib_prompts(tokenizer, lengths)  # the shared prefixes: more stdlib files
     if keep_prompt:
-        prefix = prompts.pop()
-        prompts = [prefix + prompt for prompt in prompts]
+        prefixes, prompts = prompts[args.requests:], prompts[: args.requests]
+        prompts = [prefixes[document] + prompt for document, prompt in zip(interleaved(documents, args.requests), prompts)]
     request_len = args.shared_prefix + args.prompt_len
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -188,14 +252,28 @@ def main(argv=None) -> None:
     full_blocks = args.full_requests * math.ceil((request_len + args.gen_len) / BLOCK_SIZE)
     engines = [(None, full_blocks)]
     for method in args.methods.split(","):
-        paged = PagedCompression(config, method, args.budget, keep_prompt=keep_prompt, kernel=VllmCpuKernel())
-        slot = paged.content_bytes(head_dim, model.dtype)  # as the engine lays it out (vLLM's kernel widths)
-        settings = {"method": method, "budget": args.budget} | ({"keep_prompt": True} if keep_prompt else {})
-        engines.append((settings, full_blocks * stock_slot // slot))  # same bytes
-    run_all(engines, lambda keepkv, blocks, progress: run_engine(
-        model_dir, prompts, args.gen_len, blocks, keepkv, progress, args.chunked_prefill, keep_prompt,
-        args.tensor_parallel_size),
-        vars(args), args.json)
+        for mode in modes if keep_prompt else ["compress"]:
+            keep = mode == "keep" and keep_prompt
+            budget = args.budget if keep or not keep_prompt else args.prompt_budget
+            try:  # a budget the method cannot keep: one line, before any engine starts
+                paged = PagedCompression(config, method, budget, keep_prompt=keep, kernel=VllmCpuKernel())
+            except ValueError as error:
+                parser.error(str(error))
+            slot = paged.content_bytes(head_dim, model.dtype)  # as the engine lays it out (vLLM's kernel widths)
+            settings = {"method": method, "budget": budget} | ({"keep_prompt": True} if keep else {})
+            if len(modes) > 1:
+                settings["prompt_mode"] = mode  # the bench's, for the row's name; not the engine's
+            engines.append((settings, full_blocks * stock_slot // slot))  # same bytes
+
+    def run(keepkv, blocks, progress):
+        engine = None if keepkv is None else {key: value for key, value in keepkv.items() if key != "prompt_mode"}
+        # prefix caching on with shared prefixes, but for a method that compresses prompts (it refuses it)
+        caching = keep_prompt and (keepkv is None or bool(keepkv.get("keep_prompt")))
+        row = run_engine(model_dir, prompts, args.gen_len, blocks, engine, progress, args.chunked_prefill, caching,
+                         args.tensor_parallel_size)
+        return row | {"engine": engine_name(keepkv)}
+
+    run_all(engines, run, vars(args), args.json)
 
 
 def run_all(engines, run, settings: dict, json_path: str | None, out=None, err=None) -> list[dict]:
@@ -205,7 +283,7 @@ def run_all(engines, run, settings: dict, json_path: str | None, out=None, err=N
     out, err = out or sys.stdout, err or sys.stderr
     results = []
     for index, (keepkv, blocks) in enumerate(engines, 1):
-        name = keepkv["method"] if keepkv else "full (stock vLLM)"
+        name = engine_name(keepkv)
         label = f"[{index}/{len(engines)}] {name}"
         print(f"{label}: starting ({blocks} KV blocks)", file=err, flush=True)
 
@@ -225,12 +303,13 @@ def run_all(engines, run, settings: dict, json_path: str | None, out=None, err=N
 
 
 def table(results: list[dict]) -> str:
-    """The results as a Markdown table (docs/serving.md's columns, and each engine's start time when
-    every row has one); stock's ratio is 1.00×."""
-    columns = COLUMNS + [START] * all(START[1] in row for row in results)
+    """The results as a Markdown table (docs/serving.md's columns, the prompt tokens computed where a
+    row counted them, and each engine's start time when every row has one); stock's ratio is 1.00×."""
+    columns = COLUMNS + [COMPUTED] * any(row.get(COMPUTED[1]) is not None for row in results)
+    columns += [START] * all(START[1] in row for row in results)
     lines = ["| " + " | ".join(title for title, _ in columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
     for row in results:
-        values = {**row, "tokens_per_s_vs_full": f"{row.get('tokens_per_s_vs_full', 1.0):.2f}×"}
+        values = {"engine": row["method"], **row, "tokens_per_s_vs_full": f"{row.get('tokens_per_s_vs_full', 1.0):.2f}×"}
         lines.append("| " + " | ".join(f"{values[key]:,}" if isinstance(values[key], int) else str(values[key])
                                        for _, key in columns) + " |")
     return "\n".join(lines)
