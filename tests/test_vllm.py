@@ -827,3 +827,20 @@ def test_readme_serving_block_runs_as_a_script(tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip()
+
+
+def test_the_serving_bench_counts_the_prompt_tokens_an_engine_computes(model_dir, prompts):
+    """python -m keepkv.vllm.bench's count of prompt tokens computed, on real engines: with prefix
+    caching on it is every prompt token less vLLM's own prefix-cache hits (no preemption here), and
+    a method compressing prompts (prefix caching off) computes every prompt token."""
+    from keepkv.vllm.bench import run_engine
+
+    document = prompts[1][:384]
+    asked = [document + prompts[2][i * 20 : (i + 1) * 20] for i in range(3)]
+    total = sum(map(len, asked))
+    stock = run_engine(model_dir, asked, 4, 16, None, prefix_caching=True)
+    assert stock["prefix_cache_hit_tokens"] >= 2 * 256  # the later two found the document's full blocks
+    assert stock["prompt_tokens_computed"] == total - stock["prefix_cache_hit_tokens"]
+    assert len(asked[0]) <= stock["prompt_tokens_computed"] <= total
+    compressing = run_engine(model_dir, asked, 4, 16, {"method": "snapkv", "budget": 0.5})
+    assert compressing["prompt_tokens_computed"] == total
