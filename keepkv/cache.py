@@ -194,6 +194,7 @@ class CompressedCache(Cache):
         self.prefill_peak_bytes = 0
         self.prompt_mask: torch.Tensor | None = None
         self._chunk_compression = True
+        self.chunk_keep: tuple[int, int] | None = None  # start_prefill(chunk_keep=(tokens, kept))
         self.record = record
         self._reconstruction: Reconstruction | None = None  # the pass whose block is being fed
         self._reconstruction_expected = False
@@ -252,6 +253,7 @@ class CompressedCache(Cache):
         self.layer_budgets = self.row_budgets = None
         self.prefill_peak_bytes = 0
         self.prompt_mask = None
+        self.chunk_keep = None
         self.token_hash = self.token_count = self.pending = None
         self.ids_seen = 0
 
@@ -385,15 +387,36 @@ class CompressedCache(Cache):
         if not torch.equal(got, due):
             self._refuse(f"last position {got.tolist()}, due {due.tolist()}")
 
-    def start_prefill(self, attention_mask: torch.Tensor, compress_chunks: bool = True) -> None:
+    def start_prefill(self, attention_mask: torch.Tensor, compress_chunks: bool = True,
+                      chunk_keep: tuple[int, int] | None = None) -> None:
         """Announce a prompt that will be fed in several blocks: attention_mask [B, T] (1 = real
         token, left padding), the whole prompt's. Its padding is read from here, since a block's
         mask cannot tell a block of padding from one real token (each query sees itself).
         ``compress_chunks``: a method that scores each entry alone compresses the prompt after each
         block (:attr:`compresses_chunks`, the default); False: once, at its end, as every other
-        method (and as ``keepkv.vllm`` serves every method today)."""
+        method (and as ``keepkv.vllm`` serves every method today).
+
+        ``chunk_keep=(N, K)`` (with ``decoding="keep_prompt"``): the prompt is fed in blocks of N
+        tokens (the last may be shorter), and each whole block is compressed alone as it arrives,
+        by the method's selection and merge, to K entries per layer and head, chosen among its own
+        entries; the entries before it are never touched again, nor are any prompt entries while
+        decoding. A shorter last block is kept whole. The entries a block keeps are then a
+        function of the tokens up to its end alone: a compressed document is the same prefix
+        whatever follows it (what a prefix cache of compressed documents needs)."""
+        if chunk_keep is not None:
+            if (not isinstance(chunk_keep, tuple) or len(chunk_keep) != 2
+                    or not all(isinstance(n, int) and not isinstance(n, bool) for n in chunk_keep)
+                    or not 1 <= chunk_keep[1] < chunk_keep[0]):
+                raise ValueError(f"chunk_keep must be (tokens, kept), ints with 1 <= kept < tokens, got {shown(chunk_keep)}")
+            if self.decoding != "keep_prompt":
+                raise ValueError("chunk_keep compresses a prompt's chunks once and keeps them: use it with "
+                                 "CompressedCache(decoding='keep_prompt')")
+            if self.record is not None or self.defers_to_reconstruction:
+                raise ValueError(f"chunk_keep compresses each chunk as it arrives: {self.method.name} "
+                                 + ("records instead" if self.record is not None else "scores the prompt after it, with a reconstruction pass"))
         self.prompt_mask = attention_mask.bool()
         self._chunk_compression = as_bool("compress_chunks", compress_chunks)
+        self.chunk_keep = chunk_keep
 
     @property
     def prefill_tokens(self) -> int:
@@ -431,7 +454,7 @@ class CompressedCache(Cache):
             self.step.start(layer)
             # A chunked prefill's buffers take the whole prompt at once, not a growth step per chunk
             # (one chunk more when the prompt is compressed chunk by chunk).
-            headroom = block if self.compresses_chunks else self.prefill_tokens - block
+            headroom = block if self.compresses_chunks or self.chunk_keep else self.prefill_tokens - block
             layer.reserve(headroom if self.prefill_tokens > block else None)
         is_real = block_mask[:, 0, -1, :]
         if layer.seen < self.prefill_tokens:  # a block of an announced prompt may be all padding
@@ -446,6 +469,9 @@ class CompressedCache(Cache):
             if layer.prefill_stats is not None:  # an earlier chunk of this prompt
                 stats = join_prefill_stats(layer.prefill_stats, stats, needs.window)
             layer.prefill_stats = stats
+            chunk_alone = self.chunk_keep is not None and self._chunk_alone(layer, block)
+            if chunk_alone:  # observed and compressed alone; its statistics are spent
+                self._compress_chunk_alone(layer, stats, block)
             if layer.seen < self.prefill_tokens:
                 if self.compresses_chunks:
                     self._compress_chunk(layer, stats)
@@ -453,7 +479,9 @@ class CompressedCache(Cache):
         if is_prefill:
             if self.defers_to_reconstruction:  # compressed once its reconstruction passes ran
                 return output
-            if not (self.keeps_everything and self.method.needs(True).reconstruct):  # no pass ran at 1.0
+            if chunk_alone:
+                pass
+            elif not (self.keeps_everything and self.method.needs(True).reconstruct):  # no pass ran at 1.0
                 self.step.observe_prompt(layer, stats)
             if not self.method.allocates_from_all_layers:
                 self._end_prefill([layer])
@@ -544,10 +572,12 @@ class CompressedCache(Cache):
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
         self._fix_budgets(layers[0].real_seen)
         frozen = self.prompt_lengths if self.decoding == "keep_prompt" else None
-        interval = 1 if self.layer_budgets is None else decode_interval(self.method.interval, self.layer_budgets, frozen)
+        held = None if self.chunk_keep is None else self._prompt_held()
+        interval = 1 if self.layer_budgets is None else decode_interval(
+            self.method.interval, self.layer_budgets, frozen if held is None else held)
         for layer in layers:
             budget = None if self.layer_budgets is None else self.layer_budgets[layer.layer_idx]
-            self.step.close_prompt(layer, budget, self.row_budgets, frozen, layer.prefill_stats, interval)
+            self.step.close_prompt(layer, budget, self.row_budgets, frozen, layer.prefill_stats, interval, held)
             if self.record is None:
                 layer.prefill_stats = None
 
@@ -563,6 +593,9 @@ class CompressedCache(Cache):
             self.method, self.budget, self.decoding, self.num_layers, self.config.num_key_value_heads,
             self.prompt_lengths, scores,
         )
+        if self.layer_budgets is not None and self.chunk_keep is not None:  # the prompt holds fewer than its tokens
+            held = self._prompt_held().to(self.layer_budgets.device)
+            self.layer_budgets = self.layer_budgets - (self.prompt_lengths.to(held.device) - held)[None, :, None]
         if self.layer_budgets is not None and self.decoding != "keep_prompt":
             self._warn_budget(self.row_budgets)
 
@@ -575,6 +608,42 @@ class CompressedCache(Cache):
         return (self.prompt_mask is not None and self._chunk_compression and self.decoding != "keep_prompt"
                 and self.record is None
                 and not self.keeps_everything and self.method.compresses_chunks)
+
+    def _chunk_alone(self, layer: LayerStore, block: int) -> bool:
+        """Whether the block just appended to ``layer`` (``chunk_keep``) is a whole chunk, compressed
+        alone; refuses, in one line, a block that breaks the chunks (a shorter block before the
+        prompt's last)."""
+        tokens = self.chunk_keep[0]
+        if block == tokens and layer.seen % tokens == 0:
+            return True
+        if layer.seen < self.prefill_tokens or block > tokens:
+            raise ValueError(f"chunk_keep=({tokens}, {self.chunk_keep[1]}) needs the prompt fed in blocks of {tokens} "
+                             f"tokens (the last may be shorter): got a block of {block} ending at token {layer.seen}")
+        return False
+
+    def _held_before(self, tokens: int) -> torch.Tensor:
+        """[B] entries the prompt's first ``tokens`` tokens (whole chunks) hold per layer and head,
+        each chunk compressed alone to its ``chunk_keep``."""
+        size, kept = self.chunk_keep
+        mask = self.prompt_mask[:, :tokens]
+        return mask.reshape(mask.shape[0], -1, size).sum(-1).clamp(max=kept).sum(-1)
+
+    def _prompt_held(self) -> torch.Tensor:
+        """[B] entries the whole prompt holds per layer and head (``chunk_keep``): its whole chunks
+        compressed, its shorter last block whole."""
+        whole = self.prefill_tokens // self.chunk_keep[0] * self.chunk_keep[0]
+        return self._held_before(whole) + self.prompt_mask[:, whole:].sum(-1)
+
+    def _compress_chunk_alone(self, layer: LayerStore, stats, block: int) -> None:
+        """A whole chunk is in (``chunk_keep``): compress it alone
+        (:meth:`keepkv.step.LayerStep.compress_chunk_alone`), the entries before it frozen."""
+        self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
+        start = layer.seen - block
+        device = layer.real_seen.device
+        prompt_start = layer.real_seen - self.prompt_mask[:, start:layer.seen].sum(-1).to(device)
+        self.step.compress_chunk_alone(layer, self.chunk_keep[1], prompt_start, self._held_before(start).to(device),
+                                       stats)
+        layer.prefill_stats = None  # the next chunks' statistics are over the compressed layer
 
     def _compress_chunk(self, layer: LayerStore, stats) -> None:
         """A chunk of an announced prompt is in (not its last): compress the layer to its whole

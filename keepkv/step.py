@@ -67,8 +67,21 @@ class LayerStep:
         layer.set_budget(budget, row_budget)
         self.method.compress(layer, stats)
 
+    def compress_chunk_alone(self, layer, kept: int, prompt_start: torch.Tensor, held: torch.Tensor, stats) -> None:
+        """A chunk of a prompt is in, and is compressed alone (``start_prefill(chunk_keep=K)``): the
+        layer's entries before it stay as they are, frozen like a kept prompt's (``prompt_start``
+        [B], the chunk's first position in each row; ``held`` [B], the entries before it), and each
+        row and head keeps ``kept`` of the chunk's own (all of a row's, where it has fewer). What a
+        chunk keeps is then a function of the tokens up to its end alone."""
+        self.method.observe(layer, stats)
+        chunk = (layer.real_seen - prompt_start).clamp(max=kept)  # [B] entries each row keeps of the chunk
+        budget = (held + chunk)[:, None].expand(-1, layer.bias.shape[1]).contiguous()
+        layer.set_budget(budget, chunk, prompt_start, 1, held)
+        self.method.compress(layer, stats)
+
     def close_prompt(self, layer, budget: torch.Tensor | None, row_budget: torch.Tensor | None,
-                     frozen: torch.Tensor | None = None, stats=None, interval: int = 1) -> None:
+                     frozen: torch.Tensor | None = None, stats=None, interval: int = 1,
+                     frozen_held: torch.Tensor | None = None) -> None:
         """The end of a layer's prompt, once the method observed it: the layer takes its budgets
         ([B, H_kv] entries each row and head may hold, None: never compress; [B] mean budgets) and is
         compressed, keeps its prompt whole (``decoding="keep_prompt"``, ``frozen`` [B] the prompt
@@ -76,10 +89,11 @@ class LayerStep:
         which the compression may read. ``interval``: the cache's decode steps between compressions
         (:func:`keepkv.budgets.decode_interval`); the layer keeps interval - 1 fewer after each
         (:meth:`set_budget`), so it never holds more than its budget between steps, and its
-        buffers have the room of interval 1."""
+        buffers have the room of interval 1. ``frozen_held`` [B]: the entries a kept prompt holds,
+        where its chunks were compressed as they came (:meth:`compress_chunk_alone`)."""
         layer.reserve(None)
         if budget is not None and self.decoding != "append":
-            self.set_budget(layer, budget, row_budget, frozen, interval)
+            self.set_budget(layer, budget, row_budget, frozen, interval, frozen_held)
             layer.reserve(interval)
             if self.decoding == "compress":
                 self.method.compress(layer, stats)
@@ -90,13 +104,13 @@ class LayerStep:
 
     @staticmethod
     def set_budget(layer, budget: torch.Tensor, row_budget: torch.Tensor | None, frozen: torch.Tensor | None,
-                   interval: int) -> None:
+                   interval: int, frozen_held: torch.Tensor | None = None) -> None:
         """Give ``layer`` its budgets [B, H_kv] (the most each row and head may hold between steps)
         as a layer decoding every ``interval`` steps keeps them: each compression keeps
         budget - (interval - 1), so the interval's appends bring it back to its budget, and to
         budget + 1 at the attention call that compresses, the peak of interval 1
         (``interval``: :func:`keepkv.budgets.decode_interval`)."""
-        layer.set_budget(budget - (interval - 1), row_budget, frozen, interval)
+        layer.set_budget(budget - (interval - 1), row_budget, frozen, interval, frozen_held)
 
     def compresses(self, layer) -> bool:
         """Whether the decode step now running compresses the layer: it has a budget, decoding

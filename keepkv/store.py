@@ -100,8 +100,10 @@ class LayerStore(CacheLayerMixin):
     holds at most ``bound`` = budget + interval - 1 entries (:meth:`keepkv.step.LayerStep.set_budget`);
     ``row_budget`` [B]: each row's mean budget over the layers (what a method's recent window is
     a share of);
-    ``frozen`` [B] or None: each row's prompt length when its prompt is kept whole
-    (``CompressedCache(decoding="keep_prompt")``): its entries never leave and never take a merge;
+    ``frozen`` [B] or None: each row's prompt length when its prompt is kept
+    (``CompressedCache(decoding="keep_prompt")``): the entries of positions below it never leave
+    and never take a merge; ``frozen_held`` [B]: how many entries that is (the prompt's length,
+    unless its chunks were compressed as they came: ``start_prefill(chunk_keep=(N, K))``);
     ``pending``: tokens appended since the last compression;
     ``state``: the method's per-layer state that is not per entry (the method's own dict).
     """
@@ -126,6 +128,7 @@ class LayerStore(CacheLayerMixin):
         self.min_budget = 0
         self.interval = 1
         self.frozen: torch.Tensor | None = None
+        self.frozen_held: torch.Tensor | None = None
         self.pending = 0
         self.prefill_stats = None
         self.buffers: dict[str, torch.Tensor] = {}
@@ -212,18 +215,23 @@ class LayerStore(CacheLayerMixin):
         return 0 if bias is None else bias.shape[-1]
 
     def set_budget(self, budget: torch.Tensor | None, row_budget: torch.Tensor | None = None,
-                   frozen: torch.Tensor | None = None, interval: int = 1) -> None:
+                   frozen: torch.Tensor | None = None, interval: int = 1,
+                   frozen_held: torch.Tensor | None = None) -> None:
         """Entries each row and head keeps after a compression [B, H_kv] (None: unlimited), each
         row's mean budget [B], and the decode steps between compressions (``interval``); ``capacity``
         and ``min_budget`` are derived here (one host sync, at the end of a prefill or when rows
         move). ``frozen`` [B]: the entries of positions below it (the row's
         prompt) are kept as they are (:meth:`frozen_entries`), unscored: their extras go back to
-        their fill values and no later ``add_to`` or ``overwrite`` changes them."""
+        their fill values and no later ``add_to`` or ``overwrite`` changes them. ``frozen_held`` [B]:
+        the entries below ``frozen`` (default ``frozen``: a prompt held whole); given, ``frozen``
+        may have moved (a prompt whose chunks are compressed as they come), and the entries it
+        newly covers are unscored too."""
         self.budget = budget
         self.row_budget = row_budget
         self.interval = interval
-        newly_frozen = frozen is not None and self.frozen is None
+        newly_frozen = frozen is not None and (self.frozen is None or frozen_held is not None)
         self.frozen = frozen
+        self.frozen_held = frozen if frozen_held is None or frozen is None else frozen_held
         if newly_frozen:
             mask = self.frozen_entries()
             for name in self.extras:
@@ -265,7 +273,7 @@ class LayerStore(CacheLayerMixin):
         selection's recent window and sinks are shares of."""
         if self.budget is None or self.frozen is None:
             return self.budget
-        return self.budget - self.frozen[:, None]
+        return self.budget - self.frozen_held[:, None]
 
     def binary_bias(self) -> bool:
         """True if the bias holds only 0 and -inf: only appends, selections and drops wrote it."""
@@ -338,7 +346,8 @@ class LayerStore(CacheLayerMixin):
         if self.budget is not None:
             row_budget = None if self.row_budget is None else self.row_budget.index_select(0, index)
             frozen = None if self.frozen is None else self.frozen.index_select(0, index)
-            self.set_budget(self.budget.index_select(0, index), row_budget, frozen, self.interval)
+            held = None if self.frozen_held is self.frozen else self.frozen_held.index_select(0, index)
+            self.set_budget(self.budget.index_select(0, index), row_budget, frozen, self.interval, held)
         if self.prefill_stats is not None:
             self.prefill_stats = self.prefill_stats.rows(index)
 
@@ -594,10 +603,12 @@ class LayerStore(CacheLayerMixin):
         if first.budget is not None:
             row_budgets = [layer.row_budget for layer in layers]
             frozen = [layer.frozen for layer in layers]
+            whole = all(layer.frozen_held is layer.frozen for layer in layers)  # prompts held whole
             out.set_budget(
                 torch.cat([layer.budget for layer in layers]),
                 None if any(b is None for b in row_budgets) else torch.cat(row_budgets),
                 None if any(f is None for f in frozen) else torch.cat(frozen), first.interval,
+                None if whole or any(f is None for f in frozen) else torch.cat([layer.frozen_held for layer in layers]),
             )
         return out
 
