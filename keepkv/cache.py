@@ -456,6 +456,8 @@ class CompressedCache(Cache):
             # (one chunk more when the prompt is compressed chunk by chunk).
             headroom = block if self.compresses_chunks or self.chunk_keep else self.prefill_tokens - block
             layer.reserve(headroom if self.prefill_tokens > block else None)
+        if self.chunk_keep is not None and is_prefill:
+            self._check_chunk(layer.seen, block)  # before the block changes anything
         is_real = block_mask[:, 0, -1, :]
         if layer.seen < self.prefill_tokens:  # a block of an announced prompt may be all padding
             is_real = self.prompt_mask[:, layer.seen : layer.seen + block].to(is_real.device)
@@ -469,7 +471,7 @@ class CompressedCache(Cache):
             if layer.prefill_stats is not None:  # an earlier chunk of this prompt
                 stats = join_prefill_stats(layer.prefill_stats, stats, needs.window)
             layer.prefill_stats = stats
-            chunk_alone = self.chunk_keep is not None and self._chunk_alone(layer, block)
+            chunk_alone = self.chunk_keep is not None and block == self.chunk_keep[0]
             if chunk_alone:  # observed and compressed alone; its statistics are spent
                 self._compress_chunk_alone(layer, stats, block)
             if layer.seen < self.prefill_tokens:
@@ -479,9 +481,8 @@ class CompressedCache(Cache):
         if is_prefill:
             if self.defers_to_reconstruction:  # compressed once its reconstruction passes ran
                 return output
-            if chunk_alone:
-                pass
-            elif not (self.keeps_everything and self.method.needs(True).reconstruct):  # no pass ran at 1.0
+            # no pass ran at 1.0; a chunk compressed alone was observed then
+            if not chunk_alone and not (self.keeps_everything and self.method.needs(True).reconstruct):
                 self.step.observe_prompt(layer, stats)
             if not self.method.allocates_from_all_layers:
                 self._end_prefill([layer])
@@ -609,17 +610,13 @@ class CompressedCache(Cache):
                 and self.record is None
                 and not self.keeps_everything and self.method.compresses_chunks)
 
-    def _chunk_alone(self, layer: LayerStore, block: int) -> bool:
-        """Whether the block just appended to ``layer`` (``chunk_keep``) is a whole chunk, compressed
-        alone; refuses, in one line, a block that breaks the chunks (a shorter block before the
-        prompt's last)."""
+    def _check_chunk(self, start: int, block: int) -> None:
+        """Refuse, in one line, a block of an announced prompt that breaks its chunks
+        (``chunk_keep``): one of N tokens from a multiple of N, or a shorter last block."""
         tokens = self.chunk_keep[0]
-        if block == tokens and layer.seen % tokens == 0:
-            return True
-        if layer.seen < self.prefill_tokens or block > tokens:
+        if start % tokens or block > tokens or (block < tokens and start + block != self.prefill_tokens):
             raise ValueError(f"chunk_keep=({tokens}, {self.chunk_keep[1]}) needs the prompt fed in blocks of {tokens} "
-                             f"tokens (the last may be shorter): got a block of {block} ending at token {layer.seen}")
-        return False
+                             f"tokens (the last may be shorter): got a block of {block} from token {start}")
 
     def _held_before(self, tokens: int) -> torch.Tensor:
         """[B] entries the prompt's first ``tokens`` tokens (whole chunks) hold per layer and head,

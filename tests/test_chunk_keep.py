@@ -133,3 +133,8 @@ def test_chunk_keep_is_refused_in_one_line_before_anything_changes():
     keepkv.enable(MODEL)
     with torch.no_grad(), pytest.raises(ValueError, match="blocks of 16"):
         MODEL(input_ids=ids[:, :10], attention_mask=mask[:, :10], past_key_values=cache)
+    assert cache.get_seq_length() == 0  # refused before the block changed anything
+    with torch.no_grad():  # the right blocks then go through
+        for start in (0, CHUNK):
+            MODEL(input_ids=ids[:, start : start + CHUNK], attention_mask=mask[:, : start + CHUNK], past_key_values=cache)
+    assert cache.layers[0].live().sum(-1).tolist() == [[8] * cache.layers[0].bias.shape[1]]
