@@ -222,9 +222,17 @@ def test_uncompressed_requests_answer_as_stock_vllm(model_dir, prompts, chat_pro
     keep = _OncePerCast.filter
     monkeypatch.setattr(_OncePerCast, "filter",
                         lambda self, record: verdicts.append((keep(self, record), record.getMessage())) or verdicts[-1][0])
-    stock = Engine(model_dir, dtype=dtype)
-    stock_tokens, stock_blocks = stock.run(batch, new_tokens)
-    stock.close()
+    # stock on the kernel keepkv's engines run (vLLM's "vec" where it would take "amx": bf16 on a
+    # CPU with AMX, whose key tiles keepkv's kernel does not read); the engine runs in this process
+    from vllm.v1.attention.backends import cpu_attn
+
+    from keepkv.vllm.backend import engine_isa
+
+    with monkeypatch.context() as same_kernel:
+        same_kernel.setattr(cpu_attn, "_get_attn_isa", engine_isa)
+        stock = Engine(model_dir, dtype=dtype)
+        stock_tokens, stock_blocks = stock.run(batch, new_tokens)
+        stock.close()
     keepkv_engine = Engine(model_dir, {"method": "keepkv", "budget": 0.1}, dtype=dtype)
     tokens, blocks = keepkv_engine.run(batch, new_tokens)
     keepkv_engine.close()
@@ -778,26 +786,37 @@ def test_keepkv_serve_answers_a_chat_request_as_stock(model_dir, hf_model, tmp_p
 TENSOR_PARALLEL_QUESTIONS = 6  # chat prompts asked of both engines at TP=3
 
 
+def served_bf16_as_stock() -> str:
+    """"bfloat16" where keepkv's engines run vLLM's own bf16 kernel (keepkv.vllm.backend.engine_isa),
+    else (a CPU with AMX: stock takes "amx", keepkv "vec") "float32", so that keepkv and a stock
+    engine in other processes compare on one kernel."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return "bfloat16" if _get_attn_isa(torch.bfloat16, 128, 64) != "amx" else "float32"
+
+
 def test_keepkv_serve_tensor_parallel_answers_under_the_floor_as_stock(model_dir, chat_prompts, prompts, tmp_path,
                                                                        bound_threads, monkeypatch):
     """`keepkv serve --tensor-parallel-size 3` in bf16 on this one-node host, VLLM_CPU_OMP_THREADS_BIND
     unset (keepkv serve sets a binding that starts three workers): its start-up line gives the
     per-rank and total figures, a long prompt (compressed) is answered, and chat prompts under
     keepkv's budget floor at 0.1, each asked alone, get the greedy tokens of stock vLLM at TP=3 for
-    that prompt alone in bf16 (TP=3 sums the heads in another order than TP=1: judged at the same TP)."""
+    that prompt alone in bf16 (TP=3 sums the heads in another order than TP=1: judged at the same TP;
+    fp32 on a CPU with AMX, where stock's workers run vLLM's "amx" kernel in bf16 and keepkv's "vec")."""
     from transformers import AutoTokenizer
 
     from keepkv.vllm.settings import BIND
 
     new_tokens = 16
     asked = chat_prompts[:TENSOR_PARALLEL_QUESTIONS]
-    stock = Engine(model_dir, dtype="bfloat16", tensor_parallel_size=3, max_model_len=1024, enable_chunked_prefill=True,
+    dtype = served_bf16_as_stock()
+    stock = Engine(model_dir, dtype=dtype, tensor_parallel_size=3, max_model_len=1024, enable_chunked_prefill=True,
                    max_num_batched_tokens=None)  # keepkv serve's defaults
     expected = [stock.run([prompt], new_tokens)[0][0] for prompt in asked]
     stock.close()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     long = tokenizer.decode(prompts[1], skip_special_tokens=True)
-    with Server(model_dir, ["--method", "keepkv", "--budget", "0.1", "--dtype", "bfloat16", "--max-model-len", "1024",
+    with Server(model_dir, ["--method", "keepkv", "--budget", "0.1", "--dtype", dtype, "--max-model-len", "1024",
                             "--tensor-parallel-size", "3"], tmp_path / "server.log", unset=[BIND], deadline=600) as server:
         compressed = server.chat([{"role": "user", "content": long}], new_tokens, return_token_ids=True)
         replies = [server.chat([{"role": "user", "content": question}], new_tokens, return_token_ids=True)

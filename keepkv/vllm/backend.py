@@ -37,6 +37,17 @@ from .settings import engine_settings
 from .spec import KeepKVSpec
 
 
+def engine_isa(dtype: torch.dtype, block_size: int, head_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
+    """The CPU kernel (vLLM's "ISA") a keepkv engine runs: vLLM's choice for these shapes, but
+    "vec" where vLLM would choose "amx" (bf16 on a CPU with AMX). AMX's cache write packs keys in
+    tiles of 16 slots, pairs of dimensions side by side, which keepkv's own paged kernel does not
+    read (it reads a block's plane slot by slot or dimension by dimension:
+    ``PagedLayout.geometry``). The cache write, the scheduler metadata and vLLM's kernel all take
+    this one choice. (Same arguments as vLLM's ``_get_attn_isa``.)"""
+    isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+    return "vec" if isa == "amx" else isa
+
+
 class VllmCpuKernel:
     """vLLM's CPU attention as the paged adapter's kernel (``keepkv.paged_layout.PagedKernel``):
     its cache write (``cpu_attn_reshape_and_cache``, which packs keys per ISA), its scheduler
@@ -48,7 +59,7 @@ class VllmCpuKernel:
 
     @functools.lru_cache(maxsize=16)
     def isa(self, dtype: torch.dtype, block_size: int, head_dim: int) -> str:
-        return _get_attn_isa(dtype, block_size, head_dim, self.kv_cache_dtype)
+        return engine_isa(dtype, block_size, head_dim, self.kv_cache_dtype)
 
     @functools.lru_cache(maxsize=16)
     def orders(self, block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
