@@ -68,7 +68,7 @@ class LayerStep:
         self.method.compress(layer, stats)
 
     def compress_chunk_alone(self, layer, kept: int, prompt_start: torch.Tensor, held: torch.Tensor, stats) -> None:
-        """A chunk of a prompt is in, and is compressed alone (``start_prefill(chunk_keep=K)``): the
+        """A chunk of a prompt is in, and is compressed alone (``start_prefill(chunk_keep=(N, K))``): the
         layer's entries before it stay as they are, frozen like a kept prompt's (``prompt_start``
         [B], the chunk's first position in each row; ``held`` [B], the entries before it), and each
         row and head keeps ``kept`` of the chunk's own (all of a row's, where it has fewer). What a
