@@ -632,14 +632,17 @@ class CompressedCache(Cache):
         return self._held_before(whole) + self.prompt_mask[:, whole:].sum(-1)
 
     def _compress_chunk_alone(self, layer: LayerStore, stats, block: int) -> None:
-        """A whole chunk is in (``chunk_keep``): compress it alone
-        (:meth:`keepkv.step.LayerStep.compress_chunk_alone`), the entries before it frozen."""
+        """A whole chunk is in (``chunk_keep``): the entries before it frozen (positions below the
+        chunk's first, [B]; ``held`` of them), each row and head keeps K of the chunk's own (all of
+        a row's, where it has fewer) (:meth:`keepkv.step.LayerStep.compress_chunk`)."""
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, self.nbytes())
         start = layer.seen - block
         device = layer.real_seen.device
-        prompt_start = layer.real_seen - self.prompt_mask[:, start:layer.seen].sum(-1).to(device)
-        self.step.compress_chunk_alone(layer, self.chunk_keep[1], prompt_start, self._held_before(start).to(device),
-                                       stats)
+        real = self.prompt_mask[:, start:layer.seen].sum(-1).to(device)  # [B] the chunk's real tokens
+        held = self._held_before(start).to(device)
+        kept = real.clamp(max=self.chunk_keep[1])
+        budget = (held + kept)[:, None].expand(-1, layer.bias.shape[1]).contiguous()
+        self.step.compress_chunk(layer, budget, kept, stats, frozen=layer.real_seen - real, frozen_held=held)
         layer.prefill_stats = None  # the next chunks' statistics are over the compressed layer
 
     def _compress_chunk(self, layer: LayerStore, stats) -> None:

@@ -56,27 +56,18 @@ class LayerStep:
         """The whole prompt's statistics (its chunks' summed, a reconstruction pass's included)."""
         self.method.observe(layer, stats)
 
-    def compress_chunk(self, layer, budget: torch.Tensor, row_budget: torch.Tensor | None, stats) -> None:
+    def compress_chunk(self, layer, budget: torch.Tensor, row_budget: torch.Tensor | None, stats,
+                       frozen: torch.Tensor | None = None, frozen_held: torch.Tensor | None = None) -> None:
         """A chunk of a prompt is in and the method ``compresses_chunks``: the chunk is observed as a
         prompt's end and the layer compressed to ``budget`` [B, H_kv], the budget of its whole prompt,
         so a layer never holds more than that plus one chunk. The entries it sheds are ones the
         whole prompt's compression would shed too (each scored alone, at least ``budget`` better
         ones kept), so what the last chunk's :meth:`close_prompt` keeps is what one compression of
-        the whole prompt keeps, given the same entries."""
+        the whole prompt keeps, given the same entries. ``frozen``, ``frozen_held`` [B] (a chunk compressed alone,
+        ``start_prefill(chunk_keep=(N, K))``): the entries of positions below ``frozen``, that many,
+        stay as they are, so ``budget`` is theirs plus what the chunk keeps."""
         self.method.observe(layer, stats)
-        layer.set_budget(budget, row_budget)
-        self.method.compress(layer, stats)
-
-    def compress_chunk_alone(self, layer, kept: int, prompt_start: torch.Tensor, held: torch.Tensor, stats) -> None:
-        """A chunk of a prompt is in, and is compressed alone (``start_prefill(chunk_keep=(N, K))``): the
-        layer's entries before it stay as they are, frozen like a kept prompt's (``prompt_start``
-        [B], the chunk's first position in each row; ``held`` [B], the entries before it), and each
-        row and head keeps ``kept`` of the chunk's own (all of a row's, where it has fewer). What a
-        chunk keeps is then a function of the tokens up to its end alone."""
-        self.method.observe(layer, stats)
-        chunk = (layer.real_seen - prompt_start).clamp(max=kept)  # [B] entries each row keeps of the chunk
-        budget = (held + chunk)[:, None].expand(-1, layer.bias.shape[1]).contiguous()
-        layer.set_budget(budget, chunk, prompt_start, 1, held)
+        layer.set_budget(budget, row_budget, frozen, 1, frozen_held)
         self.method.compress(layer, stats)
 
     def close_prompt(self, layer, budget: torch.Tensor | None, row_budget: torch.Tensor | None,
@@ -90,7 +81,7 @@ class LayerStep:
         (:func:`keepkv.budgets.decode_interval`); the layer keeps interval - 1 fewer after each
         (:meth:`set_budget`), so it never holds more than its budget between steps, and its
         buffers have the room of interval 1. ``frozen_held`` [B]: the entries a kept prompt holds,
-        where its chunks were compressed as they came (:meth:`compress_chunk_alone`)."""
+        where its chunks were compressed as they came (:meth:`compress_chunk`)."""
         layer.reserve(None)
         if budget is not None and self.decoding != "append":
             self.set_budget(layer, budget, row_budget, frozen, interval, frozen_held)

@@ -155,7 +155,7 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     engine_core.shutdown()  # a parallel engine's workers stop before the next engine starts
     gc.collect()
     return {
-        "engine": engine_name(keepkv), "method": keepkv["method"] if keepkv else "full (stock vLLM)",
+        "method": keepkv["method"] if keepkv else "full (stock vLLM)",
         "prefix_cache_hit_tokens": cached if prefix_caching else None, "prompt_tokens_computed": computed[0],
         "tensor_parallel_size": tensor_parallel_size,
         "blocks": blocks, "kv_bytes": blocks * block_bytes * tensor_parallel_size, "peak_running": peak, "steps": steps,
