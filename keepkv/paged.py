@@ -51,6 +51,7 @@ from .methods import METHODS, get_method
 from .methods.base import ComposedMethod, serving_refusal, served_names
 from .kernels.paged import cpu_backend, numba_threads, paged_decode
 from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
+from .paged_chunks import check_chunk_blocks
 from .paged_compress import DueCompression, compress_due, runs_due
 from .paged_plan import StepPlan
 from .paged_requests import PagedBatch, PagedRequests
@@ -152,14 +153,22 @@ class PagedCompression:
         step's :meth:`batch` is given each request's prompt length.
     kernel : PagedKernel
         The engine's cache write and attention (default: :class:`~keepkv.paged_layout.TorchPagedKernel`).
+    chunk_blocks : int
+        With ``keep_prompt``: 0 keeps a prompt whole; c >= 2 compresses each whole chunk of c blocks
+        of a prompt alone, as it arrives, to one block of entries, the entries before it never
+        touched again, so that an engine's prefix cache may share compressed prompts
+        (:mod:`keepkv.paged_chunks`; the Hugging Face path's ``start_prefill(chunk_keep=(c *
+        block_size, block_size))``).
     """
 
     def __init__(self, config, method: str, budget: int | float, chunked: bool = False, keep_prompt: bool = False,
-                 kernel: PagedKernel | None = None):
+                 kernel: PagedKernel | None = None, chunk_blocks: int = 0):
         validate_budget(budget)
         self.method = servable_method(method).for_heads(getattr(config, "first_kv_head", 0))
         if keep_prompt:
             check_keep_prompt(self.method, budget)
+        check_chunk_blocks(self.method, chunk_blocks, keep_prompt)
+        self.chunk_blocks = chunk_blocks
         self.config = config
         self.budget = budget
         self.keep_prompt = keep_prompt
@@ -180,7 +189,7 @@ class PagedCompression:
         # Query rows kept per request and layer between compressions: the attention every decoding
         # query gave (probabilities, logits), or the newest query a merge reads.
         query_rows = self.method.interval if (decode.probs or decode.logits or self.biased) else 0
-        self.requests = PagedRequests(self.chunked, keep_prompt, query_rows)
+        self.requests = PagedRequests(self.chunked, keep_prompt, query_rows, chunk_blocks)
         # keep_prompt: a compression reads only the generated entries (see _gather_due).
         self._generated_alone = keep_prompt and not self.method.reads_every_entry
 
@@ -276,7 +285,11 @@ class PagedCompression:
         if plan.attending:
             with _threads(STEP_THREADS):  # a few small writes: the new tokens' slots and words
                 self._write_new(slots, plan, key, value, layer)
-            self._attend(slots, plan, query, scaling, layer, output, kv_cache)
+            for rows in plan.waves:  # a prompt's chunk is compressed before the tokens after it attend
+                self._attend(slots, plan, query, scaling, layer, output, kv_cache, rows)
+                for row in plan.chunk_ends(rows):
+                    with _threads(PROMPT_THREADS):
+                        self._compress_chunk_alone(slots, plan, row, query, scaling, layer)
         for rows in plan.prompts_ending:  # a whole prompt within its budget, attended in place: its statistics
             with _threads(PROMPT_THREADS):
                 self._close(slots, plan, rows, scaling, layer, query=query)
@@ -304,13 +317,15 @@ class PagedCompression:
                         value if tokens is None else value.index_select(0, tokens), plan.word_rows(slots.layout, new_slots),
                         plan.fresh_words(self.extras, self.extra_fill, slots.layout, positions))
 
-    def _attend(self, slots: PagedSlots, plan: StepPlan, query, scaling: float, layer: int, output, kv_cache) -> None:
-        """Every attending row, over its slots, in place: a biased method's decoding rows that were
+    def _attend(self, slots: PagedSlots, plan: StepPlan, query, scaling: float, layer: int, output, kv_cache,
+                rows: list[int] | None = None) -> None:
+        """Every attending row (``rows``: those of one wave, none biased), over its slots, in place: a
+        biased method's decoding rows that were
         compressed through keepkv's paged kernel (their votes are a bias the engine's kernel cannot
         add; it hands back the step's statistics as well), the rest, whose entries carry no votes,
         in one call of the engine's kernel (a request under its budget is attended as stock's)."""
-        ours = plan.voted(layer) if slots.layout.biased else ()
-        engine_rows = plan.unvoted(layer) if ours else plan.attending
+        ours = plan.voted(layer) if slots.layout.biased and rows is None else ()
+        engine_rows = plan.unvoted(layer) if ours else (plan.attending if rows is None else rows)
         if engine_rows:
             call = plan.kernel_call(self.kernel, layer, slots.layout, query.shape[1], engine_rows)
             keys_plane, values_plane, _ = slots.planes
@@ -385,7 +400,7 @@ class PagedCompression:
         first = 0
         if self.keep_prompt:  # kept whole and unscored: its end reads only the slots of its newest query rows
             first = length - max(1, 0 if newest is None else newest.shape[2])
-        store = slots.gather(plan.blocks_of(rows, length), (length - first,), (length,), layer, first)
+        store = slots.gather(plan.blocks_of(rows, length), (length - first,), (length + batch.offsets[row],), layer, first)
         if prompt is None or (prompt.stats is None and not prompt.state):  # its first chunk's store, or a prefix
             self.step.start(store)
         else:
@@ -416,15 +431,41 @@ class PagedCompression:
         output[start:stop] = out[0].to(output.dtype)
         self._end_prompt(slots, plan, rows, store, stats, plan.held(rows, layer, "after"), layer, everything=True)
 
+    def _compress_chunk_alone(self, slots: PagedSlots, plan: StepPlan, row: int, query, scaling: float,
+                              layer: int) -> None:
+        """A prompt's whole chunk is in (``chunk_blocks``): the row's slots read into a store, the
+        entries before the chunk frozen, and the chunk compressed alone to one block of entries per
+        KV head (``LayerStep.compress_chunk``, as the Hugging Face cache's ``chunk_keep``), observed
+        through its newest query rows; the kept entries are written into the chunk's last block,
+        the row's table once the chunk is compressed (``PagedBatch.after_tables``)."""
+        batch, block_size = plan.batch, slots.layout.block_size
+        start, held = batch.chunk_starts[row], batch.computed[row] + batch.query_lengths[row]
+        store = slots.gather(plan.blocks_of([row], held), (held,), (held + batch.offsets[row],), layer)
+        self.step.start(store)
+        newest = query[batch.query_start[row] : batch.query_start[row + 1]].transpose(0, 1)[None]  # [1, H, q, D]
+        if newest.shape[2] < self._prompt_rows:  # the chunk's earlier rows, filed by its earlier steps
+            earlier = self.requests.chunks.get((batch.chunk_keys[row][0], layer))
+            if earlier is not None and earlier.queries is not None:
+                newest = torch.cat([earlier.queries, newest], dim=2)
+        stats = prompt_window_stats(group_queries(newest[:, :, -self._prompt_rows :], slots.layout.kv_heads),
+                                    store.keys, store.bias, store.positions, scaling, self.method.needs(True).window)
+        device = store.device
+        budget = torch.full((1, slots.layout.kv_heads), start + block_size, device=device)
+        self.step.compress_chunk(store, budget, torch.tensor([block_size], device=device), stats,
+                                 frozen=torch.tensor([start + batch.offsets[row]], device=device),
+                                 frozen_held=torch.tensor([start], device=device))
+        after = batch.after_tables[[row]][:, : start // block_size + 1].long()
+        slots.write_back(after, (start,), store, (start + block_size,), None)
+
     def _end_prompt(self, slots: PagedSlots, plan: StepPlan, rows, store: LayerStore, stats: StepStats, sizes: tuple,
                     layer: int, everything: bool = False, first: int = 0) -> None:
         """A whole prompt's end (``LayerStep.observe_prompt`` then ``close_prompt``, with the budgets
         the Hugging Face cache sets), its kept entries written back into its first ``sizes`` slots
         from slot ``first`` (``everything``: its slots held nothing yet) and the method's state filed."""
         self.step.observe_prompt(store, stats)
-        budget, mean, frozen = plan.budgets(rows, layer, store.device)
+        budget, mean, frozen, held = plan.budgets(rows, layer, store.device)
         before = None if everything else (store.positions.clone(), store.bias.clone())
-        self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(rows))
+        self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(rows), held)
         slots.write_back(plan.blocks_of(rows, first + max(sizes)), plan.starts(rows), store, sizes, before, first)
         self.requests.file_states(store.state, [plan.batch.first_block[r] for r in rows], layer)
 
@@ -437,17 +478,17 @@ class PagedCompression:
         kept prompt is never evicted, merged into or rescored: :func:`keepkv.step.generated_share`)."""
         batch = plan.batch
         written = plan.held(rows, layer, "written")
-        budget, mean, frozen = plan.budgets(rows, layer, query.device)
+        budget, mean, frozen, held = plan.budgets(rows, layer, query.device)
         first = batch.prompt[rows[0]] if self._generated_alone else 0  # the rows of a group share their prompt's length
         if first:
-            budget, frozen = budget - first, None
+            budget, frozen, held = budget - first, None, None
         store = slots.gather(plan.blocks_of(rows, max(written)), tuple(size - first for size in written),
-                             tuple(batch.computed[r] + 1 for r in rows), layer, first)
+                             tuple(batch.computed[r] + batch.offsets[r] + 1 for r in rows), layer, first)
         store.resume(state=self.requests.states([batch.first_block[r] for r in rows], layer),
                      pending=plan.interval(rows))
         stats = self._decode_stats(plan, rows, store, query, scaling, layer, first)
         return DueCompression(layer, slots, rows, store, stats, (store.positions.clone(), store.bias.clone()), first,
-                              (budget, mean, frozen))
+                              (budget, mean, frozen, held))
 
     def _decode_stats(self, plan: StepPlan, rows, store: LayerStore, query, scaling, layer, prompt: int = 0) -> StepStats:
         """What the attention of the ``interval`` decoding queries since the last compression gave:
@@ -467,7 +508,7 @@ class PagedCompression:
                                  scaling, prompt)
         # [R, N, H, D], oldest first: the rows' interval N, at most the method's (a small budget's is less)
         queries = self.requests.kept_queries([batch.first_block[r] for r in rows], layer, interval)
-        newest = torch.tensor([batch.computed[r] for r in rows], device=query.device)  # each row's last query position
+        newest = torch.tensor([batch.computed[r] + batch.offsets[r] for r in rows], device=query.device)  # each row's last query position
         query_positions = newest[:, None] - torch.arange(queries.shape[1] - 1, -1, -1, device=query.device)  # [R, N]
         return kept_query_stats(group_queries(queries.transpose(1, 2), kv_heads), store.keys, store.bias,
                                 store.positions, query_positions, scaling, self.method.needs(False))

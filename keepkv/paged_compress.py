@@ -36,7 +36,7 @@ class DueCompression:
     groups them), gathered and with its statistics: its slots' store (the method's state resumed,
     budgets not set yet), the statistics, the positions and bias as read (``before``), the store's
     first slot in the requests' slots (``first``) and the budgets (budget [R, H_kv], mean [R],
-    frozen [R] or None) it takes."""
+    frozen [R] or None, frozen_held [R] or None) it takes."""
 
     layer: int
     slots: PagedSlots
@@ -71,9 +71,9 @@ def compress_due(plan, step: LayerStep, requests: PagedRequests) -> None:
     for group in groups.values():
         alone = len(group) == 1
         store = group[0].store if alone else LayerStore.stack([due.store for due in group])
-        budget, mean, frozen = (None if group[0].budgets[i] is None else torch.cat([due.budgets[i] for due in group])
-                                for i in range(3))
-        step.set_budget(store, budget, mean, frozen, plan.interval(group[0].rows))
+        budget, mean, frozen, held = (None if group[0].budgets[i] is None else torch.cat([due.budgets[i] for due in group])
+                                      for i in range(4))
+        step.set_budget(store, budget, mean, frozen, plan.interval(group[0].rows), held)
         step.decode(store, group[0].stats if alone else StepStats.join([due.stats for due in group]))
         for due, part in zip(group, [store] if alone else store.split([len(due.rows) for due in group])):
             after = tuple(size - due.first for size in plan.held(due.rows, due.layer, "after"))

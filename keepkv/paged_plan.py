@@ -77,6 +77,16 @@ class StepPlan:
     block_size: int
     cache: dict = field(default_factory=dict)
     due: list = field(default_factory=list)  # keepkv.paged_compress.DueCompression, waiting for the method
+    # Attending rows by wave (keepkv.paged_chunks: a chunk ended by one wave is compressed before the
+    # next attends); [None]: every attending row at once.
+    waves: list = field(default_factory=lambda: [None])
+
+    def chunk_ends(self, rows: list[int] | None) -> list[int]:
+        """The rows of ``rows`` (None: every attending row) whose tokens end a prompt's chunk."""
+        starts = self.batch.chunk_starts
+        if starts is None:
+            return []
+        return [row for row in (self.attending if rows is None else rows) if starts[row] >= 0]
 
     @classmethod
     def build(cls, sizes: RequestSizes, requests: PagedRequests, batch: PagedBatch, block_size: int,
@@ -113,8 +123,11 @@ class StepPlan:
         slab_rows = requests.slab_rows([batch.first_block[r] for r in decoding])
         query_index = torch.tensor([(batch.computed[r] - batch.closed[r]) % sizes.interval(batch.prompt[r])
                                     if requests.query_rows else 0 for r in decoding], dtype=torch.long)
-        return cls(batch, sizes, closing, dense, ending, chunks, attending, decoding, list(by_size.values()),
+        plan = cls(batch, sizes, closing, dense, ending, chunks, attending, decoding, list(by_size.values()),
                    tokens.to(device), slab_rows.to(device), query_index.to(device), block_size)
+        if batch.waves is not None and max(batch.waves, default=0) > 0:
+            plan.waves = [[row for row in attending if batch.waves[row] == wave] for wave in range(max(batch.waves) + 1)]
+        return plan
 
     # -- sizes ----------------------------------------------------------------------------------
     def held(self, rows, layer: int, when: str) -> tuple:
@@ -132,16 +145,21 @@ class StepPlan:
         return tuple(self.sizes.stored(batch.prompt[r], batch.computed[r], layer, batch.closed[r]) for r in rows)
 
     def budgets(self, rows: list[int], layer: int, device) -> tuple:
-        """([R, H_kv] entries layer ``layer`` keeps, [R] mean budgets, [R] kept prompts or None), as
-        the Hugging Face cache sets them when a prompt ends (``keepkv.budgets.prompt_budgets``)."""
+        """([R, H_kv] entries layer ``layer`` keeps, [R] mean budgets, [R] kept prompts or None, [R]
+        the entries a kept prompt holds or None), as the Hugging Face cache sets them when a
+        prompt ends (``keepkv.budgets.prompt_budgets``). A kept prompt freezes its positions below
+        its length; compressed chunk by chunk it holds fewer entries than that (``frozen_held``)."""
         key = ("budgets", tuple(rows), layer)
         if key not in self.cache:
             sizes = self.sizes
             prompts = torch.tensor([self.batch.prompt[r] for r in rows])  # every row but a chunk's knows its prompt
             budgets, mean = prompt_budgets(sizes.method, sizes.budget, sizes.decoding, sizes.config.num_hidden_layers,
                                            sizes.config.num_key_value_heads, prompts)
-            frozen = prompts.to(device) if sizes.keep_prompt else None
-            self.cache[key] = (budgets[layer].to(device), mean.to(device), frozen)
+            frozen = held = None
+            if sizes.keep_prompt:
+                frozen = torch.tensor([self.batch.frozen[r] for r in rows]).to(device)
+                held = prompts.to(device) if any(self.batch.offsets[r] for r in rows) else None
+            self.cache[key] = (budgets[layer].to(device), mean.to(device), frozen, held)
         return self.cache[key]
 
     def interval(self, rows: list[int]) -> int:
@@ -185,7 +203,7 @@ class StepPlan:
             slot = (torch.tensor(sizes) - lengths)[row] + within  # its slot: after what its row held
             block = batch.block_table[rows][row, slot // self.block_size].long()
             tokens = torch.tensor([batch.query_start[r] for r in self.attending])[row] + within
-            positions = torch.tensor([batch.computed[r] for r in self.attending])[row] + within
+            positions = torch.tensor([batch.computed[r] + batch.offsets[r] for r in self.attending])[row] + within
             device = self.decode_tokens.device
             every = total == batch.query_start[-1]
             self.cache[key] = ((block * self.block_size + slot % self.block_size).to(device),

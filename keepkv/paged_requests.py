@@ -18,6 +18,7 @@ import torch
 
 from .attention import StepStats
 from .checks import as_int
+from .paged_chunks import compact
 
 # Steps a request's key may go unseen before its filed state and kept queries may go to another.
 STALE_STEPS = 256
@@ -51,6 +52,15 @@ class PagedBatch:
     # due compressions then wait for the last layer, which runs them as one batch. None: each layer
     # runs its own (a caller that may run only some layers).
     layers: int | None = None
+    # A prompt compressed chunk by chunk (``chunk_blocks``: keepkv.paged_chunks): [R] position - slot
+    # of each row's tokens, the prompt's tokens (what a kept prompt freezes, by position), the
+    # first slot of the chunk the row's tokens end (-1: none), and the row's wave (a step's rows
+    # attend wave after wave, the chunks a wave ends compressed in between). None: rows by position.
+    offsets: list[int] | None = None
+    frozen: list[int] | None = None
+    chunk_starts: list[int] | None = None
+    waves: list[int] | None = None
+    after_tables: torch.Tensor | None = None  # [R, W] each row's table once the chunk it ends is compressed
 
     def __post_init__(self):
         if self.first_block is None:
@@ -61,6 +71,10 @@ class PagedBatch:
             self.phases = ["prefill" if done == 0 else "decode" for done in self.computed]
         if self.closed is None:
             self.closed = list(self.prompt)
+        if self.offsets is None:
+            self.offsets = [0] * len(self.computed)
+        if self.frozen is None:
+            self.frozen = list(self.prompt)
         self.query_lengths = [end - start for start, end in zip(self.query_start, self.query_start[1:])]
 
 
@@ -85,8 +99,9 @@ class PagedRequests:
     kept whole and may share leading blocks (both as ``PagedCompression``'s); ``query_rows``: the
     decoding queries kept per request and layer between its compressions (0: none)."""
 
-    def __init__(self, chunked: bool, keep_prompt: bool, query_rows: int):
+    def __init__(self, chunked: bool, keep_prompt: bool, query_rows: int, chunk_blocks: int = 0):
         self.chunked, self.keep_prompt, self.query_rows = chunked, keep_prompt, query_rows
+        self.chunk_blocks = chunk_blocks  # keep_prompt's prompts compressed chunk by chunk (keepkv.paged_chunks)
         # A slab row goes to a new request when its key is reused, or once its key went unseen
         # for STALE_STEPS steps.
         self._rows: dict = {}  # key -> slab row
@@ -134,7 +149,10 @@ class PagedRequests:
             if block_size is None or prompts is None:
                 raise ValueError("a keep_prompt PagedCompression needs the engine's block_size and each request's "
                                  "prompt length")
-            batch = self._kept_prompt_batch(query_start, lengths, computed, block_table, prompts, block_size)
+            if self.chunk_blocks:
+                batch = self._chunked_prompt_batch(query_start, seq_lens, block_table, prompts, block_size)
+            else:
+                batch = self._kept_prompt_batch(query_start, lengths, computed, block_table, prompts, block_size)
         else:
             if self.chunked and prefilling is None:
                 raise ValueError("a chunked PagedCompression needs each request's prefilling flag")
@@ -182,7 +200,24 @@ class PagedRequests:
             prompts = [self._prompts[block] or 0 for block in first_blocks]
         return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], first_blocks, phases)
 
-    def _kept_prompt_batch(self, query_start, lengths, computed, block_table, prompt_lengths, block_size) -> PagedBatch:
+    def _chunked_prompt_batch(self, query_start, seq_lens, block_table, prompts, block_size) -> PagedBatch:
+        """:meth:`batch` with ``keep_prompt`` and ``chunk_blocks``: the engine's rows in slots, a step
+        that crosses a chunk's end cut there (:func:`keepkv.paged_chunks.compact`), then
+        :meth:`_kept_prompt_batch` over them."""
+        rows = compact(query_start, seq_lens, block_table[: len(seq_lens)], prompts, block_size, self.chunk_blocks)
+        lengths = [end - start for start, end in zip(rows.query_start, rows.query_start[1:])]
+        computed = [seq - length for seq, length in zip(rows.seq_lens, lengths)]
+        shrink = (self.chunk_blocks - 1) * block_size
+        batch = self._kept_prompt_batch(rows.query_start, lengths, computed, rows.block_table, rows.prompts, block_size,
+                                        rows.after_tables, [shrink if start >= 0 else 0 for start in rows.chunk_starts],
+                                        [done + offset < prompt for done, offset, prompt in
+                                         zip(computed, rows.offsets, rows.frozen)])
+        batch.offsets, batch.frozen, batch.chunk_starts = rows.offsets, rows.frozen, rows.chunk_starts
+        batch.waves, batch.after_tables = rows.waves, rows.after_tables
+        return batch
+
+    def _kept_prompt_batch(self, query_start, lengths, computed, block_table, prompt_lengths, block_size,
+                           after_tables=None, shrinks=None, reading=None) -> PagedBatch:
         """:meth:`batch` with ``keep_prompt``: requests may share their leading (prompt) blocks.
 
         A step that reads the prompt, or several tokens (a replay after a preemption recomputes
@@ -194,17 +229,24 @@ class PagedRequests:
         prompt), never shared, filed with the tokens held then; a decode step finds it there (a
         block filed for a request that has ended may come back in another request's table, but
         not as its key before its own close refiles it: a chunk step unfiles every block it writes).
+        ``after_tables`` [R, W], ``shrinks`` [R] (``chunk_blocks``): a row that ends a chunk files its
+        state under its table and slots once the chunk is compressed, where its next part finds it;
+        ``reading`` [R]: whether each row starts within its prompt (by position, where slots are not).
         """
         tables = block_table[: len(lengths)].tolist()
+        after = tables if after_tables is None else after_tables.tolist()
+        shrinks = shrinks or [0] * len(lengths)
+        reading = reading or [done < prompt for done, prompt in zip(computed, prompt_lengths)]
         phases, prompts, keys, chunk_keys, closed = [], [], [], [], []
         with self._lock:
-            for table, done, length, prompt in zip(tables, computed, lengths, prompt_lengths):
+            for table, done, length, prompt, after_table, shrink, prompt_read in zip(
+                    tables, computed, lengths, prompt_lengths, after, shrinks, reading):
                 held = done + length
-                if done < prompt or length > 1:  # a resumed request replays its outputs too
+                if prompt_read or length > 1:  # a resumed request replays its outputs too
                     for index in range(done // block_size, (held - 1) // block_size + 1):
                         self._generated_blocks.pop(table[index], None)  # rewritten: no longer a request's key
                     earlier = (table[(done - 1) // block_size], done) if done else None
-                    chunk_key = (table[(held - 1) // block_size], held)
+                    chunk_key = (after_table[(held - shrink - 1) // block_size], held - shrink)
                     self._closing.discard(earlier)
                     self._closing.add(chunk_key)
                     phases.append("chunk")

@@ -33,8 +33,12 @@ def test_only_servable_methods_pass_and_the_refusal_names_them(method):
     ({"method": "snapkv", "budget": 1.5}, "budget"),
     ({"method": "snapkv+bogus=1", "budget": 0.1}, "unknown parameter"),
     ({"method": "snapkv+merge=zip", "budget": 0.1}, "merge keepkv or none"),
-    ({"budget": 0.1}, 'takes "method", "budget" and "keep_prompt"'),
-    ({"method": "snapkv", "window": 3}, 'takes "method", "budget" and "keep_prompt"'),
+    ({"budget": 0.1}, 'takes "method", "budget", "keep_prompt" and "share_prefix"'),
+    ({"method": "snapkv", "window": 3}, 'takes "method", "budget", "keep_prompt" and "share_prefix"'),
+    ({"method": "snapkv", "budget": 64, "share_prefix": 1}, "the blocks of a chunk"),
+    ({"method": "snapkv", "budget": 0.1, "share_prefix": True}, "give an int"),
+    ({"method": "h2o", "budget": 64, "share_prefix": True}, "every query row"),
+    ({"method": "keepkv", "budget": 64, "share_prefix": 4}, "votes"),
     ("snapkv", "is a dict"),
 ])
 def test_bad_settings_are_refused_in_one_line(given, message):
@@ -396,7 +400,8 @@ def test_the_serving_bench_refuses_shared_document_flags_it_cannot_honour(capsys
                        (["--shared-prefix", "64", "--prompt-modes", "keep,squash"], "--prompt-modes takes"),
                        (["--shared-prefix", "64", "--prompt-modes", "keep,keep"], "--prompt-modes takes"),
                        (["--shared-prefix", "64", "--documents", "0"], "--documents must be >= 1"),
-                       (["--shared-prefix", "64", "--prompt-budget", "1.5"], "--prompt-budget must be")]:
+                       (["--shared-prefix", "64", "--prompt-budget", "1.5"], "--prompt-budget must be"),
+                       (["--shared-prefix", "64", "--share-blocks", "4"], "--share-blocks needs --prompt-modes share")]:
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert says in capsys.readouterr().err.strip().splitlines()[-1]
@@ -442,8 +447,29 @@ def test_keep_prompt_serves_with_prefix_caching_and_counts_generated_entries(tmp
         command(["--model", str(model), "--keep-prompt", "--budget", "0.1"], monkeypatch=monkeypatch)
     with pytest.raises(ValueError, match="prefix caching.*--keep-prompt"):
         command(["--model", str(model), "--enable-prefix-caching"], monkeypatch=monkeypatch)
-    with pytest.raises(ValueError, match="drop --budget and --keep-prompt"):
+    with pytest.raises(ValueError, match="drop --budget, --keep-prompt and --share-prefix"):
         command(["--model", str(model), "--method", "full", "--keep-prompt"], monkeypatch=monkeypatch)
+
+
+def test_share_prefix_serves_compressed_chunks_with_prefix_caching(tmp_path, monkeypatch):
+    """--share-prefix [BLOCKS]: the config carries the chunk's blocks (8 by default) and keeps
+    prompts by --keep-prompt's rule otherwise; prefix caching stays on; a method it does not serve
+    and a fractional budget are refused in one line."""
+    model = tmp_path / "SmolLM2-135M-Instruct"
+    model.mkdir()
+    argv, _ = command(["--model", str(model), "--method", "snapkv", "--share-prefix", "--budget", "64"],
+                      monkeypatch=monkeypatch)
+    assert json.loads(argv[argv.index("--additional-config") + 1]) == {
+        "keepkv": {"method": "snapkv+interval=16", "budget": 64, "keep_prompt": True, "share_prefix": 8}}
+    assert "--no-enable-prefix-caching" not in argv
+    argv, _ = command(["--model", str(model), "--method", "window", "--share-prefix", "4"], monkeypatch=monkeypatch)
+    assert json.loads(argv[argv.index("--additional-config") + 1])["keepkv"]["share_prefix"] == 4
+    with pytest.raises(ValueError, match="^--share-prefix .* give --budget an int, got 0.1$"):
+        command(["--model", str(model), "--share-prefix", "--budget", "0.1"], monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match="chunk_blocks does not serve h2o"):
+        command(["--model", str(model), "--method", "h2o", "--share-prefix"], monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match="drop --budget, --keep-prompt and --share-prefix"):
+        command(["--model", str(model), "--method", "full", "--share-prefix"], monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("given, message", [

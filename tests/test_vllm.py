@@ -468,12 +468,16 @@ def test_preempted_requests_keeping_their_prompts_finish_within_their_blocks(mod
 FAULT_NEW_TOKENS = 64
 
 
-@pytest.mark.parametrize("keep_prompt", [False, True], ids=["compressed", "kept-prompt"])
-@pytest.mark.parametrize("method", SERVED_METHODS)
+SHARED_METHODS = ["snapkv", "keydiff", "streamingllm", "window"]  # what share_prefix serves
+
+
+@pytest.mark.parametrize("method, mode", [(method, mode) for mode in ("compressed", "kept-prompt") for method in SERVED_METHODS]
+                         + [(method, "shared") for method in SHARED_METHODS])
 def test_a_server_under_faults_stays_up_frees_its_blocks_and_answers_as_a_quiet_run(model_dir, prompts, monkeypatch,
-                                                                                   method, keep_prompt):
+                                                                                   method, mode):
     """Eight requests of 60-420 prompt tokens at once on 6 blocks of 128 slots, prompts read in
-    chunks of 64 (prefix caching on and a shared 256-token prefix when prompts are kept whole): the
+    chunks of 64 (prefix caching on and a shared 256-token prefix when prompts are kept whole, or
+    compressed chunk by chunk in chunks of 2 blocks, "shared"): the
     scheduler preempts; one request is aborted mid-prompt, one mid-answer. The engine stays up,
     every other request gets all its tokens, the KV cache is empty once they end, and each request
     never preempted answers as it does alone on the same engine afterwards. (A preempted request
@@ -486,12 +490,13 @@ def test_a_server_under_faults_stays_up_frees_its_blocks_and_answers_as_a_quiet_
     monkeypatch.setattr(Scheduler, "_preempt_request",
                         lambda self, request, *a, **k: preempted.add(request.request_id) or preempt(self, request, *a, **k))
     source = prompts[1]
+    keep_prompt = mode != "compressed"
     if keep_prompt:  # the shared prefix, then each request's own tokens
         own = [source[300 + 20 * i: 300 + 20 * i + length] for i, length in enumerate((8, 160, 120, 16, 80, 40, 24, 60))]
         texts = [source[:256] + part for part in own]
         # 47 generated entries (+1 at a compressing step): what 32 + an interval of 16 held before
         # compressions kept interval - 1 below the budget, enough to make the scheduler preempt
-        config = {"method": method, "budget": 47, "keep_prompt": True}
+        config = {"method": method, "budget": 47, "keep_prompt": True} | ({"share_prefix": 2} if mode == "shared" else {})
     else:
         texts = [source[17 * i: 17 * i + length] for i, length in enumerate((60, 420, 140, 300, 90, 260, 180, 120))]
         config = {"method": method, "budget": 200}  # requests grow past a block before they are compressed
@@ -863,3 +868,73 @@ def test_the_serving_bench_counts_the_prompt_tokens_an_engine_computes(model_dir
     assert len(asked[0]) <= stock["prompt_tokens_computed"] <= total
     compressing = run_engine(model_dir, asked, 4, 16, {"method": "snapkv", "budget": 0.5})
     assert compressing["prompt_tokens_computed"] == total
+
+
+SHARE = 2  # blocks of a chunk: 256 tokens, compressed to 128 entries per layer and head
+
+
+def shared_document_engine(model_dir, **overrides):
+    return Engine(model_dir, {"method": "snapkv", "budget": 64, "share_prefix": SHARE}, enable_prefix_caching=True,
+                  enable_chunked_prefill=True, max_num_batched_tokens=200, **overrides)
+
+
+def free_blocks(engine) -> int:
+    return engine.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def test_a_shared_document_is_compressed_once_and_read_from_the_prefix_cache(model_dir, prompts):
+    """share_prefix=2, prompts read in steps of 200 tokens (steps that cross chunk ends): a request on
+    a 600-token document (two whole chunks of 256 tokens, then a tail of 88 and its question)
+    leaves the chunks in the prefix cache; two later requests on the same document skip both
+    chunks' 512 tokens (vLLM's hit count) and hold fewer blocks than stock vLLM would for their
+    prompt; each answers as a fresh engine's request on its prompt alone; a document sharing only
+    its first chunk finds only that one; and every block is free once they end."""
+    document, other = prompts[1][:600], prompts[1][:256] + prompts[2][:344]
+    asked = [document + prompts[2][i * 30 : (i + 1) * 30] for i in range(3)] + [other + prompts[0]]
+    engine = shared_document_engine(model_dir)
+    total = free_blocks(engine)
+    first, _ = engine.run(asked[:1], new_tokens=40)
+    later, later_blocks = engine.run(asked[1:3], new_tokens=40)
+    later_hits = dict(engine.cached_tokens)
+    another, _ = engine.run(asked[3:], new_tokens=40)
+    block_size = engine.manager().block_size
+    assert free_blocks(engine) == total and not engine.manager().req_to_blocks
+    assert engine.cached_tokens["r0"] == 256  # the other document shares the first chunk only
+    engine.close()
+    assert later_hits == {"r0": 512, "r1": 512}
+    for held, prompt in zip(later_blocks, asked[1:3]):
+        assert held < math.ceil(len(prompt) / block_size)
+    fresh = shared_document_engine(model_dir)
+    for prompt, got in zip(asked, first + later + another):
+        alone, _ = fresh.run([prompt], new_tokens=40)
+        assert got == alone[0]
+    fresh.close()
+
+
+def test_the_later_requests_skip_the_documents_chunks(model_dir, prompts):
+    """Two runs on the same two documents, each request's hits counted by vLLM: the second run's
+    requests skip every whole chunk of their document (512 tokens each)."""
+    documents = [prompts[1][:560], prompts[1][150:710]]  # 727 tokens: two documents from token 0 and 150
+    asked = [document + prompts[2][:20] for document in documents]
+    engine = shared_document_engine(model_dir)
+    engine.run(asked, new_tokens=8)
+    engine.run(asked, new_tokens=8)
+    hits = dict(engine.cached_tokens)
+    engine.close()
+    assert hits == {"r0": 512, "r1": 512}
+
+
+def test_a_document_evicted_from_the_prefix_cache_is_recomputed(model_dir, prompts):
+    """Six blocks of KV cache: a request on a second document evicts the first document's chunks,
+    and a request on the first document again reads it anew (fewer hits than its chunks) and answers
+    as a fresh engine's request."""
+    documents = [prompts[1][:560], prompts[1][150:710]]
+    asked = [documents[0] + prompts[2][:20], documents[1] + prompts[2][:20], documents[0] + prompts[2][20:40]]
+    engine = shared_document_engine(model_dir, num_gpu_blocks_override=6, max_model_len=640)
+    answers = [engine.run([prompt], new_tokens=16)[0][0] for prompt in asked]
+    hits = engine.cached_tokens["r0"]
+    engine.close()
+    assert hits < 512
+    fresh = shared_document_engine(model_dir)
+    assert fresh.run(asked[2:], new_tokens=16)[0][0] == answers[2]
+    fresh.close()

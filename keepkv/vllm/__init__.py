@@ -28,6 +28,9 @@ DEFAULT_GENERATED = 256  # generated entries a request keeps with keep_prompt, u
 # (``snapkv+interval=1``): a request's slots are read once per compression, and between
 # compressions only the engine's kernel reads them (docs/serving.md has the measured choice).
 SERVING_INTERVAL = 16
+# Blocks of a prompt's chunk with share_prefix: each whole chunk of 8 blocks (1,024 tokens at vLLM's
+# CPU block size) is compressed alone to one block, a ratio of 1/8.
+SHARE_CHUNK_BLOCKS = 8
 
 
 class SettingError(RuntimeError):
@@ -38,7 +41,9 @@ class SettingError(RuntimeError):
 def check(given) -> dict:
     """``additional_config["keepkv"]`` checked, without vLLM: {"method", "budget"}, and
     "keep_prompt": True when given so (prompts kept whole, ``budget`` generated entries kept: the
-    mode that serves with prefix caching).
+    mode that serves with prefix caching), and "share_prefix": the blocks of a chunk (True:
+    :data:`SHARE_CHUNK_BLOCKS`) when given (a kept prompt's whole chunks each compressed alone to one
+    block, which the prefix cache shares; it implies keep_prompt).
 
     The method comes back as the variant served: one without an interval of its own compresses
     every :data:`SERVING_INTERVAL` tokens (``"snapkv"`` -> ``"snapkv+interval=16"``).
@@ -53,12 +58,20 @@ def check(given) -> dict:
 
     if not isinstance(given, dict):
         raise ValueError(f'additional_config["keepkv"] is a dict {{"method": ..., "budget": ...}}, got {given!r}')
-    unknown = sorted(set(given) - {"method", "budget", "keep_prompt"})
+    unknown = sorted(set(given) - {"method", "budget", "keep_prompt", "share_prefix"})
     if unknown or "method" not in given:
-        raise ValueError(f'additional_config["keepkv"] takes "method", "budget" and "keep_prompt", got {sorted(given)}')
+        raise ValueError(f'additional_config["keepkv"] takes "method", "budget", "keep_prompt" and "share_prefix", '
+                         f'got {sorted(given)}')
     keep_prompt = given.get("keep_prompt", False)
     if not isinstance(keep_prompt, bool):
         raise ValueError(f'additional_config["keepkv"]["keep_prompt"] must be true or false, got {keep_prompt!r}')
+    share = given.get("share_prefix", False)
+    share = SHARE_CHUNK_BLOCKS if share is True else share
+    if share is not False:
+        if isinstance(share, bool) or not isinstance(share, int) or share < 2:
+            raise ValueError(f'additional_config["keepkv"]["share_prefix"] is true or the blocks of a chunk (>= 2), '
+                             f'got {given["share_prefix"]!r}')
+        keep_prompt = True
     budget = validate_budget(given.get("budget", DEFAULT_GENERATED if keep_prompt else 0.1))
     if not isinstance(given["method"], str):
         raise ValueError(f'additional_config["keepkv"]["method"] must be a method name (str), got {given["method"]!r}')
@@ -70,6 +83,11 @@ def check(given) -> dict:
     check_budget_holds(method, budget)
     if keep_prompt:
         check_keep_prompt(method, budget)
+        if share:
+            from ..paged_chunks import check_chunk_blocks
+
+            check_chunk_blocks(method, share, True)
+            return {"method": spec, "budget": budget, "keep_prompt": True, "share_prefix": share}
         return {"method": spec, "budget": budget, "keep_prompt": True}
     return {"method": spec, "budget": budget}
 
@@ -92,14 +110,19 @@ def require_plugin(environ=None) -> None:
         )
 
 
-def config(method: str = "snapkv", budget: int | float | None = None, keep_prompt: bool = False) -> dict:
+def config(method: str = "snapkv", budget: int | float | None = None, keep_prompt: bool = False,
+           share_prefix: bool | int = False) -> dict:
     """The engine's ``additional_config`` for keepkv, checked in the caller's process: the method
     is served, the budget valid, and vLLM will load the plugin. An entry budget under the
     method's budget floor warns (:class:`keepkv.KeepKVWarning`, one line).
 
     budget: a fraction of each prompt or an entry count (default 0.1); with ``keep_prompt`` the
     generated entries each request keeps (an int, default :data:`DEFAULT_GENERATED`), its prompt
-    kept whole, so that the engine may share prompt blocks (``enable_prefix_caching=True``)."""
+    kept whole, so that the engine may share prompt blocks (``enable_prefix_caching=True``).
+    ``share_prefix``: True, or the blocks of a chunk (default :data:`SHARE_CHUNK_BLOCKS`): each whole
+    chunk of a prompt is compressed alone to one block, and the engine's prefix cache shares the
+    compressed chunks (implies ``keep_prompt``; ``enable_prefix_caching=True``)."""
+    keep_prompt = keep_prompt or share_prefix is not False
     if budget is None:
         budget = DEFAULT_GENERATED if keep_prompt else 0.1
     import warnings
@@ -109,7 +132,8 @@ def config(method: str = "snapkv", budget: int | float | None = None, keep_promp
     from ..methods import get_method
 
     require_plugin()
-    settings = check({"method": method, "budget": budget, "keep_prompt": keep_prompt})
+    settings = check({"method": method, "budget": budget, "keep_prompt": keep_prompt}
+                     | ({"share_prefix": share_prefix} if share_prefix is not False else {}))
     warning = None if keep_prompt else floor_warning(get_method(method), budget)
     if warning:
         warnings.warn(warning, KeepKVWarning, stacklevel=2)

@@ -160,11 +160,13 @@ def compression(vllm_config: VllmConfig) -> PagedCompression | None:
     heads = (model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel))  # this rank's
     rank = parallel.rank % parallel.tensor_parallel_size  # vLLM's worker sets the rank
     key = (chosen["method"], chosen["budget"], chosen["chunked"], chosen.get("keep_prompt", False),
-           str(model.dtype), heads, rank)
+           chosen.get("share_prefix", 0), str(model.dtype), heads, rank)
     if key not in _COMPRESSIONS:
         _COMPRESSIONS.clear()
-        _COMPRESSIONS[key] = PagedCompression(rank_config(model.hf_text_config, *heads, rank=rank), **chosen,
-                                              kernel=VllmCpuKernel(str(vllm_config.cache_config.cache_dtype)))
+        settings = {name: value for name, value in chosen.items() if name != "share_prefix"}
+        _COMPRESSIONS[key] = PagedCompression(rank_config(model.hf_text_config, *heads, rank=rank), **settings,
+                                              kernel=VllmCpuKernel(str(vllm_config.cache_config.cache_dtype)),
+                                              chunk_blocks=chosen.get("share_prefix", 0))
     _WORKER.update(paged=_COMPRESSIONS[key], num_layers=model.hf_text_config.num_hidden_layers,
                    max_model_len=model.max_model_len, tensor_parallel_size=parallel.tensor_parallel_size)
     return _COMPRESSIONS[key]
@@ -201,7 +203,7 @@ class KeepKVBackend(CPUAttentionBackend):
         values["state_content_bytes"] = paged.content_bytes(spec.head_size, spec.dtype)
         return KeepKVSpec(**values, method=paged.spec, budget=paged.budget, num_layers=_WORKER["num_layers"],
                           chunked=paged.chunked, max_model_len=_WORKER["max_model_len"], keep_prompt=paged.keep_prompt,
-                          tensor_parallel_size=_WORKER["tensor_parallel_size"])
+                          tensor_parallel_size=_WORKER["tensor_parallel_size"], chunk_blocks=paged.chunk_blocks)
 
 
 class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):

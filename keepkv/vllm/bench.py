@@ -22,10 +22,12 @@ request i starts with document i mod D (submitted interleaved: 1, 2, ..., D, 1, 
 "shared documents" shape: each engine also reports the prompt tokens it computed (a count, steady
 from run to run). ``--prompt-modes keep,compress`` runs each method twice: keeping prompts whole
 (prefix caching on) and compressing each request's prompt to ``--prompt-budget`` (its document
-read again by every request: keepkv's prompt-compressing mode turns prefix caching off)::
+read again by every request: keepkv's prompt-compressing mode turns prefix caching off); ``share``
+compresses each prompt chunk by chunk (chunks of ``--share-blocks`` blocks, each kept as one block)
+and shares the compressed chunks through the prefix cache (``keepkv serve --share-prefix``)::
 
     python -m keepkv.vllm.bench --shared-prefix 4096 --documents 8 --prompt-len 32 --requests 64 \
-        --gen-len 64 --full-requests 2 --methods keepkv --budget 64 --prompt-modes keep,compress
+        --gen-len 64 --full-requests 2 --methods snapkv --budget 64 --prompt-modes keep,compress,share
 
 With ``--tensor-parallel-size N`` every engine runs N ranks, each with the blocks above for its
 share of the heads; each engine's start time (building ``LLM``) is reported beside its tokens/s.
@@ -50,7 +52,7 @@ COLUMNS = [("engine", "engine"), ("KV blocks", "blocks"), ("peak concurrent requ
            ("scheduler steps", "steps"), ("tokens/s", "tokens_per_s"), ("vs stock", "tokens_per_s_vs_full")]
 START = ("start (s)", "start_seconds")
 COMPUTED = ("prompt tokens computed", "prompt_tokens_computed")
-PROMPT_MODES = ("keep", "compress")
+PROMPT_MODES = ("keep", "compress", "share")
 
 
 def prompt_lengths(count: int, length: int, ragged: bool) -> list[int]:
@@ -187,7 +189,11 @@ def main(argv=None) -> None:
                         "i mod D (default 1)")
     parser.add_argument("--prompt-modes", default="keep", metavar="MODES",
                         help="with --shared-prefix, comma-separated: 'keep' (prompts kept whole, prefix caching on; "
-                        "the default) and/or 'compress' (each prompt compressed to --prompt-budget, prefix caching off)")
+                        "the default), 'compress' (each prompt compressed to --prompt-budget, prefix caching off) "
+                        "and/or 'share' (each prompt compressed chunk by chunk, the chunks shared through the prefix "
+                        "cache: keepkv serve --share-prefix)")
+    parser.add_argument("--share-blocks", type=int, default=None, metavar="C",
+                        help="with --prompt-modes share: blocks of a chunk, each chunk kept as one block (default 8)")
     parser.add_argument("--prompt-budget", type=float, default=0.1,
                         help="with --prompt-modes compress: fraction of each prompt kept (default 0.1)")
     parser.add_argument("--requests", type=int, default=32, help="requests submitted at once (default 32)")
@@ -209,7 +215,9 @@ def main(argv=None) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     modes = args.prompt_modes.split(",")
     if any(mode not in PROMPT_MODES for mode in modes) or len(set(modes)) != len(modes):
-        parser.error(f"--prompt-modes takes {' and/or '.join(PROMPT_MODES)}, comma-separated, got {args.prompt_modes!r}")
+        parser.error(f"--prompt-modes takes {', '.join(PROMPT_MODES)}, comma-separated, got {args.prompt_modes!r}")
+    if args.share_blocks is not None and "share" not in modes:
+        parser.error("--share-blocks needs --prompt-modes share")
     if not args.shared_prefix and (args.documents > 1 or modes != ["keep"]):
         parser.error("--documents and --prompt-modes need --shared-prefix")
     if not 0 < args.prompt_budget <= 1:
@@ -223,6 +231,9 @@ def main(argv=None) -> None:
         args.budget = int(args.budget)
     elif not 0 < args.budget <= 1:
         parser.error("--budget must be in (0, 1]")
+    from . import SHARE_CHUNK_BLOCKS
+
+    share_blocks = SHARE_CHUNK_BLOCKS if args.share_blocks is None else args.share_blocks
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler is read in-process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -253,14 +264,17 @@ def main(argv=None) -> None:
     engines = [(None, full_blocks)]
     for method in args.methods.split(","):
         for mode in modes if keep_prompt else ["compress"]:
-            keep = mode == "keep" and keep_prompt
+            keep = mode in ("keep", "share") and keep_prompt
+            chunk_blocks = share_blocks if mode == "share" else 0
             budget = args.budget if keep or not keep_prompt else args.prompt_budget
-            try:  # a budget the method cannot keep: one line, before any engine starts
-                paged = PagedCompression(config, method, budget, keep_prompt=keep, kernel=VllmCpuKernel())
+            try:  # a budget or mode the method cannot keep: one line, before any engine starts
+                paged = PagedCompression(config, method, budget, keep_prompt=keep, kernel=VllmCpuKernel(),
+                                         chunk_blocks=chunk_blocks)
             except ValueError as error:
                 parser.error(str(error))
             slot = paged.content_bytes(head_dim, model.dtype)  # as the engine lays it out (vLLM's kernel widths)
-            settings = {"method": method, "budget": budget} | ({"keep_prompt": True} if keep else {})
+            settings = ({"method": method, "budget": budget} | ({"keep_prompt": True} if keep else {})
+                        | ({"share_prefix": chunk_blocks} if chunk_blocks else {}))
             if len(modes) > 1:
                 settings["prompt_mode"] = mode  # the bench's, for the row's name; not the engine's
             engines.append((settings, full_blocks * stock_slot // slot))  # same bytes

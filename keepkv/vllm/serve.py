@@ -2,6 +2,7 @@
 
     keepkv serve --method keepkv --budget 0.1 --port 8000
     keepkv serve --method snapkv --keep-prompt --budget 256 --port 8000   # prefix caching on
+    keepkv serve --method snapkv --share-prefix --budget 64 --port 8000   # prompts compressed and shared
     keepkv serve --method full --port 8001          # stock vLLM under the same flags
     keepkv serve --method keepkv --tensor-parallel-size 3 --port 8000   # each rank its own KV heads
 
@@ -57,7 +58,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import DEFAULT_GENERATED
+from . import DEFAULT_GENERATED, SHARE_CHUNK_BLOCKS
 from ..arguments import budget_arg
 from ..checks import SERVED_METHOD_NAMES, is_int
 from .settings import BIND, thread_binding
@@ -91,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-prompt", action="store_true",
                         help="keep every prompt whole and compress only the tokens a request generates, to --budget "
                         "entries: prompt blocks stay shareable, and vLLM's prefix caching stays on")
+    parser.add_argument("--share-prefix", nargs="?", type=int, const=SHARE_CHUNK_BLOCKS, default=None, metavar="BLOCKS",
+                        help="compress each prompt chunk by chunk, each chunk of BLOCKS blocks (default "
+                        f"{SHARE_CHUNK_BLOCKS}: 1,024 tokens) kept as one block, and share the compressed chunks "
+                        "through vLLM's prefix cache (on): a document many requests start with is read and "
+                        "compressed once; implies --keep-prompt's rule for the rest (--budget generated entries)")
     parser.add_argument("--scorer", metavar="PATH",
                         help="the learned selection's scorer file (keepkv train-scorer), for --method "
                         "snapkv+selection=learned or keepkv+selection=learned (default: the one shipped for the "
@@ -139,13 +145,22 @@ def check_flags(args, given: dict[str, str | None]) -> None:
         if name in INT_FLAGS and not ((value or "").isdigit() and 1 <= int(value) <= INT_FLAGS[name]):
             bound = ">= 1" if INT_FLAGS[name] == math.inf else f"in [1, {INT_FLAGS[name]}]"
             raise ValueError(f"{name} takes an int {bound}, got {'no value' if value is None else repr(value)}")
-    keep_prompt = getattr(args, "keep_prompt", False)
+    keep_prompt = kept_prompts(args)
     refused = refused_flag(given, args.method, keep_prompt)
     if refused:
         raise ValueError(refused)
     if keep_prompt and args.method != "full" and args.budget is not None and not is_int(args.budget):
+        if getattr(args, "share_prefix", None) is not None:
+            raise ValueError(f"--share-prefix compresses prompts chunk by chunk and keeps --budget generated entries per "
+                             f"layer and head: give --budget an int, got {args.budget}")
         raise ValueError(f"--keep-prompt keeps every prompt whole and --budget generated entries per layer and head: "
                          f"give --budget an int, got {args.budget}")
+
+
+def kept_prompts(args) -> bool:
+    """Whether the server keeps prompts whole (``--keep-prompt``) or compresses them only chunk by
+    chunk to share them (``--share-prefix``): prefix caching on, --budget the generated entries."""
+    return bool(getattr(args, "keep_prompt", False) or getattr(args, "share_prefix", None) is not None)
 
 
 def refused_flag(given: dict[str, str | None], method: str, keep_prompt: bool = False) -> str | None:
@@ -241,12 +256,13 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
         if flag.split("=", 1)[0] == "--model" or (flag == server_args[0] and not flag.startswith("-")):
             raise ValueError(f"give the model as keepkv serve's --model, got {flag!r}")
     check_flags(args, given)
-    keep_prompt = getattr(args, "keep_prompt", False)
+    keep_prompt = kept_prompts(args)
+    share = getattr(args, "share_prefix", None)
     cpu = cpu_build()
     added_flags = []
     if args.method == "full":
         if args.budget is not None or keep_prompt:
-            raise ValueError("--method full keeps every entry: drop --budget and --keep-prompt")
+            raise ValueError("--method full keeps every entry: drop --budget, --keep-prompt and --share-prefix")
         if getattr(args, "scorer", None) is not None:
             raise ValueError("--method full keeps every entry: drop --scorer")
     else:
@@ -264,7 +280,8 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
                 raise ValueError(f"--scorer is the learned selection's: give --method snapkv+selection=learned or "
                                  f"keepkv+selection=learned, got {method!r}")
             method += f"+scorer={Path(args.scorer).expanduser().resolve()}"
-        settings = check({"method": method, "budget": budget, "keep_prompt": keep_prompt})
+        settings = check({"method": method, "budget": budget, "keep_prompt": keep_prompt}
+                         | ({"share_prefix": share} if share is not None else {}))
         require_plugin(environ)
         added_flags += ["--additional-config", json.dumps({"keepkv": settings})]
     from ..models import embedded_gguf_path, model_directory
@@ -295,7 +312,7 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
 
 def floor_warning(args) -> str | None:
     """The start-up warning for an entry budget under the method's budget floor, or None."""
-    if args.method == "full" or args.budget is None or getattr(args, "keep_prompt", False):
+    if args.method == "full" or args.budget is None or kept_prompts(args):
         return None
     from ..budgets import floor_warning as warning
     from ..methods import get_method

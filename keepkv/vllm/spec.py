@@ -38,7 +38,10 @@ class KeepKVSpec(FullAttentionSpec):
     length (the start-up line reads it); keep_prompt: prompts are kept whole and ``budget``
     generated entries per request (its prompt blocks may then be shared: prefix caching);
     tensor_parallel_size: the ranks, each holding ``num_kv_heads`` of the model's KV heads in
-    blocks of its own (every rank's block ids and sizes are the scheduler's one table).
+    blocks of its own (every rank's block ids and sizes are the scheduler's one table);
+    chunk_blocks: with keep_prompt, a prompt's whole chunks of this many blocks are compressed
+    alone to one block each, and the prefix cache shares them (0: prompts kept whole;
+    :mod:`keepkv.paged_chunks`).
     ``state_content_bytes`` holds each slot's key, value and metadata words.
     """
 
@@ -49,6 +52,7 @@ class KeepKVSpec(FullAttentionSpec):
     max_model_len: int = 0
     keep_prompt: bool = False
     tensor_parallel_size: int = 1
+    chunk_blocks: int = 0
 
     @classmethod
     def merge(cls, specs: list["KeepKVSpec"]) -> "KeepKVSpec":
@@ -56,12 +60,13 @@ class KeepKVSpec(FullAttentionSpec):
         first = specs[0]
         return replace(merged, method=first.method, budget=first.budget, num_layers=first.num_layers,
                        chunked=first.chunked, max_model_len=first.max_model_len, keep_prompt=first.keep_prompt,
-                       tensor_parallel_size=first.tensor_parallel_size)
+                       tensor_parallel_size=first.tensor_parallel_size, chunk_blocks=first.chunk_blocks)
 
     @functools.cached_property
     def compression(self) -> PagedCompression:
         config = SimpleNamespace(num_hidden_layers=self.num_layers, num_key_value_heads=self.num_kv_heads)
-        return PagedCompression(config, self.method, self.budget, keep_prompt=self.keep_prompt)
+        return PagedCompression(config, self.method, self.budget, keep_prompt=self.keep_prompt,
+                                chunk_blocks=self.chunk_blocks)
 
     def capacity_tokens(self, prompt_length: int) -> int:
         """Slots a request of ``prompt_length`` prompt tokens ever needs."""
@@ -86,11 +91,16 @@ class KeepKVSpec(FullAttentionSpec):
         counted, losing = [], []
         for prompt, generated in self.shapes():
             held = min(prompt + generated, self.capacity_tokens(prompt))
+            if self.chunk_blocks:  # each whole chunk of the prompt holds one block, behind null ones
+                held -= (self.chunk_blocks - 1) * self.block_size * (prompt // (self.chunk_blocks * self.block_size))
             mine, theirs = usable // math.ceil(held / self.block_size), stock_tokens / (prompt + generated)
             counted.append(f"{mine:,} of a {prompt:,}-token prompt generating {generated:,} (stock {theirs:.2f})")
             if mine <= theirs:
                 losing.append(f"{prompt:,} + {generated:,}")
         budget = f"prompts kept whole, {self.budget} generated entries" if self.keep_prompt else f"budget {self.budget}"
+        if self.chunk_blocks:
+            budget = (f"prompts compressed chunk by chunk ({self.chunk_blocks * self.block_size:,} tokens to "
+                      f"{self.block_size} entries, shared through the prefix cache), {self.budget} generated entries")
         ranks = self.tensor_parallel_size
         if ranks > 1:
             rank_bytes = num_blocks * self.num_layers * self.page_size_bytes
@@ -113,7 +123,14 @@ def _capacity(compression: PagedCompression, prompt_length: int) -> int:
 
 
 class KeepKVManager(FullAttentionManager):
-    """FullAttentionManager whose requests stop growing at their capacity."""
+    """FullAttentionManager whose requests stop growing at their capacity.
+
+    With ``chunk_blocks`` = c (:mod:`keepkv.paged_chunks`) a request's table holds, for each whole
+    chunk of its prompt that the worker compressed, c - 1 null blocks and the chunk's last block,
+    which holds its kept entries. Only those last blocks are hashed (their hash covers every token
+    up to the chunk's end), once the step that compressed them ran; a cache hit is a run of whole
+    chunks (:meth:`find_longest_cache_hit`), so a request skips reading them.
+    """
 
     def __init__(self, kv_cache_spec: KeepKVSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
@@ -156,8 +173,14 @@ class KeepKVManager(FullAttentionManager):
         """Free the blocks past a chunked request's capacity once the step that compressed its
         prompt (its first decode step) is processed: from then on the worker reads only its
         leading slots. Before that step is processed the worker may still read them, so an
-        in-flight step never sees them reused."""
+        in-flight step never sees them reused. With ``chunk_blocks``: free the first c - 1 blocks
+        of each chunk of the prompt that the processed steps compressed."""
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        chunk = self.kv_cache_spec.chunk_blocks
+        if chunk and num_prompt_tokens is not None and self.req_to_blocks.get(request_id):
+            whole = min(processed_computed_tokens, num_prompt_tokens) // (chunk * self.block_size)
+            for index in range(whole):
+                self._remove_blocks_in_range(request_id, chunk * index, chunk * (index + 1) - 1)
         prompt = self.prompt_tokens.get(request_id)
         if not self.kv_cache_spec.chunked or prompt is None or not self.req_to_blocks.get(request_id):
             return
@@ -168,10 +191,46 @@ class KeepKVManager(FullAttentionManager):
             if len(blocks) > keep and not blocks[-1].is_null:
                 self._remove_blocks_in_range(request_id, keep, len(blocks))
 
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids: list[int], block_pool,
+                               kv_cache_spec, *args, **kwargs):
+        """FullAttentionManager's, or with ``chunk_blocks`` the longest run of whole compressed chunks
+        from the prompt's start: each a chunk's last block behind c - 1 null blocks, its hit the
+        chunk's tokens."""
+        chunk = getattr(kv_cache_spec, "chunk_blocks", 0)
+        if not chunk:
+            return super().find_longest_cache_hit(block_hashes, max_length, kv_cache_group_ids, block_pool,
+                                                  kv_cache_spec, *args, **kwargs)
+        if block_pool.hash_block_size != kv_cache_spec.block_size:
+            raise RuntimeError("keepkv.vllm: compressed prefix caching hashes whole blocks of the KV cache's size")
+        computed = tuple([] for _ in kv_cache_group_ids)
+        for index in range(chunk - 1, max_length // kv_cache_spec.block_size, chunk):
+            cached = block_pool.get_cached_block(block_hashes[index], kv_cache_group_ids)
+            if not cached:
+                break
+            for blocks, block in zip(computed, cached):
+                blocks.extend([block_pool.null_block] * (chunk - 1) + [block])
+        return computed, len(computed[0]) * kv_cache_spec.block_size
+
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         """Prefix caching (keep_prompt only): hash a request's full prompt blocks, never a block
         that holds a generated entry (the worker compacts those, so their content is not their
-        tokens')."""
+        tokens'). With ``chunk_blocks``: hash the last block of each chunk of the prompt that an
+        earlier step compressed (this step's are written as it runs: a request scheduled with it
+        must not find them yet)."""
+        chunk = self.kv_cache_spec.chunk_blocks
+        if chunk:
+            if not self.kv_cache_spec.prefix_cacheable:
+                return
+            whole = min(request.num_computed_tokens, request.num_prompt_tokens) // (chunk * self.block_size)
+            cached = self.num_cached_block.get(request.request_id, 0)
+            blocks = self.req_to_blocks[request.request_id]
+            for end in range(chunk * (cached // chunk + 1), chunk * whole + 1, chunk):
+                self.block_pool.cache_full_blocks(request=request, blocks=blocks, num_cached_blocks=end - 1,
+                                                  num_full_blocks=end, block_size=self.block_size,
+                                                  kv_cache_group_id=self.kv_cache_group_id)
+            self.num_cached_block[request.request_id] = max(cached, chunk * whole)
+            return
         if self.kv_cache_spec.keep_prompt:
             num_tokens = min(num_tokens, request.num_prompt_tokens // self.block_size * self.block_size)
         super().cache_blocks(request, num_tokens, *args, **kwargs)
