@@ -92,30 +92,33 @@ def test_compact_cuts_a_step_at_each_chunk_end_and_reads_slots_in_order():
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("step_tokens", [5, 11, 12, 40])
-def test_a_prompt_compressed_chunk_by_chunk_decodes_as_the_hf_cache(method, step_tokens):
-    """A 31-token prompt (two chunks of 12 and a tail of 7) read in steps of ``step_tokens`` (steps
-    that end inside a chunk, on a chunk's end, and across both), then 30 decode steps: every output
-    equals the Hugging Face cache's with chunk_keep=(12, 4) fed in chunks, the prompt holds 4 + 4 + 7
-    slots once read, and the request never holds more blocks than its capacity's."""
+@pytest.mark.parametrize("length", [31, 24])
+def test_a_prompt_compressed_chunk_by_chunk_decodes_as_the_hf_cache(method, step_tokens, length):
+    """A prompt of two chunks of 12 and a tail of 7 (31 tokens) or none (24), read in steps of
+    ``step_tokens`` (steps that end inside a chunk, on a chunk's end, and across both), then 30
+    decode steps: every output equals the Hugging Face cache's with chunk_keep=(12, 4) fed in
+    chunks, the prompt holds 4 + 4 slots and its tail once read (each chunk's from its own
+    positions, the tail's in order), and the request never holds more blocks than its capacity's."""
     generator = torch.Generator().manual_seed(7)
     paged = PagedCompression(CONFIG, method, 8, keep_prompt=True, chunk_blocks=CHUNK_BLOCKS)
     engine = ChunkEngine(paged)
-    engine.admit(0, 31)
-    prompt = tokens(generator, 31)
-    expected = fed_in_chunks(ref := reference(method, 31), prompt)
+    engine.admit(0, length)
+    prompt = tokens(generator, length)
+    expected = fed_in_chunks(ref := reference(method, length), prompt)
     got = torch.cat([engine.step({0: tuple(t[start : start + step_tokens] for t in prompt)})[0]
-                     for start in range(0, 31, step_tokens)])
+                     for start in range(0, length, step_tokens)])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    held_prompt = 8 + length - 24
     for step in range(30):
         new = tokens(generator, 1)
         torch.testing.assert_close(engine.step({0: new})[0], alone(ref, *new), rtol=1e-5, atol=1e-5,
                                    msg=lambda m, s=step: f"decode step {s}: {m}")
-        assert engine.batch.prompt == [15]
-    held = paged.stored(15, engine.computed[0] - 16, closed=15)
+        assert engine.batch.prompt == [held_prompt]
+    held = paged.stored(held_prompt, engine.computed[0] - 16, closed=held_prompt)
     positions = slot_positions(paged, engine.kv_cache, torch.tensor([b for b in engine.tables[0] if b]), held, HEAD_DIM)
     assert bool((positions[:, :4] < 12).all() and (positions[:, 4:8] >= 12).all() and (positions[:, 4:8] < 24).all())
-    assert torch.equal(positions[:, 8:15], torch.arange(24, 31).expand(positions.shape[0], -1))
-    assert len(engine.tables[0]) <= math.ceil(paged.capacity(31) / BLOCK)
+    assert torch.equal(positions[:, 8:held_prompt], torch.arange(24, length).expand(positions.shape[0], -1))
+    assert len(engine.tables[0]) <= math.ceil(paged.capacity(length) / BLOCK)
 
 
 @pytest.mark.parametrize("method", METHODS)

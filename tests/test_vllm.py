@@ -913,11 +913,12 @@ def test_a_shared_document_is_compressed_once_and_read_from_the_prefix_cache(mod
 
 def test_the_later_requests_skip_the_documents_chunks(model_dir, prompts):
     """Two runs on the same two documents, each request's hits counted by vLLM: the second run's
-    requests skip every whole chunk of their document (512 tokens each)."""
+    requests skip every whole chunk of their document (512 tokens each), also those compressed in
+    the first run's last steps (its requests end at their first token)."""
     documents = [prompts[1][:560], prompts[1][150:710]]  # 727 tokens: two documents from token 0 and 150
     asked = [document + prompts[2][:20] for document in documents]
     engine = shared_document_engine(model_dir)
-    engine.run(asked, new_tokens=8)
+    engine.run(asked, new_tokens=1)
     engine.run(asked, new_tokens=8)
     hits = dict(engine.cached_tokens)
     engine.close()
@@ -938,3 +939,27 @@ def test_a_document_evicted_from_the_prefix_cache_is_recomputed(model_dir, promp
     fresh = shared_document_engine(model_dir)
     assert fresh.run(asked[2:], new_tokens=16)[0][0] == answers[2]
     fresh.close()
+
+
+def test_tensor_parallel_ranks_share_compressed_chunks_as_one_process(model_dir, prompts, bound_threads):
+    """TP=3 (one KV head per rank) with share_prefix: each rank compresses its head's chunks into the
+    scheduler's one block table, a second request on the document skips both chunks, and both
+    requests' greedy tokens are the single process's, or part from them only at a near tie (top two
+    logits within 1e-4 in one process: TP sums the heads' outputs in another order)."""
+    document = prompts[1][:600]
+    asked = [document + prompts[2][i * 30 : (i + 1) * 30] for i in range(2)]
+    runs = {}
+    for ranks in (1, 3):
+        engine = shared_document_engine(model_dir, tensor_parallel_size=ranks)
+        tokens, logprobs = [], []
+        for prompt in asked:
+            tokens += engine.run([prompt], new_tokens=24, logprobs=2)[0]
+            logprobs += engine.logprobs
+        runs[ranks] = (tokens, logprobs, engine.cached_tokens["r0"])
+        engine.close()
+    assert runs[1][2] == runs[3][2] == 512
+    for request, (got, expected) in enumerate(zip(runs[3][0], runs[1][0])):
+        first = next((step for step, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        if first is not None:
+            top, second = runs[1][1][request][first][:2]
+            assert top - second < 1e-4, f"request {request} differs at token {first}: {got} against {expected}"

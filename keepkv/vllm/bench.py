@@ -52,6 +52,8 @@ COLUMNS = [("engine", "engine"), ("KV blocks", "blocks"), ("peak concurrent requ
            ("scheduler steps", "steps"), ("tokens/s", "tokens_per_s"), ("vs stock", "tokens_per_s_vs_full")]
 START = ("start (s)", "start_seconds")
 COMPUTED = ("prompt tokens computed", "prompt_tokens_computed")
+FIRST_TOKEN = ("first token on a cached document (ms)", "first_token_ms")
+PROBES = 5  # --documents: one request that reads document 0, then 4 timed
 PROMPT_MODES = ("keep", "compress", "share")
 
 
@@ -97,12 +99,15 @@ def stdlib_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 
 def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None,
-               chunked_prefill: bool = True, prefix_caching: bool = False, tensor_parallel_size: int = 1) -> dict:
+               chunked_prefill: bool = True, prefix_caching: bool = False, tensor_parallel_size: int = 1,
+               probes=None) -> dict:
     """Serve every prompt at once with ``blocks`` KV blocks (on each rank); the engine's start time,
     tokens/s and peak concurrency. ``progress(finished, total, generated, seconds)`` is called every
     few seconds while it runs. ``chunked_prefill``: vLLM's chunked prefill (its default), with its
     CPU default of tokens per step; ``tensor_parallel_size``: ranks, each a process holding its share
-    of the heads."""
+    of the heads. ``probes``: prompts on one document, run alone after the workload: the first reads
+    the document (it ends at its second token), then each other's time to first token is timed
+    (``first_token_ms``: their median, on a prefix-cache hit where the engine has one)."""
     import vllm
 
     args = dict(
@@ -150,6 +155,18 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
             shown = time.perf_counter()
             progress(finished, len(prompts), sum(so_far.values()), shown - start)
     seconds = time.perf_counter() - start
+    scheduler.schedule = schedule  # the count is the workload's
+    first_token = None
+    if probes:
+        for index, prompt in enumerate(probes):
+            began = time.perf_counter()
+            engine.add_request(f"probe{index}", {"prompt_token_ids": prompt},
+                               vllm.SamplingParams(temperature=0.0, max_tokens=1 if index else 2, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+            if index:
+                first_token = (first_token or []) + [time.perf_counter() - began]
+        first_token = round(1000 * sorted(first_token)[len(first_token) // 2], 1)
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     block_bytes = layers * scheduler.kv_cache_manager.coordinator.single_type_managers[0].kv_cache_spec.page_size_bytes
     engine_core = engine.engine_core
@@ -163,7 +180,7 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
         "blocks": blocks, "kv_bytes": blocks * block_bytes * tensor_parallel_size, "peak_running": peak, "steps": steps,
         "start_seconds": round(started, 2), "seconds": round(seconds, 2), "generated_tokens": generated,
         "tokens_per_s": round(generated / seconds, 2),
-    }
+    } | ({"first_token_ms": first_token} if probes else {})
 
 
 def engine_name(keepkv: dict | None) -> str:
@@ -253,9 +270,12 @@ def main(argv=None) -> None:
     documents = args.documents if keep_prompt else 0
     lengths = prompt_lengths(args.requests, args.prompt_len, args.ragged) + [args.shared_prefix] * documents
     prompts = stdlib_prompts(tokenizer, lengths)  # the shared prefixes: more stdlib files
+    probes = None
     if keep_prompt:
         prefixes, prompts = prompts[args.requests:], prompts[: args.requests]
         prompts = [prefixes[document] + prompt for document, prompt in zip(interleaved(documents, args.requests), prompts)]
+        if args.documents > 1:  # document 0 with other requests' questions, alone after the workload
+            probes = [prefixes[0] + prompt[args.shared_prefix:] for prompt in prompts[1 : 1 + PROBES]]
     request_len = args.shared_prefix + args.prompt_len
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -284,7 +304,7 @@ def main(argv=None) -> None:
         # prefix caching on with shared prefixes, but for a method that compresses prompts (it refuses it)
         caching = keep_prompt and (keepkv is None or bool(keepkv.get("keep_prompt")))
         row = run_engine(model_dir, prompts, args.gen_len, blocks, engine, progress, args.chunked_prefill, caching,
-                         args.tensor_parallel_size)
+                         args.tensor_parallel_size, probes)
         return row | {"engine": engine_name(keepkv)}
 
     run_all(engines, run, vars(args), args.json)
@@ -320,6 +340,7 @@ def table(results: list[dict]) -> str:
     """The results as a Markdown table (docs/serving.md's columns, the prompt tokens computed where a
     row counted them, and each engine's start time when every row has one); stock's ratio is 1.00×."""
     columns = COLUMNS + [COMPUTED] * any(row.get(COMPUTED[1]) is not None for row in results)
+    columns += [FIRST_TOKEN] * all(row.get(FIRST_TOKEN[1]) is not None for row in results)
     columns += [START] * all(START[1] in row for row in results)
     lines = ["| " + " | ".join(title for title, _ in columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
     for row in results:

@@ -135,6 +135,7 @@ class KeepKVManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: KeepKVSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
         self.prompt_tokens: dict[str, int] = {}  # request -> its prompt's tokens
+        self._requests: dict = {}  # chunk_blocks: request id -> the request, until it is freed
         if kv_cache_spec.max_model_len:
             logger.info(kv_cache_spec.capacity_line(self.block_pool.num_gpu_blocks))
 
@@ -218,23 +219,35 @@ class KeepKVManager(FullAttentionManager):
         tokens'). With ``chunk_blocks``: hash the last block of each chunk of the prompt that an
         earlier step compressed (this step's are written as it runs: a request scheduled with it
         must not find them yet)."""
-        chunk = self.kv_cache_spec.chunk_blocks
-        if chunk:
-            if not self.kv_cache_spec.prefix_cacheable:
-                return
-            whole = min(request.num_computed_tokens, request.num_prompt_tokens) // (chunk * self.block_size)
-            cached = self.num_cached_block.get(request.request_id, 0)
-            blocks = self.req_to_blocks[request.request_id]
-            for end in range(chunk * (cached // chunk + 1), chunk * whole + 1, chunk):
-                self.block_pool.cache_full_blocks(request=request, blocks=blocks, num_cached_blocks=end - 1,
-                                                  num_full_blocks=end, block_size=self.block_size,
-                                                  kv_cache_group_id=self.kv_cache_group_id)
-            self.num_cached_block[request.request_id] = max(cached, chunk * whole)
+        if self.kv_cache_spec.chunk_blocks:
+            if self.kv_cache_spec.prefix_cacheable:
+                self._requests[request.request_id] = request  # its last chunks are hashed when it ends
+                self._cache_chunks(request)
             return
         if self.kv_cache_spec.keep_prompt:
             num_tokens = min(num_tokens, request.num_prompt_tokens // self.block_size * self.block_size)
         super().cache_blocks(request, num_tokens, *args, **kwargs)
 
+    def _cache_chunks(self, request) -> None:
+        """Hash the last block of each chunk of ``request``'s prompt that its processed steps
+        compressed and that is not hashed yet (``chunk_blocks``)."""
+        chunk = self.kv_cache_spec.chunk_blocks
+        whole = min(request.num_computed_tokens, request.num_prompt_tokens) // (chunk * self.block_size)
+        cached = self.num_cached_block.get(request.request_id, 0)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for end in range(chunk * (cached // chunk + 1), min(chunk * whole, len(blocks)) + 1, chunk):
+            if not blocks[end - 1].is_null:
+                self.block_pool.cache_full_blocks(request=request, blocks=blocks, num_cached_blocks=end - 1,
+                                                  num_full_blocks=end, block_size=self.block_size,
+                                                  kv_cache_group_id=self.kv_cache_group_id)
+        self.num_cached_block[request.request_id] = max(cached, chunk * whole)
+
     def pop_blocks_for_free(self, request_id: str):
+        """A request ends (or is preempted): the chunks its last step compressed are hashed first, so
+        that they go to the prefix cache with the others (a request that ends at its first token
+        would otherwise never hash its last chunk)."""
         self.prompt_tokens.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request is not None and request_id in self.req_to_blocks:
+            self._cache_chunks(request)
         return super().pop_blocks_for_free(request_id)
