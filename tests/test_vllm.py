@@ -552,7 +552,7 @@ def no_engine_core(monkeypatch):
     ({"config": {"method": "cam", "budget": 0.3}}, "serves h2o, keepkv, keydiff, pyramidkv, snapkv, streamingllm, window"),
     ({"config": {"method": "snapkv", "budget": 0.0}}, "budget"),
     ({"config": {"method": "keepkv", "budget": 2}}, "budget 2 keeps 2 per layer and head, fewer than keepkv's 32"),
-    ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method", "budget" and "keep_prompt"'),
+    ({"config": {"method": "snapkv", "budgett": 0.3}}, 'takes "method", "budget", "keep_prompt" and "share_prefix"'),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
      "does not support speculative decoding"),
     ({"tensor_parallel_size": 9}, r"does not support KV heads replicated over ranks: .* all-reduce of their scores"),
