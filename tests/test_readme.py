@@ -120,11 +120,18 @@ def test_shell_command_parses(argv, compared):
         args = parse_arguments(argv)
     except SystemExit as error:  # argparse's way to reject a command line
         pytest.fail(f"`keepkv {' '.join(argv)}` does not parse (exit {error.code})")
-    if args.command == "serve" and args.method != "full":  # a method or budget keepkv.vllm does not serve
-        from keepkv.vllm import check
-        from keepkv.vllm.serve import DEFAULT_BUDGET
+    if args.command == "serve":
+        from keepkv.vllm.serve import resolve_method
 
-        check({"method": args.method, "budget": DEFAULT_BUDGET if args.budget is None else args.budget})
+        resolve_method(args)  # the default method, as keepkv serve takes it
+    if args.command == "serve" and args.method != "full":  # a method or budget keepkv.vllm does not serve
+        from keepkv.vllm import DEFAULT_GENERATED, check
+        from keepkv.vllm.serve import DEFAULT_BUDGET, kept_prompts
+
+        kept = kept_prompts(args)
+        budget = args.budget if args.budget is not None else DEFAULT_GENERATED if kept else DEFAULT_BUDGET
+        check({"method": args.method, "budget": budget, "keep_prompt": kept}
+              | ({"share_prefix": args.share_prefix} if args.share_prefix is not None else {}))
     # a method, variant, parameter or budget the code no longer takes
     if hasattr(args, "budget") and hasattr(args, "param") and hasattr(args, "method"):
         _check_method(args)

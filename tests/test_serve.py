@@ -453,8 +453,9 @@ def test_keep_prompt_serves_with_prefix_caching_and_counts_generated_entries(tmp
 
 def test_share_prefix_serves_compressed_chunks_with_prefix_caching(tmp_path, monkeypatch):
     """--share-prefix [BLOCKS]: the config carries the chunk's blocks (8 by default) and keeps
-    prompts by --keep-prompt's rule otherwise; prefix caching stays on; a method it does not serve
-    and a fractional budget are refused in one line."""
+    prompts by --keep-prompt's rule otherwise; prefix caching stays on; without --method it serves
+    keydiff (keepkv without it); a method it does not serve and a fractional budget are refused in
+    one line."""
     model = tmp_path / "SmolLM2-135M-Instruct"
     model.mkdir()
     argv, _ = command(["--model", str(model), "--method", "snapkv", "--share-prefix", "--budget", "64"],
@@ -464,6 +465,10 @@ def test_share_prefix_serves_compressed_chunks_with_prefix_caching(tmp_path, mon
     assert "--no-enable-prefix-caching" not in argv
     argv, _ = command(["--model", str(model), "--method", "window", "--share-prefix", "4"], monkeypatch=monkeypatch)
     assert json.loads(argv[argv.index("--additional-config") + 1])["keepkv"]["share_prefix"] == 4
+    argv, _ = command(["--model", str(model), "--share-prefix"], monkeypatch=monkeypatch)  # keepkv's merge is refused there
+    assert json.loads(argv[argv.index("--additional-config") + 1])["keepkv"]["method"] == "keydiff+interval=16"
+    argv, _ = command(["--model", str(model)], monkeypatch=monkeypatch)
+    assert json.loads(argv[argv.index("--additional-config") + 1])["keepkv"]["method"] == "keepkv+interval=16"
     with pytest.raises(ValueError, match="^--share-prefix .* give --budget an int, got 0.1$"):
         command(["--model", str(model), "--share-prefix", "--budget", "0.1"], monkeypatch=monkeypatch)
     with pytest.raises(ValueError, match="chunk_blocks does not serve h2o"):

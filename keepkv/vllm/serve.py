@@ -2,7 +2,7 @@
 
     keepkv serve --method keepkv --budget 0.1 --port 8000
     keepkv serve --method snapkv --keep-prompt --budget 256 --port 8000   # prefix caching on
-    keepkv serve --method snapkv --share-prefix --budget 64 --port 8000   # prompts compressed and shared
+    keepkv serve --share-prefix --budget 64 --port 8000   # keydiff; prompts compressed and shared
     keepkv serve --method full --port 8001          # stock vLLM under the same flags
     keepkv serve --method keepkv --tensor-parallel-size 3 --port 8000   # each rank its own KV heads
 
@@ -65,6 +65,10 @@ from .settings import BIND, thread_binding
 
 SERVER = "vllm.entrypoints.openai.api_server"
 DEFAULT_BUDGET = 0.1
+DEFAULT_METHOD = "keepkv"
+# With --share-prefix: keepkv's merge is not served there, and keydiff answered the most of the dev
+# grid's prompts through shared chunks (docs/record/2026-11-30-compressed-prefix-caching.md).
+SHARE_METHOD = "keydiff"
 READY = "Application startup complete"  # the server's line once it answers
 PROGRESS_EVERY = 30.0  # seconds between "warming up" lines
 # vLLM's flags for what keepkv.vllm does not serve (keepkv.vllm.settings.REFUSED names why).
@@ -83,9 +87,10 @@ OFF_BY_DEFAULT = ["--no-enable-prefix-caching"]  # a method that compresses prom
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model directory or .gguf file "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--method", default="keepkv",
+    parser.add_argument("--method", default=None,
                         help=f"served method: {', '.join(SERVED_METHOD_NAMES)}, or a variant (snapkv+window=16); "
-                        "full: stock vLLM under the same flags")
+                        f"full: stock vLLM under the same flags (default: {DEFAULT_METHOD}; {SHARE_METHOD} with "
+                        "--share-prefix, the best measured there)")
     parser.add_argument("--budget", type=budget_arg, default=None,
                         help=f"fraction in (0, 1] or entry count (default: {DEFAULT_BUDGET}); with --keep-prompt, the "
                         f"generated entries each request keeps (an int, default: {DEFAULT_GENERATED})")
@@ -140,7 +145,9 @@ def flags(server_args: list[str]) -> dict[str, str | None]:
 def check_flags(args, given: dict[str, str | None]) -> None:
     """Raise ValueError, in one line, for what can be told from the flags alone (before torch or
     vLLM is imported): a value vLLM's parser would refuse (:data:`INT_FLAGS`), a flag keepkv.vllm
-    would not honour (:func:`refused_flag`), a fractional budget with ``--keep-prompt``."""
+    would not honour (:func:`refused_flag`), a fractional budget with ``--keep-prompt``. A method
+    not given becomes the default (:data:`DEFAULT_METHOD`, or :data:`SHARE_METHOD` with ``--share-prefix``)."""
+    resolve_method(args)
     for name, value in given.items():
         if name in INT_FLAGS and not ((value or "").isdigit() and 1 <= int(value) <= INT_FLAGS[name]):
             bound = ">= 1" if INT_FLAGS[name] == math.inf else f"in [1, {INT_FLAGS[name]}]"
@@ -155,6 +162,13 @@ def check_flags(args, given: dict[str, str | None]) -> None:
                              f"layer and head: give --budget an int, got {args.budget}")
         raise ValueError(f"--keep-prompt keeps every prompt whole and --budget generated entries per layer and head: "
                          f"give --budget an int, got {args.budget}")
+
+
+def resolve_method(args) -> None:
+    """``args.method``, where it was not given: :data:`SHARE_METHOD` with ``--share-prefix``, else
+    :data:`DEFAULT_METHOD`."""
+    if getattr(args, "method", None) is None:
+        args.method = SHARE_METHOD if getattr(args, "share_prefix", None) is not None else DEFAULT_METHOD
 
 
 def kept_prompts(args) -> bool:
@@ -312,6 +326,7 @@ def server_command(args, server_args: list[str], environ: dict[str, str],
 
 def floor_warning(args) -> str | None:
     """The start-up warning for an entry budget under the method's budget floor, or None."""
+    resolve_method(args)
     if args.method == "full" or args.budget is None or kept_prompts(args):
         return None
     from ..budgets import floor_warning as warning

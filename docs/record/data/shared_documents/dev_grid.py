@@ -12,6 +12,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import keepkv
+import keepkv.vllm
 from keepkv.eval.tasks import make_suite
 from keepkv.generation import context_and_question_ids
 
