@@ -18,7 +18,8 @@ BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU build: each rank's cores, "auto
 REFUSED = {
     "prefix caching": "a block shared between requests cannot be compacted per request "
                       "(--no-enable-prefix-caching, enable_prefix_caching=False), unless prompts are kept "
-                      "whole (keepkv serve --keep-prompt, keep_prompt=True)",
+                      "whole (keepkv serve --keep-prompt, keep_prompt=True) or compressed chunk by chunk "
+                      "(keepkv serve --share-prefix, share_prefix=True)",
     "speculative decoding": "a request's cache takes one token per decode step (drop --speculative-config)",
     "pipeline parallelism > 1": "vLLM 0.32.0's CPU build dies on an eager engine's first request (the second "
                                 "stage's `assert self.intermediate_tensors is not None`: its eager warm-up skips the "
