@@ -912,17 +912,18 @@ def test_a_shared_document_is_compressed_once_and_read_from_the_prefix_cache(mod
 
 
 def test_the_later_requests_skip_the_documents_chunks(model_dir, prompts):
-    """Two runs on the same two documents, each request's hits counted by vLLM: the second run's
-    requests skip every whole chunk of their document (512 tokens each), also those compressed in
-    the first run's last steps (its requests end at their first token)."""
-    documents = [prompts[1][:560], prompts[1][150:710]]  # 727 tokens: two documents from token 0 and 150
+    """Two runs on the same two documents of two whole chunks, each request's hits counted by vLLM:
+    the second run's requests read no document token (512 of 512 from the prefix cache), also
+    where the chunks were compressed in the first run's last steps (its requests end at their
+    first token)."""
+    documents = [prompts[1][:512], prompts[1][150:662]]  # 727 tokens: two documents from token 0 and 150
     asked = [document + prompts[2][:20] for document in documents]
     engine = shared_document_engine(model_dir)
     engine.run(asked, new_tokens=1)
     engine.run(asked, new_tokens=8)
     hits = dict(engine.cached_tokens)
     engine.close()
-    assert hits == {"r0": 512, "r1": 512}
+    assert hits == {"r0": len(documents[0]), "r1": len(documents[1])} == {"r0": 512, "r1": 512}
 
 
 def test_a_document_evicted_from_the_prefix_cache_is_recomputed(model_dir, prompts):
