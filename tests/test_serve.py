@@ -289,6 +289,14 @@ def test_serve_refuses_flags_before_torch_or_vllm_is_imported(flag, message):
     assert done.stderr.startswith(f"keepkv: error: {message}") and done.stderr.count("\n") == 1, done.stderr
 
 
+def test_config_serves_keydiff_by_default_with_share_prefix():
+    from keepkv.vllm import config
+
+    assert config(share_prefix=True) == {"keepkv": {"method": "keydiff+interval=16", "budget": 256, "keep_prompt": True,
+                                                    "share_prefix": 8}}
+    assert config()["keepkv"]["method"] == "snapkv+interval=16"
+
+
 def test_a_budget_under_the_floor_warns_in_config():
     import keepkv
     from keepkv.vllm import config

@@ -110,12 +110,13 @@ def require_plugin(environ=None) -> None:
         )
 
 
-def config(method: str = "snapkv", budget: int | float | None = None, keep_prompt: bool = False,
+def config(method: str | None = None, budget: int | float | None = None, keep_prompt: bool = False,
            share_prefix: bool | int = False) -> dict:
     """The engine's ``additional_config`` for keepkv, checked in the caller's process: the method
     is served, the budget valid, and vLLM will load the plugin. An entry budget under the
     method's budget floor warns (:class:`keepkv.KeepKVWarning`, one line).
 
+    method: a served method or variant (default snapkv; keydiff with ``share_prefix``).
     budget: a fraction of each prompt or an entry count (default 0.1); with ``keep_prompt`` the
     generated entries each request keeps (an int, default :data:`DEFAULT_GENERATED`), its prompt
     kept whole, so that the engine may share prompt blocks (``enable_prefix_caching=True``).
@@ -123,6 +124,8 @@ def config(method: str = "snapkv", budget: int | float | None = None, keep_promp
     chunk of a prompt is compressed alone to one block, and the engine's prefix cache shares the
     compressed chunks (implies ``keep_prompt``; ``enable_prefix_caching=True``)."""
     keep_prompt = keep_prompt or share_prefix is not False
+    if method is None:  # keydiff answers best through shared chunks (docs/serving.md)
+        method = "keydiff" if share_prefix is not False else "snapkv"
     if budget is None:
         budget = DEFAULT_GENERATED if keep_prompt else 0.1
     import warnings
