@@ -40,7 +40,9 @@ class CompactRows:
     offsets [R]: position - slot for the part's tokens; frozen [R]: the prompt's tokens;
     chunk_starts [R]: the first slot of the chunk the part ends (-1: none); after_tables [R, W]:
     the table once that chunk is compressed (the part's own where it ends none); waves [R]: the
-    part's index within its engine row (parts run in wave order); source [R]: the engine row."""
+    part's index within its engine row (parts run in wave order); source [R]: the engine row;
+    reading [R]: whether the part starts within its prompt (by position); shrinks [R]: the slots
+    the part's end gives up (a chunk it ends: N - block_size, else 0)."""
 
     query_start: list[int]
     seq_lens: list[int]
@@ -52,6 +54,8 @@ class CompactRows:
     after_tables: torch.Tensor
     waves: list[int]
     source: list[int]
+    reading: list[bool]
+    shrinks: list[int]
 
 
 def compacted_table(table: torch.Tensor, chunks: int, chunk_blocks: int) -> torch.Tensor:
@@ -71,7 +75,7 @@ def compact(query_start: list[int], seq_lens: list[int], block_table: torch.Tens
     its last token ran: only whole chunks within the prompt are compressed."""
     tokens = chunk_blocks * block_size
     shrink = tokens - block_size  # slots a compressed chunk gives up
-    rows = CompactRows([0], [], [], [], [], [], [], [], [], [])
+    rows = CompactRows([0], [], [], [], [], [], [], [], [], [], [], [])
     for row, (start, end_start, seq, prompt) in enumerate(zip(query_start, query_start[1:], seq_lens, prompts)):
         done = seq - (end_start - start)
         whole = prompt // tokens  # chunks the prompt compresses
@@ -91,6 +95,8 @@ def compact(query_start: list[int], seq_lens: list[int], block_table: torch.Tens
             rows.chunk_starts.append(block_size * chunks if ends_chunk else -1)
             rows.waves.append(wave)
             rows.source.append(row)
+            rows.reading.append(first < prompt)
+            rows.shrinks.append(shrink if ends_chunk else 0)
     rows.block_table = torch.stack(rows.block_table) if rows.block_table else block_table[:0]
     rows.after_tables = torch.stack(rows.after_tables) if rows.after_tables else block_table[:0]
     return rows

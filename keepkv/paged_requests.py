@@ -207,11 +207,8 @@ class PagedRequests:
         rows = compact(query_start, seq_lens, block_table[: len(seq_lens)], prompts, block_size, self.chunk_blocks)
         lengths = [end - start for start, end in zip(rows.query_start, rows.query_start[1:])]
         computed = [seq - length for seq, length in zip(rows.seq_lens, lengths)]
-        shrink = (self.chunk_blocks - 1) * block_size
         batch = self._kept_prompt_batch(rows.query_start, lengths, computed, rows.block_table, rows.prompts, block_size,
-                                        rows.after_tables, [shrink if start >= 0 else 0 for start in rows.chunk_starts],
-                                        [done + offset < prompt for done, offset, prompt in
-                                         zip(computed, rows.offsets, rows.frozen)])
+                                        rows.after_tables, rows.shrinks, rows.reading)
         batch.offsets, batch.frozen, batch.chunk_starts = rows.offsets, rows.frozen, rows.chunk_starts
         batch.waves, batch.after_tables = rows.waves, rows.after_tables
         return batch

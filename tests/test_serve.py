@@ -409,7 +409,9 @@ def test_the_serving_bench_refuses_shared_document_flags_it_cannot_honour(capsys
                        (["--shared-prefix", "64", "--prompt-modes", "keep,keep"], "--prompt-modes takes"),
                        (["--shared-prefix", "64", "--documents", "0"], "--documents must be >= 1"),
                        (["--shared-prefix", "64", "--prompt-budget", "1.5"], "--prompt-budget must be"),
-                       (["--shared-prefix", "64", "--share-blocks", "4"], "--share-blocks needs --prompt-modes share")]:
+                       (["--shared-prefix", "64", "--share-blocks", "4"], "--share-blocks needs --prompt-modes share"),
+                       (["--shared-prefix", "64", "--prompt-modes", "share", "--share-blocks", "1"],
+                        "--share-blocks (the blocks of a chunk) must be >= 2")]:
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert says in capsys.readouterr().err.strip().splitlines()[-1]
@@ -479,6 +481,8 @@ def test_share_prefix_serves_compressed_chunks_with_prefix_caching(tmp_path, mon
     assert json.loads(argv[argv.index("--additional-config") + 1])["keepkv"]["method"] == "keepkv+interval=16"
     with pytest.raises(ValueError, match="^--share-prefix .* give --budget an int, got 0.1$"):
         command(["--model", str(model), "--share-prefix", "--budget", "0.1"], monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match="^--share-prefix takes the blocks of a chunk, an int >= 2, got 1$"):
+        command(["--model", str(model), "--share-prefix", "1"], monkeypatch=monkeypatch)
     with pytest.raises(ValueError, match="chunk_blocks does not serve h2o"):
         command(["--model", str(model), "--method", "h2o", "--share-prefix"], monkeypatch=monkeypatch)
     with pytest.raises(ValueError, match="drop --budget, --keep-prompt and --share-prefix"):

@@ -235,6 +235,8 @@ def main(argv=None) -> None:
         parser.error(f"--prompt-modes takes {', '.join(PROMPT_MODES)}, comma-separated, got {args.prompt_modes!r}")
     if args.share_blocks is not None and "share" not in modes:
         parser.error("--share-blocks needs --prompt-modes share")
+    if args.share_blocks is not None and args.share_blocks < 2:
+        parser.error("--share-blocks (the blocks of a chunk) must be >= 2")
     if not args.shared_prefix and (args.documents > 1 or modes != ["keep"]):
         parser.error("--documents and --prompt-modes need --shared-prefix")
     if not 0 < args.prompt_budget <= 1:

@@ -152,6 +152,9 @@ def check_flags(args, given: dict[str, str | None]) -> None:
         if name in INT_FLAGS and not ((value or "").isdigit() and 1 <= int(value) <= INT_FLAGS[name]):
             bound = ">= 1" if INT_FLAGS[name] == math.inf else f"in [1, {INT_FLAGS[name]}]"
             raise ValueError(f"{name} takes an int {bound}, got {'no value' if value is None else repr(value)}")
+    share = getattr(args, "share_prefix", None)
+    if share is not None and share < 2:
+        raise ValueError(f"--share-prefix takes the blocks of a chunk, an int >= 2, got {share}")
     keep_prompt = kept_prompts(args)
     refused = refused_flag(given, args.method, keep_prompt)
     if refused:
