@@ -401,7 +401,7 @@ def test_the_shared_documents_shape_interleaves_documents_and_counts_prompt_toke
     assert prompt_tokens_computed(output, requests) == 48 + 10
 
 
-def test_the_serving_bench_refuses_shared_document_flags_it_cannot_honour(capsys):
+def test_the_serving_bench_refuses_flags_it_cannot_honour(capsys):
     from keepkv.vllm import bench
 
     for argv, says in [(["--documents", "4"], "need --shared-prefix"),
@@ -411,7 +411,8 @@ def test_the_serving_bench_refuses_shared_document_flags_it_cannot_honour(capsys
                        (["--shared-prefix", "64", "--prompt-budget", "1.5"], "--prompt-budget must be"),
                        (["--shared-prefix", "64", "--share-blocks", "4"], "--share-blocks needs --prompt-modes share"),
                        (["--shared-prefix", "64", "--prompt-modes", "share", "--share-blocks", "1"],
-                        "--share-blocks (the blocks of a chunk) must be >= 2")]:
+                        "--share-blocks (the blocks of a chunk) must be >= 2"),
+                       (["--blocks", "1"], "--blocks must be >= 2")]:
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert says in capsys.readouterr().err.strip().splitlines()[-1]

@@ -5,12 +5,15 @@ generated), stock vLLM against keepkv methods, each engine with memory to spare 
     .venv-vllm/bin/python benchmarks/vllm_cpu/long_request.py --prompt 1500 --generated 64 --rounds 2 snapkv keepkv
 
 Prints one JSON line per engine and round (stock first in each round): seconds from submission
-to the last token, and the ratio to that round's stock. Budget 0.1; fp32; blocks of 128; prefix
+to the last token (each engine serves the request once untimed, to warm up, then ``--repeats``
+times: their median), and the ratio to that round's stock; then each method's median ratio over
+the rounds. Budget 0.1; fp32; blocks of 128; prefix
 caching off; chunked prefill as vLLM's default (on) unless ``--no-chunked-prefill``.
 """
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -30,7 +33,9 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     raise SystemExit("not enough stdlib tokens")
 
 
-def seconds(model_dir: str, prompt: list[int], generated: int, keepkv: dict | None, chunked: bool) -> float:
+def seconds(model_dir: str, prompt: list[int], generated: int, keepkv: dict | None, chunked: bool,
+            repeats: int) -> float:
+    """The median of ``repeats`` timed runs of the request, after one untimed run on the same engine."""
     import gc
 
     import vllm
@@ -43,9 +48,12 @@ def seconds(model_dir: str, prompt: list[int], generated: int, keepkv: dict | No
         args["additional_config"] = {"keepkv": keepkv}
     llm = vllm.LLM(**args)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=generated, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    took = time.perf_counter() - start
+    times = []
+    for _ in range(1 + repeats):
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    took = statistics.median(times[1:])
     del llm
     gc.collect()
     return took
@@ -61,12 +69,14 @@ if __name__ == "__main__":
     parser.add_argument("--prompt", type=int, default=7000, help="prompt tokens (default 7000)")
     parser.add_argument("--generated", type=int, default=32, help="generated tokens (default 32)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds, each stock then every method (default 1)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per engine after an untimed one, their median reported (default 3)")
     parser.add_argument("--no-chunked-prefill", dest="chunked", action="store_false")
     args = parser.parse_args()
     from keepkv.checks import as_int
 
     try:  # before the model loads
-        for name in ("prompt", "generated", "rounds"):
+        for name in ("prompt", "generated", "rounds", "repeats"):
             as_int(f"--{name}", getattr(args, name), low=1)
     except ValueError as error:
         parser.error(str(error))
@@ -76,12 +86,17 @@ if __name__ == "__main__":
     tokenizer.save_pretrained(model_dir)
     prompt = prompt_ids(tokenizer, args.prompt)
     del model
+    ratios = {method: [] for method in args.methods}
     for round_ in range(args.rounds):
         stock = None
         for method in [None, *args.methods]:
             took = seconds(model_dir, prompt, args.generated, {"method": method, "budget": 0.1} if method else None,
-                           args.chunked)
+                           args.chunked, args.repeats)
             stock = stock or took
+            if method:
+                ratios[method].append(took / stock)
             print(json.dumps({"round": round_, "method": method or "full (stock vLLM)", "prompt_tokens": args.prompt,
                               "generated": args.generated, "chunked_prefill": args.chunked, "seconds": round(took, 2),
                               "vs_stock": round(took / stock, 2)}), flush=True)
+    for method, values in ratios.items():
+        print(json.dumps({"method": method, "rounds": args.rounds, "median_vs_stock": round(statistics.median(values), 3)}))

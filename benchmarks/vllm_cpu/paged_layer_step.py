@@ -12,7 +12,9 @@ D = 64), blocks of 128, the served dtype. Run in the serving venv:
 ``keep_prompt``: 16 requests of 1,056 prompt tokens kept whole, 64 generated entries kept (the
 serving bench's shared-prefix shape, each request with its own blocks here). ``compressed``: 16
 requests of 2,048-token prompts at budget 0.1. Prints milliseconds per layer-step: stock's, and
-keepkv's mean, its steps without a compression, and its compressing steps.
+keepkv's mean, its steps without a compression, and its compressing steps: medians over
+``--rounds`` rounds of every engine (the order rotated each round), each round timing
+``--measured`` intervals of decode steps; each method's ratio to the first is paired by round.
 """
 
 import argparse
@@ -111,10 +113,15 @@ def main() -> None:
     parser.add_argument("--intervals", default="16", help="comma-separated intervals (default 16, the serving default)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every engine, the order rotated each round; figures are medians over rounds")
+    parser.add_argument("--measured", type=int, default=4, help="intervals of decode steps timed per round (default 4)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     try:
         as_int("--threads", args.threads, low=1)
+        as_int("--rounds", args.rounds, low=1)
+        as_int("--measured", args.measured, low=1)
         intervals = [as_int("--intervals", int(i) if i.strip().lstrip("-").isdigit() else i, low=1)
                      for i in args.intervals.split(",")]
     except ValueError as error:
@@ -123,27 +130,40 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     requests, prompt, budget = MODES[args.mode]
     generator = torch.Generator().manual_seed(0)
-    steps = 2 * max(intervals)
-    rows = []
-    stock = stock_steps(requests, prompt + (budget if args.mode == "keep_prompt" else 0), steps, dtype, generator)
-    stock_ms = statistics.mean(stock) * 1000
-    print(f"stock vLLM: {stock_ms:.3f} ms per layer-step ({requests} requests)")
-    rows.append({"engine": "stock", "ms": stock_ms})
-    for method in args.methods.split(","):
-        for interval in intervals:
-            spec = f"{method}+interval={interval}"
-            times, compressing = keepkv_steps(spec, requests, prompt, budget, steps, dtype, generator,
+    steps = args.measured * max(intervals)
+    engines = ["stock"] + [f"{method}+interval={interval}" for method in args.methods.split(",") for interval in intervals]
+    runs = {engine: [] for engine in engines}  # engine -> per round (mean, without, compressing) in ms
+    for round_ in range(args.rounds):
+        shift = round_ % len(engines)
+        for engine in engines[shift:] + engines[:shift]:
+            if engine == "stock":
+                stock = stock_steps(requests, prompt + (budget if args.mode == "keep_prompt" else 0), steps, dtype, generator)
+                runs[engine].append((statistics.mean(stock) * 1000, None, None))
+                continue
+            times, compressing = keepkv_steps(engine, requests, prompt, budget, steps, dtype, generator,
                                               args.mode == "keep_prompt")
             plain = [t for t, c in zip(times, compressing) if not c]
             squeezed = [t for t, c in zip(times, compressing) if c]
-            mean = statistics.mean(times) * 1000
-            row = {"engine": spec, "ms": mean, "vs_stock": mean / stock_ms,
-                   "ms_without_compression": statistics.mean(plain) * 1000,
-                   "ms_compressing": statistics.mean(squeezed) * 1000 if squeezed else None}
-            rows.append(row)
-            print(f"{spec}: {mean:.3f} ms per layer-step ({mean / stock_ms:.2f}x stock): "
-                  f"{row['ms_without_compression']:.3f} without a compression, "
-                  f"{row['ms_compressing'] or 0:.3f} compressing (1 step in {interval})")
+            runs[engine].append((statistics.mean(times) * 1000, statistics.mean(plain) * 1000,
+                                 statistics.mean(squeezed) * 1000 if squeezed else None))
+        print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{e} {runs[e][-1][0]:.3f}" for e in engines), flush=True)
+    stock_ms = statistics.median(run[0] for run in runs["stock"])
+    first = engines[1]
+    rows = [{"engine": "stock", "ms": stock_ms, "rounds": [run[0] for run in runs["stock"]]}]
+    print(f"stock vLLM: {stock_ms:.3f} ms per layer-step ({requests} requests; median of {args.rounds} rounds)")
+    for engine in engines[1:]:
+        mean = statistics.median(run[0] for run in runs[engine])
+        squeezed = [run[2] for run in runs[engine] if run[2] is not None]
+        # paired ratios: each round's engine against the first method in the same round
+        vs_first = statistics.median(a[0] / b[0] for a, b in zip(runs[engine], runs[first]))
+        row = {"engine": engine, "ms": mean, "vs_stock": mean / stock_ms, f"vs_{first}": vs_first,
+               "ms_without_compression": statistics.median(run[1] for run in runs[engine]),
+               "ms_compressing": statistics.median(squeezed) if squeezed else None,
+               "rounds": [run[0] for run in runs[engine]]}
+        rows.append(row)
+        print(f"{engine}: {mean:.3f} ms per layer-step ({mean / stock_ms:.2f}x stock, {vs_first:.2f}x {first} "
+              f"paired): {row['ms_without_compression']:.3f} without a compression, "
+              f"{row['ms_compressing'] or 0:.3f} compressing (1 step in {engine.rsplit('=', 1)[1]})")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"settings": vars(args), "rows": rows}, handle, indent=2)

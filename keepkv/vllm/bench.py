@@ -219,6 +219,9 @@ def main(argv=None) -> None:
                         help="prompts of unequal lengths, spread over half to 1.5 times --prompt-len (the KV memory stays that of --full-requests of --prompt-len)")
     parser.add_argument("--gen-len", type=int, default=128, help="generated tokens per request (default 128)")
     parser.add_argument("--full-requests", type=int, default=4, help="full-cache requests the KV memory holds (default 4)")
+    parser.add_argument("--blocks", type=int, default=None, metavar="N",
+                        help="every method's engine gets N KV blocks, whatever its slot's bytes (default: the blocks "
+                        "that fit stock's memory); a diagnostic that compares steps at equal blocks")
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                         help="vLLM's chunked prefill off, for every engine (default: on, vLLM's default; each prompt "
                         "then comes in one step)")
@@ -239,6 +242,8 @@ def main(argv=None) -> None:
         parser.error("--share-blocks (the blocks of a chunk) must be >= 2")
     if not args.shared_prefix and (args.documents > 1 or modes != ["keep"]):
         parser.error("--documents and --prompt-modes need --shared-prefix")
+    if args.blocks is not None and args.blocks < 2:
+        parser.error("--blocks must be >= 2 (vLLM keeps one as its null block)")
     if not 0 < args.prompt_budget <= 1:
         parser.error("--prompt-budget must be in (0, 1]")
     keep_prompt = args.shared_prefix > 0
@@ -299,7 +304,7 @@ def main(argv=None) -> None:
                         | ({"share_prefix": chunk_blocks} if chunk_blocks else {}))
             if len(modes) > 1:
                 settings["prompt_mode"] = mode  # the bench's, for the row's name; not the engine's
-            engines.append((settings, full_blocks * stock_slot // slot))  # same bytes
+            engines.append((settings, args.blocks or full_blocks * stock_slot // slot))  # same bytes, or --blocks
 
     def run(keepkv, blocks, progress):
         engine = None if keepkv is None else {key: value for key, value in keepkv.items() if key != "prompt_mode"}
