@@ -26,7 +26,13 @@ from keepkv.paged import SERVED_METHODS, PagedCompression, rank_config  # noqa: 
 NEW_TOKENS = 24
 KEPT = "vllm_ranks.KeptEntries"  # tests/vllm_ranks.py: each worker's kept positions, through collective_rpc
 PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0"  # docs/keepkv.md
-SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", PAPER_KEEPKV, "snapkv+selection=learned+budgets=uniform"]
+SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", "keydiff", PAPER_KEEPKV,
+          "snapkv+selection=learned+budgets=uniform"]
+
+
+def test_every_served_method_is_checked_against_the_hugging_face_path():
+    """The tests parametrized by SERVED cover every method the engine serves."""
+    assert set(SERVED_METHODS) <= set(SERVED), sorted(set(SERVED_METHODS) - set(SERVED))
 
 
 @pytest.fixture(scope="module")
