@@ -412,7 +412,8 @@ def test_the_serving_bench_refuses_flags_it_cannot_honour(capsys):
                        (["--shared-prefix", "64", "--share-blocks", "4"], "--share-blocks needs --prompt-modes share"),
                        (["--shared-prefix", "64", "--prompt-modes", "share", "--share-blocks", "1"],
                         "--share-blocks (the blocks of a chunk) must be >= 2"),
-                       (["--blocks", "1"], "--blocks must be >= 2")]:
+                       (["--blocks", "1"], "--blocks must be >= 2"),
+                       (["--repeats", "0"], "--repeats must be >= 1")]:
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert says in capsys.readouterr().err.strip().splitlines()[-1]

@@ -874,6 +874,11 @@ def test_the_serving_bench_counts_the_prompt_tokens_an_engine_computes(model_dir
     assert len(asked[0]) <= stock["prompt_tokens_computed"] <= total
     compressing = run_engine(model_dir, asked, 4, 16, {"method": "snapkv", "budget": 0.5})
     assert compressing["prompt_tokens_computed"] == total
+    # --repeats: the same workload again on the same engine, its prefix cache reset in between
+    again = run_engine(model_dir, asked, 4, 16, None, prefix_caching=True, repeats=3)
+    assert [run["prompt_tokens_computed"] for run in again["repeats"]] == [stock["prompt_tokens_computed"]] * 3
+    assert [run["steps"] for run in again["repeats"]] == [stock["steps"]] * 3
+    assert again["tokens_per_s"] == sorted(run["tokens_per_s"] for run in again["repeats"])[1]
 
 
 SHARE = 2  # blocks of a chunk: 256 tokens, compressed to 128 entries per layer and head

@@ -100,14 +100,16 @@ def stdlib_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None,
                chunked_prefill: bool = True, prefix_caching: bool = False, tensor_parallel_size: int = 1,
-               probes=None) -> dict:
+               probes=None, repeats: int = 1) -> dict:
     """Serve every prompt at once with ``blocks`` KV blocks (on each rank); the engine's start time,
     tokens/s and peak concurrency. ``progress(finished, total, generated, seconds)`` is called every
     few seconds while it runs. ``chunked_prefill``: vLLM's chunked prefill (its default), with its
     CPU default of tokens per step; ``tensor_parallel_size``: ranks, each a process holding its share
     of the heads. ``probes``: prompts on one document, run alone after the workload: the first reads
     the document (it ends at its second token), then each other's time to first token is timed
-    (``first_token_ms``: their median, on a prefix-cache hit where the engine has one)."""
+    (``first_token_ms``: their median, on a prefix-cache hit where the engine has one).
+    ``repeats``: the workload served that many times on the engine, its prefix cache reset between
+    them; the figures are the repeat of median time's, and ``repeats`` lists each one's."""
     import vllm
 
     args = dict(
@@ -137,25 +139,39 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
         return output
 
     scheduler.schedule = counted_schedule
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-    peak, steps, generated, finished, cached, shown = 0, 0, 0, 0, 0, start
-    so_far: dict[str, int] = {}  # request -> tokens generated so far (for progress)
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            so_far[output.request_id] = len(output.outputs[0].token_ids)
-            if output.finished:
-                generated += len(output.outputs[0].token_ids)
-                cached += output.num_cached_tokens or 0  # vLLM's prefix-cache hits
-                finished += 1
-        peak = max(peak, len(scheduler.running))
-        steps += 1
-        if progress is not None and time.perf_counter() - shown >= PROGRESS_EVERY:
-            shown = time.perf_counter()
-            progress(finished, len(prompts), sum(so_far.values()), shown - start)
-    seconds = time.perf_counter() - start
+
+    def serve(repeat: int) -> dict:
+        """Every prompt at once, until the last finishes: the workload's figures."""
+        computed[0] = 0
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}.{repeat}", {"prompt_token_ids": prompt}, params)
+        peak, steps, generated, finished, cached, shown = 0, 0, 0, 0, 0, start
+        so_far: dict[str, int] = {}  # request -> tokens generated so far (for progress)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                so_far[output.request_id] = len(output.outputs[0].token_ids)
+                if output.finished:
+                    generated += len(output.outputs[0].token_ids)
+                    cached += output.num_cached_tokens or 0  # vLLM's prefix-cache hits
+                    finished += 1
+            peak = max(peak, len(scheduler.running))
+            steps += 1
+            if progress is not None and time.perf_counter() - shown >= PROGRESS_EVERY:
+                shown = time.perf_counter()
+                progress(finished, len(prompts), sum(so_far.values()), shown - start)
+        return {"seconds": time.perf_counter() - start, "peak": peak, "steps": steps, "generated": generated,
+                "cached": cached, "computed": computed[0]}
+
+    runs = []
+    for repeat in range(repeats):
+        if repeat and not llm.reset_prefix_cache():  # each repeat reads its prompts anew
+            raise RuntimeError("keepkv.vllm.bench: the engine's prefix cache could not be reset between repeats")
+        runs.append(serve(repeat))
     scheduler.schedule = schedule  # the count is the workload's
+    # the repeat of median time gives the figures (the first, with one repeat)
+    median = sorted(runs, key=lambda run: run["seconds"])[(len(runs) - 1) // 2]
+    seconds, peak, steps, generated, cached = (median[key] for key in ("seconds", "peak", "steps", "generated", "cached"))
     first_token = None
     if probes:
         for index, prompt in enumerate(probes):
@@ -175,12 +191,14 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     gc.collect()
     return {
         "method": keepkv["method"] if keepkv else "full (stock vLLM)",
-        "prefix_cache_hit_tokens": cached if prefix_caching else None, "prompt_tokens_computed": computed[0],
+        "prefix_cache_hit_tokens": cached if prefix_caching else None, "prompt_tokens_computed": median["computed"],
         "tensor_parallel_size": tensor_parallel_size,
         "blocks": blocks, "kv_bytes": blocks * block_bytes * tensor_parallel_size, "peak_running": peak, "steps": steps,
         "start_seconds": round(started, 2), "seconds": round(seconds, 2), "generated_tokens": generated,
         "tokens_per_s": round(generated / seconds, 2),
-    } | ({"first_token_ms": first_token} if probes else {})
+    } | ({"first_token_ms": first_token} if probes else {}) | (
+        {"repeats": [{"tokens_per_s": round(run["generated"] / run["seconds"], 2), "steps": run["steps"],
+                      "prompt_tokens_computed": run["computed"]} for run in runs]} if repeats > 1 else {})
 
 
 def engine_name(keepkv: dict | None) -> str:
@@ -219,6 +237,9 @@ def main(argv=None) -> None:
                         help="prompts of unequal lengths, spread over half to 1.5 times --prompt-len (the KV memory stays that of --full-requests of --prompt-len)")
     parser.add_argument("--gen-len", type=int, default=128, help="generated tokens per request (default 128)")
     parser.add_argument("--full-requests", type=int, default=4, help="full-cache requests the KV memory holds (default 4)")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="serve the workload N times on each engine (its prefix cache reset between them) and "
+                        "report the repeat of median time (default 1): steadier figures on a noisy host")
     parser.add_argument("--blocks", type=int, default=None, metavar="N",
                         help="every method's engine gets N KV blocks, whatever its slot's bytes (default: the blocks "
                         "that fit stock's memory); a diagnostic that compares steps at equal blocks")
@@ -230,7 +251,7 @@ def main(argv=None) -> None:
                         "bytes for its share of the heads (default 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    for name in ("requests", "prompt_len", "gen_len", "full_requests", "tensor_parallel_size", "documents"):
+    for name in ("requests", "prompt_len", "gen_len", "full_requests", "tensor_parallel_size", "documents", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     modes = args.prompt_modes.split(",")
@@ -311,7 +332,7 @@ def main(argv=None) -> None:
         # prefix caching on with shared prefixes, but for a method that compresses prompts (it refuses it)
         caching = keep_prompt and (keepkv is None or bool(keepkv.get("keep_prompt")))
         row = run_engine(model_dir, prompts, args.gen_len, blocks, engine, progress, args.chunked_prefill, caching,
-                         args.tensor_parallel_size, probes)
+                         args.tensor_parallel_size, probes, args.repeats)
         return row | {"engine": engine_name(keepkv)}
 
     run_all(engines, run, vars(args), args.json)
