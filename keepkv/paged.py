@@ -276,9 +276,9 @@ class PagedCompression:
                 self._write_new(slots, plan, key, value, layer)
             self._attend(slots, plan, query, scaling, layer, output, kv_cache)
             return output
-        for row in plan.closing:  # a prompt read in chunks, whole now: compressed before its first decode token
+        for rows in self._closing_groups(plan, layer):  # prompts read in chunks, whole now: closed before their first decode token
             with _threads(PROMPT_THREADS):
-                self._close(slots, plan, [row], scaling, layer)
+                self._close(slots, plan, rows, scaling, layer)
         for rows in plan.dense:  # a whole prompt over its budget: attended and compressed before it is written
             with _threads(PROMPT_THREADS):
                 self._dense_prompt(slots, plan, rows, query, key, value, scaling, layer, output)
@@ -385,22 +385,40 @@ class PagedCompression:
         stats = StepStats(**{**vars(stats), "query": stats.query[:, :, :, -self._prompt_rows :]})
         self.requests.file_chunk(chunk_key, layer, dict(store.state), stats, None, tuple(store.extras))
 
+    def _closing_groups(self, plan: StepPlan, layer: int) -> list[list[int]]:
+        """The step's close rows in groups that close as one store: kept prompts (``keep_prompt``,
+        whose chunks file only their newest query rows) of one length, offset and count of filed
+        rows; any other close row alone. A group's rows are ranked each alone, as alone."""
+        if not self.keep_prompt:
+            return [[row] for row in plan.closing]
+        groups: dict = {}
+        for row in plan.closing:
+            filed = self.requests.chunks.get((plan.batch.chunk_keys[row][0], layer))
+            newest = 0 if filed is None or filed.queries is None else filed.queries.shape[2]
+            alone = filed is not None and (filed.stats is not None or bool(filed.state))
+            key = ("alone", row) if alone else (plan.batch.computed[row], plan.batch.offsets[row], newest)
+            groups.setdefault(key, []).append(row)
+        return list(groups.values())
+
     def _close(self, slots: PagedSlots, plan: StepPlan, rows: list[int], scaling: float, layer: int,
                query=None) -> None:
         """Prompts that are whole: the method observes each and compresses it (or keeps it whole),
-        and its kept entries are written back compact. A close row's prompt was read in chunks;
-        ``query``: the step's queries, of a whole prompt it read and attended in place."""
+        and its kept entries are written back compact. Close rows' prompts were read in chunks (a
+        group of them: :meth:`_closing_groups`); ``query``: the step's queries, of a whole prompt it
+        read and attended in place (one row)."""
         batch, row = plan.batch, rows[0]
-        prompt = None if query is not None else self.requests.take_chunk(batch.chunk_keys[row][0], layer)
+        filed = [None] if query is not None else [self.requests.take_chunk(batch.chunk_keys[r][0], layer) for r in rows]
+        prompt = filed[0]
         length = batch.query_lengths[row] if query is not None else batch.computed[row]
         if query is not None:  # [1, H, r, D]: the prompt's query rows, or its newest ones its chunks kept
             newest = query[batch.query_start[row] : batch.query_start[row + 1]].transpose(0, 1)[None]
-        else:
-            newest = None if prompt is None else prompt.queries
+        else:  # [R, H, r, D]
+            newest = None if prompt is None or prompt.queries is None else torch.cat([p.queries for p in filed])
         first = 0
         if self.keep_prompt:  # kept whole and unscored: its end reads only the slots of its newest query rows
             first = length - max(1, 0 if newest is None else newest.shape[2])
-        store = slots.gather(plan.blocks_of(rows, length), (length - first,), (length + batch.offsets[row],), layer, first)
+        store = slots.gather(plan.blocks_of(rows, length), (length - first,) * len(rows),
+                             tuple(length + batch.offsets[r] for r in rows), layer, first)
         if prompt is None or (prompt.stats is None and not prompt.state):  # its first chunk's store, or a prefix
             self.step.start(store)
         else:
@@ -413,7 +431,8 @@ class PagedCompression:
             stats = prompt_window_stats(group_queries(newest[:, :, -self._prompt_rows :], store.keys.shape[1]),
                                         store.keys, store.bias, store.positions, scaling, self.method.needs(True).window)
         else:  # a prompt whose every token another request wrote (a whole shared prefix): no query of its own
-            stats = StepStats(query=store.keys.new_zeros(1, slots.layout.kv_heads, self._group, 0, slots.layout.head_dim),
+            stats = StepStats(query=store.keys.new_zeros(len(rows), slots.layout.kv_heads, self._group, 0,
+                                                         slots.layout.head_dim),
                               scaling=scaling, is_prefill=True)
         sizes = plan.held(rows, layer, "after") if query is not None else plan.closed_sizes(rows, layer)
         self._end_prompt(slots, plan, rows, store, stats, tuple(size - first for size in sizes), layer, first=first)

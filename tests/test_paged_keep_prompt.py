@@ -109,6 +109,35 @@ def test_requests_sharing_a_prefix_decode_as_alone_and_never_write_it(method):
         assert len(engine.tables[request]) <= math.ceil(paged.capacity(prompt) / BLOCK)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_prompts_ending_together_close_as_one_store_and_decode_as_alone(method, monkeypatch):
+    """Requests 0 and 1 read 11-token prompts in one step, request 2 a 7-token one: at their first
+    decode step the two of one length close as one store, request 2 alone, and each of the three
+    decodes 30 tokens as its own CompressedCache(decoding="keep_prompt")."""
+    generator = torch.Generator().manual_seed(6)
+    paged = PagedCompression(CONFIG, method, 8, keep_prompt=True)
+    closed = []
+    close = PagedCompression._close
+    monkeypatch.setattr(PagedCompression, "_close",
+                        lambda self, slots, plan, rows, *args, **kwargs: (closed.append(list(rows)),
+                                                                          close(self, slots, plan, rows, *args, **kwargs)))
+    engine = SharingEngine(paged)
+    references = {r: CompressedCache(CONFIG, method, 8, decoding="keep_prompt") for r in range(3)}
+    prompts = {0: tokens(generator, 11), 1: tokens(generator, 11), 2: tokens(generator, 7)}
+    for request, chunk in prompts.items():
+        engine.admit(request, chunk[0].shape[0])
+        references[request].start_prefill(torch.ones(1, chunk[0].shape[0], dtype=torch.bool))
+    for request, chunk in zip(prompts, engine.step(prompts).values()):
+        torch.testing.assert_close(chunk, _feed(references[request], prompts[request]), rtol=1e-5, atol=1e-5)
+    for step in range(30):
+        new = {r: tokens(generator, 1) for r in prompts}
+        outputs = engine.step(new)
+        for request, chunk in new.items():
+            torch.testing.assert_close(outputs[request], _feed(references[request], chunk), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, s=step, r=request: f"step {s} request {r}: {m}")
+    assert sorted(closed) == [[0, 1], [2]], closed
+
+
 def test_a_prompt_read_in_chunks_then_shared():
     """A prompt read in three chunks closes at its first decode step; a later request on its blocks
     decodes as alone."""
