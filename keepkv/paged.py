@@ -180,12 +180,11 @@ class PagedCompression:
         # Budget 1.0 is the identity: requests are attended in place and nothing else runs.
         self.keeps_everything = isinstance(budget, float) and budget == 1.0
         self.biased = self.method.merging.writes_bias  # votes: a bias word, and keys wide enough to carry it
-        # What a method reads of a prompt: "summed" statistics of every chunk's query rows (H2O's
-        # column sums), or only its newest rows, computed once the prompt is whole.
-        needs = self.method.needs(True)
+        # What the method reads of a prompt and of a decoding query. Of a prompt: "summed" statistics
+        # of every chunk's query rows (H2O's column sums), or only its newest rows, once it is whole.
+        self._prompt_needs, self._decode_needs = needs, decode = self.method.needs(True), self.method.needs(False)
         self._sums_prompt = bool(needs.probs or needs.colsum or needs.decays or needs.logits or needs.colmax)
         self._prompt_rows = self.method.prefill_query_rows()
-        decode = self.method.needs(False)
         # Query rows kept per request and layer between compressions: the attention every decoding
         # query gave (probabilities, logits), or the newest query a merge reads.
         query_rows = self.method.interval if (decode.probs or decode.logits or self.biased) else 0
@@ -336,12 +335,12 @@ class PagedCompression:
             if call.tokens is not None:
                 output.index_copy_(0, call.tokens, attended)
         if ours:  # keepkv's paged kernel; the method's statistics of the step's query come back from the same pass
-            call = plan.decode_call(self.kernel, ours, layer, slots.layout)
-            needs = self.method.needs(False)
+            call = plan.decode_call(ours, layer, _geometry(self.kernel, slots.layout))
             want = bool(plan.compressing) and self.method.interval == 1
             out, probs, logits = paged_decode(query.index_select(0, call.tokens), kv_cache, call.block_table,
                                               call.seq_lens, scaling, call.geometry, max_len=call.max_len,
-                                              probs=want and needs.probs, logits=want and needs.logits,
+                                              probs=want and self._decode_needs.probs,
+                                              logits=want and self._decode_needs.logits,
                                               backend=_decode_backend(query.device))
             output.index_copy_(0, call.tokens, out)
             if want:
@@ -354,7 +353,7 @@ class PagedCompression:
         reads of a prompt)."""
         rows = query.shape[2]
         mask = torch.ones(rows, rows, dtype=torch.bool, device=query.device).tril()[None, None]
-        return attend(query, store.keys, store.values, store.bias, mask, scaling, self.method.needs(True), True,
+        return attend(query, store.keys, store.values, store.bias, mask, scaling, self._prompt_needs, True,
                       store.binary_bias())
 
     def _file_chunk(self, slots: PagedSlots, plan: StepPlan, row: int, query, scaling, layer: int) -> None:
@@ -381,7 +380,7 @@ class PagedCompression:
             store.resume(state=before.state)
         _, stats = self._prompt_attention(rows_query, store, scaling)
         if before is not None and before.stats is not None:
-            stats = join_prefill_stats(before.stats, stats, self.method.needs(True).window)
+            stats = join_prefill_stats(before.stats, stats, self._prompt_needs.window)
         stats = StepStats(**{**vars(stats), "query": stats.query[:, :, :, -self._prompt_rows :]})
         self.requests.file_chunk(chunk_key, layer, dict(store.state), stats, None, tuple(store.extras))
 
@@ -429,7 +428,7 @@ class PagedCompression:
             _, stats = self._prompt_attention(newest, store, scaling)
         elif newest is not None:
             stats = prompt_window_stats(group_queries(newest[:, :, -self._prompt_rows :], store.keys.shape[1]),
-                                        store.keys, store.bias, store.positions, scaling, self.method.needs(True).window)
+                                        store.keys, store.bias, store.positions, scaling, self._prompt_needs.window)
         else:  # a prompt whose every token another request wrote (a whole shared prefix): no query of its own
             stats = StepStats(query=store.keys.new_zeros(len(rows), slots.layout.kv_heads, self._group, 0,
                                                          slots.layout.head_dim),
@@ -467,7 +466,7 @@ class PagedCompression:
             if earlier is not None and earlier.queries is not None:
                 newest = torch.cat([earlier.queries, newest], dim=2)
         stats = prompt_window_stats(group_queries(newest[:, :, -self._prompt_rows :], slots.layout.kv_heads),
-                                    store.keys, store.bias, store.positions, scaling, self.method.needs(True).window)
+                                    store.keys, store.bias, store.positions, scaling, self._prompt_needs.window)
         device = store.device
         budget = torch.full((1, slots.layout.kv_heads), start + block_size, device=device)
         self.step.compress_chunk(store, budget, torch.tensor([block_size], device=device), stats,
@@ -530,7 +529,7 @@ class PagedCompression:
         newest = torch.tensor([batch.computed[r] + batch.offsets[r] for r in rows], device=query.device)  # each row's last query position
         query_positions = newest[:, None] - torch.arange(queries.shape[1] - 1, -1, -1, device=query.device)  # [R, N]
         return kept_query_stats(group_queries(queries.transpose(1, 2), kv_heads), store.keys, store.bias,
-                                store.positions, query_positions, scaling, self.method.needs(False))
+                                store.positions, query_positions, scaling, self._decode_needs)
 
     @property
     def _group(self) -> int:
@@ -563,8 +562,14 @@ def _kernel_stats(stats, index, store: LayerStore, query, scaling: float, prompt
 def _layout(kernel, block_size, kv_heads, head_dim, dtype, biased, words) -> PagedLayout:
     layout = PagedLayout(block_size, kv_heads, head_dim, words, dtype, biased)
     if biased:  # keepkv's kernel must read the engine's packing: refused here, before any request
-        layout.geometry(*kernel.orders(block_size, head_dim, dtype))
+        _geometry(kernel, layout)
     return layout
+
+
+@functools.lru_cache(maxsize=64)
+def _geometry(kernel, layout: PagedLayout):
+    """Where keepkv's paged kernel finds an entry in ``layout``'s blocks as ``kernel`` packs them."""
+    return layout.geometry(*kernel.orders(layout.block_size, layout.head_dim, layout.dtype))
 
 
 @functools.lru_cache(maxsize=4)

@@ -220,15 +220,18 @@ class StepPlan:
             self.cache[key] = first[..., None] + torch.arange(layout.words, device=slots.device)
         return self.cache[key]
 
-    @staticmethod
-    def fresh_words(extras: dict, fills: dict, layout: PagedLayout, positions: torch.Tensor) -> torch.Tensor:
-        """[N, H_kv, M] the words of new entries: position, bias 0, every extra at its fill."""
-        words = [0.0] * layout.biased
-        for name, shape in extras.items():
-            words += [fills[name]] * math.prod(shape)
-        tail = torch.tensor(words, dtype=torch.float32, device=positions.device)
-        fresh = torch.cat([positions.float()[:, None], tail[None].expand(len(positions), -1)], dim=1)
-        return fresh[:, None].expand(-1, layout.kv_heads, -1)
+    def fresh_words(self, extras: dict, fills: dict, layout: PagedLayout, positions: torch.Tensor) -> torch.Tensor:
+        """[N, H_kv, M] the words of new entries at ``positions`` [N] (:meth:`new_slots`'s, the same
+        tensor in every layer of the step): position, bias 0, every extra at its fill."""
+        key = ("fresh", layout, positions.data_ptr(), positions.numel())
+        if key not in self.cache:
+            words = [0.0] * layout.biased
+            for name, shape in extras.items():
+                words += [fills[name]] * math.prod(shape)
+            tail = torch.tensor(words, dtype=torch.float32, device=positions.device)
+            fresh = torch.cat([positions.float()[:, None], tail[None].expand(len(positions), -1)], dim=1)
+            self.cache[key] = fresh[:, None].expand(-1, layout.kv_heads, -1)
+        return self.cache[key]
 
     def kernel_call(self, kernel, layer: int, layout: PagedLayout, num_heads: int, rows: list[int]) -> KernelCall:
         """The engine kernel's call over ``rows`` (attending rows, in step order)."""
@@ -265,16 +268,16 @@ class StepPlan:
             self.cache[key] = [row for row in self.attending if row not in voted]
         return self.cache[key]
 
-    def decode_call(self, kernel, rows: tuple, layer: int, layout: PagedLayout) -> DecodeCall:
-        """keepkv's paged kernel's call over decoding ``rows``."""
+    def decode_call(self, rows: tuple, layer: int, geometry: PagedGeometry) -> DecodeCall:
+        """keepkv's paged kernel's call over decoding ``rows``, in blocks as ``geometry`` says."""
         sizes = self.held(rows, layer, "written")
-        key = ("decode", rows, sizes, layout)
+        key = ("decode", rows, sizes, geometry)
         if key not in self.cache:
             device = self.decode_tokens.device
             tokens = torch.tensor([self.batch.query_start[r] for r in rows], device=device)
             table = self.batch.block_table[list(rows)].to(device=device, dtype=torch.int32)
             seq_lens = torch.tensor(sizes, dtype=torch.int32, device=device)
-            self.cache[key] = DecodeCall(tokens, table, seq_lens, max(sizes), layout.geometry(*self.orders(kernel, layout)))
+            self.cache[key] = DecodeCall(tokens, table, seq_lens, max(sizes), geometry)
         return self.cache[key]
 
     def index_among(self, attended: tuple, rows: list[int]) -> torch.Tensor:
