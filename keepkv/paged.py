@@ -30,7 +30,8 @@ it had.
 The parts, one module each: the planes of a block (:mod:`keepkv.paged_layout`), reading and
 writing a layer's slots (:mod:`keepkv.paged_slots`), the requests and what they file between
 steps (:mod:`keepkv.paged_requests`), the step's rows and index tensors (:mod:`keepkv.paged_plan`),
-sizes from token counts (:class:`keepkv.budgets.RequestSizes`). This module knows nothing of vLLM (``keepkv.vllm`` wires it in, with vLLM's kernel);
+a prompt's phases (:mod:`keepkv.paged_prompt`), the step's due compressions
+(:mod:`keepkv.paged_compress`), sizes from token counts (:class:`keepkv.budgets.RequestSizes`). This module knows nothing of vLLM (``keepkv.vllm`` wires it in, with vLLM's kernel);
 :class:`~keepkv.paged_layout.TorchPagedKernel` is the reference kernel.
 """
 
@@ -43,9 +44,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .attention import (
-    Needs, StepStats, attend, group_queries, join_prefill_stats, kept_query_stats, prompt_window_stats,
-)
+from .attention import StepStats, group_queries, kept_query_stats
 from .budgets import RequestSizes, check_keep_prompt, validate_budget
 from .methods import METHODS, get_method
 from .methods.base import ComposedMethod, serving_refusal, served_names
@@ -54,6 +53,7 @@ from .paged_layout import NEG_INF, PagedKernel, PagedLayout, TorchPagedKernel
 from .paged_chunks import check_chunk_blocks
 from .paged_compress import DueCompression, compress_due, runs_due
 from .paged_plan import StepPlan
+from .paged_prompt import PagedPrompts
 from .paged_requests import PagedBatch, PagedRequests
 from .paged_slots import PagedSlots
 from .step import LayerStep
@@ -180,15 +180,13 @@ class PagedCompression:
         # Budget 1.0 is the identity: requests are attended in place and nothing else runs.
         self.keeps_everything = isinstance(budget, float) and budget == 1.0
         self.biased = self.method.merging.writes_bias  # votes: a bias word, and keys wide enough to carry it
-        # What the method reads of a prompt and of a decoding query. Of a prompt: "summed" statistics
-        # of every chunk's query rows (H2O's column sums), or only its newest rows, once it is whole.
-        self._prompt_needs, self._decode_needs = needs, decode = self.method.needs(True), self.method.needs(False)
-        self._sums_prompt = bool(needs.probs or needs.colsum or needs.decays or needs.logits or needs.colmax)
-        self._prompt_rows = self.method.prefill_query_rows()
+        self._decode_needs = decode = self.method.needs(False)  # what the method reads of a decoding query
         # Query rows kept per request and layer between compressions: the attention every decoding
         # query gave (probabilities, logits), or the newest query a merge reads.
         query_rows = self.method.interval if (decode.probs or decode.logits or self.biased) else 0
         self.requests = PagedRequests(self.chunked, keep_prompt, query_rows, chunk_blocks)
+        self.prompts = PagedPrompts(self.step, self.requests, keep_prompt,
+                                    config.num_attention_heads // config.num_key_value_heads)
         # keep_prompt: a compression reads only the generated entries (see _gather_due).
         self._generated_alone = keep_prompt and not self.method.reads_every_entry
 
@@ -275,12 +273,13 @@ class PagedCompression:
                 self._write_new(slots, plan, key, value, layer)
             self._attend(slots, plan, query, scaling, layer, output, kv_cache)
             return output
-        for rows in self._closing_groups(plan, layer):  # prompts read in chunks, whole now: closed before their first decode token
+        # prompts read in chunks, whole now: closed (those of one length together) before their first decode token
+        for rows in self.prompts.closing_groups(plan, layer):
             with _threads(PROMPT_THREADS):
-                self._close(slots, plan, rows, scaling, layer)
+                self.prompts.close(slots, plan, rows, scaling, layer)
         for rows in plan.dense:  # a whole prompt over its budget: attended and compressed before it is written
             with _threads(PROMPT_THREADS):
-                self._dense_prompt(slots, plan, rows, query, key, value, scaling, layer, output)
+                self.prompts.dense(slots, plan, rows, query, key, value, scaling, layer, output)
         if plan.attending:
             with _threads(STEP_THREADS):  # a few small writes: the new tokens' slots and words
                 self._write_new(slots, plan, key, value, layer)
@@ -288,13 +287,13 @@ class PagedCompression:
                 self._attend(slots, plan, query, scaling, layer, output, kv_cache, rows)
                 for row in plan.chunk_ends(rows):
                     with _threads(PROMPT_THREADS):
-                        self._compress_chunk_alone(slots, plan, row, query, scaling, layer)
+                        self.prompts.compress_chunk_alone(slots, plan, row, query, scaling, layer)
         for rows in plan.prompts_ending:  # a whole prompt within its budget, attended in place: its statistics
             with _threads(PROMPT_THREADS):
-                self._close(slots, plan, rows, scaling, layer, query=query)
+                self.prompts.close(slots, plan, rows, scaling, layer, query=query)
         for row in plan.chunks:
             with _threads(PROMPT_THREADS):
-                self._file_chunk(slots, plan, row, query, scaling, layer)
+                self.prompts.file_chunk(slots, plan, row, query, scaling, layer)
         if plan.decoding and self.requests.query_rows:
             with _threads(STEP_THREADS):  # each decoding row's query, for its compression's statistics
                 self.requests.keep_queries(layer, query.index_select(0, plan.decode_tokens), plan.decode_slab_rows,
@@ -345,147 +344,6 @@ class PagedCompression:
             output.index_copy_(0, call.tokens, out)
             if want:
                 plan.cache["stats", layer] = (ours, probs, logits)
-
-    # -- prompts ---------------------------------------------------------------------------------
-    def _prompt_attention(self, query: torch.Tensor, store: LayerStore, scaling: float):
-        """keepkv's attention of a prompt's query rows [1, H, q, D], the store's last q entries,
-        causal among them and seeing every entry before them: (output, the statistics the method
-        reads of a prompt)."""
-        rows = query.shape[2]
-        mask = torch.ones(rows, rows, dtype=torch.bool, device=query.device).tril()[None, None]
-        return attend(query, store.keys, store.values, store.bias, mask, scaling, self._prompt_needs, True,
-                      store.binary_bias())
-
-    def _file_chunk(self, slots: PagedSlots, plan: StepPlan, row: int, query, scaling, layer: int) -> None:
-        """A prompt's chunk, attended in place: keep what its close will need (the method's state,
-        its newest query rows, or its statistics summed so far)."""
-        batch = plan.batch
-        earlier, chunk_key = batch.chunk_keys[row]
-        before = self.requests.take_chunk(earlier, layer)
-        start, stop = batch.query_start[row], batch.query_start[row + 1]
-        rows_query = query[start:stop].transpose(0, 1)[None]  # [1, H, q, D]
-        if not self._sums_prompt or self.keep_prompt:  # a kept prompt is unscored: its newest rows do
-            if before is not None and before.queries is not None:
-                rows_query = torch.cat([before.queries, rows_query], dim=2)
-            self.requests.file_chunk(chunk_key, layer, before.state if before is not None else {}, None,
-                                     rows_query[:, :, -self._prompt_rows :].clone(),
-                                     before.extras if before is not None else ())
-            return
-        # Statistics of every query row: this chunk's queries over the prompt so far (its slots).
-        held = batch.computed[row] + stop - start
-        store = slots.gather(plan.blocks_of([row], held), (held,), (held,), layer)
-        if before is None:
-            self.step.start(store)
-        else:
-            store.resume(state=before.state)
-        _, stats = self._prompt_attention(rows_query, store, scaling)
-        if before is not None and before.stats is not None:
-            stats = join_prefill_stats(before.stats, stats, self._prompt_needs.window)
-        stats = StepStats(**{**vars(stats), "query": stats.query[:, :, :, -self._prompt_rows :]})
-        self.requests.file_chunk(chunk_key, layer, dict(store.state), stats, None, tuple(store.extras))
-
-    def _closing_groups(self, plan: StepPlan, layer: int) -> list[list[int]]:
-        """The step's close rows in groups that close as one store: kept prompts (``keep_prompt``,
-        whose chunks file only their newest query rows) of one length, offset and count of filed
-        rows; any other close row alone. A group's rows are ranked each alone, as alone."""
-        if not self.keep_prompt:
-            return [[row] for row in plan.closing]
-        groups: dict = {}
-        for row in plan.closing:
-            filed = self.requests.chunks.get((plan.batch.chunk_keys[row][0], layer))
-            newest = 0 if filed is None or filed.queries is None else filed.queries.shape[2]
-            alone = filed is not None and (filed.stats is not None or bool(filed.state))
-            key = ("alone", row) if alone else (plan.batch.computed[row], plan.batch.offsets[row], newest)
-            groups.setdefault(key, []).append(row)
-        return list(groups.values())
-
-    def _close(self, slots: PagedSlots, plan: StepPlan, rows: list[int], scaling: float, layer: int,
-               query=None) -> None:
-        """Prompts that are whole: the method observes each and compresses it (or keeps it whole),
-        and its kept entries are written back compact. Close rows' prompts were read in chunks (a
-        group of them: :meth:`_closing_groups`); ``query``: the step's queries, of a whole prompt it
-        read and attended in place (one row)."""
-        batch, row = plan.batch, rows[0]
-        filed = [None] if query is not None else [self.requests.take_chunk(batch.chunk_keys[r][0], layer) for r in rows]
-        prompt = filed[0]
-        length = batch.query_lengths[row] if query is not None else batch.computed[row]
-        if query is not None:  # [1, H, r, D]: the prompt's query rows, or its newest ones its chunks kept
-            newest = query[batch.query_start[row] : batch.query_start[row + 1]].transpose(0, 1)[None]
-        else:  # [R, H, r, D]
-            newest = None if prompt is None or prompt.queries is None else torch.cat([p.queries for p in filed])
-        first = 0
-        if self.keep_prompt:  # kept whole and unscored: its end reads only the slots of its newest query rows
-            first = length - max(1, 0 if newest is None else newest.shape[2])
-        store = slots.gather(plan.blocks_of(rows, length), (length - first,) * len(rows),
-                             tuple(length + batch.offsets[r] for r in rows), layer, first)
-        if prompt is None or (prompt.stats is None and not prompt.state):  # its first chunk's store, or a prefix
-            self.step.start(store)
-        else:
-            store.resume(state=prompt.state)
-        if prompt is not None and prompt.stats is not None:
-            stats = prompt.stats
-        elif newest is not None and self._sums_prompt:
-            _, stats = self._prompt_attention(newest, store, scaling)
-        elif newest is not None:
-            stats = prompt_window_stats(group_queries(newest[:, :, -self._prompt_rows :], store.keys.shape[1]),
-                                        store.keys, store.bias, store.positions, scaling, self._prompt_needs.window)
-        else:  # a prompt whose every token another request wrote (a whole shared prefix): no query of its own
-            stats = StepStats(query=store.keys.new_zeros(len(rows), slots.layout.kv_heads, self._group, 0,
-                                                         slots.layout.head_dim),
-                              scaling=scaling, is_prefill=True)
-        sizes = plan.held(rows, layer, "after") if query is not None else plan.closed_sizes(rows, layer)
-        self._end_prompt(slots, plan, rows, store, stats, tuple(size - first for size in sizes), layer, first=first)
-
-    def _dense_prompt(self, slots: PagedSlots, plan: StepPlan, rows, query, key, value, scaling, layer, output) -> None:
-        """A whole prompt over its budget, read in one step: its blocks hold only what it keeps, so it
-        is attended here (keepkv's attention), compressed, and its kept entries written compact."""
-        start, stop = plan.batch.query_start[rows[0]], plan.batch.query_start[rows[0] + 1]
-        new_keys, new_values = (t[start:stop].transpose(0, 1)[None] for t in (key, value))  # [1, H_kv, q, D]
-        store = LayerStore(layer)
-        store.lazy_initialization(new_keys, new_values)
-        self.step.start(store)
-        store.append(new_keys, new_values, torch.ones(1, stop - start, dtype=torch.bool, device=key.device))
-        out, stats = self._prompt_attention(query[start:stop].transpose(0, 1)[None], store, scaling)
-        output[start:stop] = out[0].to(output.dtype)
-        self._end_prompt(slots, plan, rows, store, stats, plan.held(rows, layer, "after"), layer, everything=True)
-
-    def _compress_chunk_alone(self, slots: PagedSlots, plan: StepPlan, row: int, query, scaling: float,
-                              layer: int) -> None:
-        """A prompt's whole chunk is in (``chunk_blocks``): the row's slots read into a store, the
-        entries before the chunk frozen, and the chunk compressed alone to one block of entries per
-        KV head (``LayerStep.compress_chunk``, as the Hugging Face cache's ``chunk_keep``), observed
-        through its newest query rows; the kept entries are written into the chunk's last block,
-        the row's table once the chunk is compressed (``PagedBatch.after_tables``)."""
-        batch, block_size = plan.batch, slots.layout.block_size
-        start, held = batch.chunk_starts[row], batch.computed[row] + batch.query_lengths[row]
-        store = slots.gather(plan.blocks_of([row], held), (held,), (held + batch.offsets[row],), layer)
-        self.step.start(store)
-        newest = query[batch.query_start[row] : batch.query_start[row + 1]].transpose(0, 1)[None]  # [1, H, q, D]
-        if newest.shape[2] < self._prompt_rows:  # the chunk's earlier rows, filed by its earlier steps
-            earlier = self.requests.chunks.get((batch.chunk_keys[row][0], layer))
-            if earlier is not None and earlier.queries is not None:
-                newest = torch.cat([earlier.queries, newest], dim=2)
-        stats = prompt_window_stats(group_queries(newest[:, :, -self._prompt_rows :], slots.layout.kv_heads),
-                                    store.keys, store.bias, store.positions, scaling, self._prompt_needs.window)
-        device = store.device
-        budget = torch.full((1, slots.layout.kv_heads), start + block_size, device=device)
-        self.step.compress_chunk(store, budget, torch.tensor([block_size], device=device), stats,
-                                 frozen=torch.tensor([start + batch.offsets[row]], device=device),
-                                 frozen_held=torch.tensor([start], device=device))
-        after = batch.after_tables[[row]][:, : start // block_size + 1].long()
-        slots.write_back(after, (start,), store, (start + block_size,), None)
-
-    def _end_prompt(self, slots: PagedSlots, plan: StepPlan, rows, store: LayerStore, stats: StepStats, sizes: tuple,
-                    layer: int, everything: bool = False, first: int = 0) -> None:
-        """A whole prompt's end (``LayerStep.observe_prompt`` then ``close_prompt``, with the budgets
-        the Hugging Face cache sets), its kept entries written back into its first ``sizes`` slots
-        from slot ``first`` (``everything``: its slots held nothing yet) and the method's state filed."""
-        self.step.observe_prompt(store, stats)
-        budget, mean, frozen, held = plan.budgets(rows, layer, store.device)
-        before = None if everything else (store.positions.clone(), store.bias.clone())
-        self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(rows), held)
-        slots.write_back(plan.blocks_of(rows, first + max(sizes)), plan.starts(rows), store, sizes, before, first)
-        self.requests.file_states(store.state, [plan.batch.first_block[r] for r in rows], layer)
 
     # -- decoding ---------------------------------------------------------------------------------
     def _gather_due(self, slots: PagedSlots, plan: StepPlan, rows: list[int], query, scaling: float,

@@ -10,6 +10,7 @@ import torch
 
 from keepkv import CompressedCache
 from keepkv.paged import PagedCompression
+from keepkv.paged_prompt import PagedPrompts
 
 from helpers import slot_positions
 from test_paged import BLOCK, CONFIG, HEAD_DIM, Engine, alone, tokens
@@ -117,8 +118,8 @@ def test_prompts_ending_together_close_as_one_store_and_decode_as_alone(method, 
     generator = torch.Generator().manual_seed(6)
     paged = PagedCompression(CONFIG, method, 8, keep_prompt=True)
     closed = []
-    close = PagedCompression._close
-    monkeypatch.setattr(PagedCompression, "_close",
+    close = PagedPrompts.close
+    monkeypatch.setattr(PagedPrompts, "close",
                         lambda self, slots, plan, rows, *args, **kwargs: (closed.append(list(rows)),
                                                                           close(self, slots, plan, rows, *args, **kwargs)))
     engine = SharingEngine(paged)

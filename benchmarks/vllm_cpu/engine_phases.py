@@ -21,6 +21,7 @@ import keepkv.paged
 import keepkv.paged_compress
 import keepkv.vllm.bench as bench
 from keepkv.paged import PagedCompression
+from keepkv.paged_prompt import PagedPrompts
 from keepkv.paged_requests import PagedRequests
 from keepkv.paged_slots import PagedSlots
 from keepkv.step import LayerStep
@@ -47,8 +48,8 @@ def timed(owner, name: str, label: str) -> None:
 
 
 PHASES = [
-    (PagedCompression, ["forward", "_write_new", "_attend", "_close", "_dense_prompt", "_file_chunk", "_gather_due",
-                        "_decode_stats"]),
+    (PagedCompression, ["forward", "_write_new", "_attend", "_gather_due", "_decode_stats"]),
+    (PagedPrompts, ["close", "dense", "file_chunk"]),
     (PagedSlots, ["gather", "write_back", "write_new"]),
     (PagedRequests, ["keep_queries", "kept_queries", "file_states", "states", "batch"]),
     (LayerStep, ["decode", "close_prompt"]),
