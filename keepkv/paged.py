@@ -185,8 +185,7 @@ class PagedCompression:
         # query gave (probabilities, logits), or the newest query a merge reads.
         query_rows = self.method.interval if (decode.probs or decode.logits or self.biased) else 0
         self.requests = PagedRequests(self.chunked, keep_prompt, query_rows, chunk_blocks)
-        self.prompts = PagedPrompts(self.step, self.requests, keep_prompt,
-                                    config.num_attention_heads // config.num_key_value_heads)
+        self.prompts = PagedPrompts(self.step, self.requests, keep_prompt, config)
         # keep_prompt: a compression reads only the generated entries (see _gather_due).
         self._generated_alone = keep_prompt and not self.method.reads_every_entry
 
@@ -388,10 +387,6 @@ class PagedCompression:
         query_positions = newest[:, None] - torch.arange(queries.shape[1] - 1, -1, -1, device=query.device)  # [R, N]
         return kept_query_stats(group_queries(queries.transpose(1, 2), kv_heads), store.keys, store.bias,
                                 store.positions, query_positions, scaling, self._decode_needs)
-
-    @property
-    def _group(self) -> int:
-        return self.config.num_attention_heads // self.config.num_key_value_heads
 
 
 def _kernel_stats(stats, index, store: LayerStore, query, scaling: float, prompt: int) -> StepStats:

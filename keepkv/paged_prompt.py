@@ -23,17 +23,22 @@ from .store import LayerStore
 class PagedPrompts:
     """The prompts of one :class:`~keepkv.paged.PagedCompression`'s requests: its method's ``step``
     on the stores read from their slots, what is filed between steps in ``requests``.
-    ``keep_prompt``: prompts are kept whole and unscored; ``group``: query heads per KV head."""
+    ``keep_prompt``: prompts are kept whole and unscored; ``config``: the model's (or a rank's)."""
 
-    def __init__(self, step: LayerStep, requests: PagedRequests, keep_prompt: bool, group: int):
+    def __init__(self, step: LayerStep, requests: PagedRequests, keep_prompt: bool, config):
         method = step.method
-        self.step, self.method, self.requests, self.keep_prompt, self.group = step, method, requests, keep_prompt, group
+        self.step, self.method, self.requests, self.keep_prompt, self.config = step, method, requests, keep_prompt, config
         self.needs = method.needs(True)
         # "summed" statistics of every chunk's query rows (H2O's column sums), or only the newest
         # rows (end_rows of them), computed once the prompt is whole
         self.sums = bool(self.needs.probs or self.needs.colsum or self.needs.decays or self.needs.logits
                          or self.needs.colmax)
         self.end_rows = method.prefill_query_rows()
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (read on use: a scheduler's config names only the KV heads)."""
+        return self.config.num_attention_heads // self.config.num_key_value_heads
     def attention(self, query: torch.Tensor, store: LayerStore, scaling: float):
         """keepkv's attention of a prompt's query rows [1, H, q, D], the store's last q entries,
         causal among them and seeing every entry before them: (output, the statistics the method

@@ -511,6 +511,23 @@ def test_kept_is_the_caches_row_budget(budget):
     assert [paged.kept(int(n)) for n in lengths] == row_budgets(budget, lengths, floor).tolist()
 
 
+@pytest.mark.parametrize("method", SERVED_METHODS)
+@pytest.mark.parametrize("keep_prompt", [False, True])
+def test_a_schedulers_config_of_depth_and_kv_heads_sizes_requests_as_the_models(method, keep_prompt):
+    """The scheduler builds its adapter from the model's depth and KV heads alone
+    (``keepkv.vllm.spec``): every size it reads is the one the whole config gives."""
+    from types import SimpleNamespace
+
+    budget = 48 if keep_prompt else 0.25
+    scheduler = PagedCompression(SimpleNamespace(num_hidden_layers=3, num_key_value_heads=KV_HEADS), method, budget,
+                                 keep_prompt=keep_prompt)
+    worker = PagedCompression(CONFIG, method, budget, keep_prompt=keep_prompt)
+    for prompt in (1, 9, 40, 333):
+        assert scheduler.capacity(prompt) == worker.capacity(prompt)
+        assert [scheduler.stored(prompt, prompt + t) for t in range(0, 40, 7)] == \
+            [worker.stored(prompt, prompt + t) for t in range(0, 40, 7)]
+
+
 def test_rejects_what_it_cannot_serve():
     for method in ("cam", "d2o", "kvmerger", "snapkv+merge=zip", "keepkv+selection=kvzip"):
         with pytest.raises(ValueError, match=f"serves {', '.join(SERVED_METHODS)} .*merge keepkv or none"):
