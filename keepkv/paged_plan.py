@@ -250,22 +250,23 @@ class StepPlan:
             self.cache[key] = KernelCall(tokens, starts, seq_lens, table, kernel.plan(starts, seq_lens, num_heads, layout))
         return self.cache[key]
 
-    def voted(self, layer: int) -> tuple[int, ...]:
-        """The decoding rows that layer ``layer`` of a request has compressed (it holds fewer entries
-        than it has seen): the only ones whose entries may carry votes. A request never compressed
-        holds every token, unmerged."""
-        key = ("voted", layer if self.sizes.layered else 0)
+    def ours(self, layer: int, every: bool) -> tuple[int, ...]:
+        """The decoding rows keepkv's paged kernel attends in layer ``layer``: ``every`` one, or only
+        those the layer of a request has compressed (it holds fewer entries than it has seen: the
+        only ones whose entries may carry votes; a request never compressed holds every token,
+        unmerged)."""
+        key = ("ours", layer if self.sizes.layered and not every else 0, every)
         if key not in self.cache:
             sizes = self.held(self.decoding, layer, "written")
-            self.cache[key] = tuple(row for row, size in zip(self.decoding, sizes) if size < self.batch.computed[row] + 1)
+            self.cache[key] = tuple(row for row, size in zip(self.decoding, sizes)
+                                    if every or size < self.batch.computed[row] + 1)
         return self.cache[key]
 
-    def unvoted(self, layer: int) -> list[int]:
-        """The attending rows that are not :meth:`voted`: the engine's kernel attends them."""
-        key = ("unvoted", layer if self.sizes.layered else 0)
+    def engine_rows(self, ours: tuple[int, ...]) -> list[int]:
+        """The attending rows not among ``ours``: the engine's kernel attends them."""
+        key = ("engine", ours)
         if key not in self.cache:
-            voted = set(self.voted(layer))
-            self.cache[key] = [row for row in self.attending if row not in voted]
+            self.cache[key] = [row for row in self.attending if row not in set(ours)]
         return self.cache[key]
 
     def decode_call(self, rows: tuple, layer: int, geometry: PagedGeometry) -> DecodeCall:
