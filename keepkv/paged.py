@@ -11,9 +11,10 @@ requests (:meth:`PagedCompression.forward`):
 1. the prompts that ended are compressed (a prompt read in chunks, at its first decode step);
 2. the step's keys and values go in through the engine's own cache write, at each request's
    next slots, with their words (position, the method's extras at their fill);
-3. every request is attended over its slots, in place: the decoding ones by keepkv's paged kernel,
-   which adds a merging method's votes (where it runs in C++: :data:`OUR_DECODE_BACKENDS`; else
-   only a merging method's compressed requests), the rest in one call of the engine's kernel;
+3. every request is attended over its slots, in place: the compressed decoding ones by keepkv's
+   paged kernel, which adds a merging method's votes (every method's where it runs in C++:
+   :data:`OUR_DECODE_BACKENDS`; else a merging method's), the rest in one call of the engine's
+   kernel (a request never compressed is attended as stock's);
 4. a decoding request's query is kept (a few rows per request and layer): the method's
    statistics are computed when it compresses, not at every step;
 5. the requests whose ``interval`` came round are compressed: their slots are read once into a
@@ -112,10 +113,11 @@ def rank_config(config, num_heads: int, num_kv_heads: int, rank: int = 0) -> Sim
 STEP_THREADS = 1
 # A prompt's compression (and a prompt's statistics, O(prompt²) for H2O) keeps the engine's threads.
 PROMPT_THREADS = 0
-# Backends of keepkv's paged kernel that attend every decoding row, biased or not: on CPU its C++
-# kernel took at most vLLM's time for 16 one-token rows over 210 and 1,120 entries, fp32 and bf16,
-# one and two threads (benchmarks/kernels/paged_decode_cpu.py). Elsewhere the engine's kernel
-# attends every row without votes.
+# Backends of keepkv's paged kernel that attend every method's compressed requests, with votes or
+# without: on CPU its C++ kernel took at most vLLM's time for 16 one-token rows over 210 and 1,120
+# entries, fp32 and bf16, one and two threads (benchmarks/kernels/paged_decode_cpu.py). Elsewhere
+# the engine's kernel attends every row without votes. A request never compressed stays on the
+# engine's kernel everywhere: it answers as stock's, in its numerics.
 OUR_DECODE_BACKENDS = ("cpp",)
 
 
@@ -323,13 +325,13 @@ class PagedCompression:
     def _attend(self, slots: PagedSlots, plan: StepPlan, query, scaling: float, layer: int, output, kv_cache,
                 rows: list[int] | None = None) -> None:
         """Every attending row (``rows``: those of one wave, none biased), over its slots, in place:
-        the decoding rows through keepkv's paged kernel, every one where its backend is one of
-        :data:`OUR_DECODE_BACKENDS`, else a biased method's that were compressed (their votes are a
-        bias the engine's kernel cannot add); it hands back the step's statistics as well. The
-        rest in one call of the engine's kernel (a prompt's rows; a request under its budget is
-        then attended as stock's)."""
-        every = _decode_backend(query.device) in OUR_DECODE_BACKENDS
-        ours = plan.ours(layer, every) if rows is None and (every or slots.layout.biased) else ()
+        the decoding rows that were compressed through keepkv's paged kernel, a biased method's
+        (their votes are a bias the engine's kernel cannot add) and, where the kernel's backend
+        is one of :data:`OUR_DECODE_BACKENDS`, every method's; it hands back the step's
+        statistics as well. The rest in one call of the engine's kernel: a prompt's rows, and a
+        request under its budget, attended as stock's."""
+        ours = () if rows is not None or not (slots.layout.biased or _decode_backend(query.device)
+                                              in OUR_DECODE_BACKENDS) else plan.compressed(layer)
         engine_rows = plan.engine_rows(ours) if ours else (plan.attending if rows is None else rows)
         if engine_rows:
             call = plan.kernel_call(self.kernel, layer, slots.layout, query.shape[1], engine_rows)

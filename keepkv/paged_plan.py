@@ -250,16 +250,15 @@ class StepPlan:
             self.cache[key] = KernelCall(tokens, starts, seq_lens, table, kernel.plan(starts, seq_lens, num_heads, layout))
         return self.cache[key]
 
-    def ours(self, layer: int, every: bool) -> tuple[int, ...]:
-        """The decoding rows keepkv's paged kernel attends in layer ``layer``: ``every`` one, or only
-        those the layer of a request has compressed (it holds fewer entries than it has seen: the
-        only ones whose entries may carry votes; a request never compressed holds every token,
-        unmerged)."""
-        key = ("ours", layer if self.sizes.layered and not every else 0, every)
+    def compressed(self, layer: int) -> tuple[int, ...]:
+        """The decoding rows that layer ``layer`` of a request has compressed (it holds fewer entries
+        than it has seen): the only ones whose entries may carry votes, and the only ones keepkv's
+        paged kernel attends. A request never compressed holds every token, unmerged, and is
+        attended as stock's."""
+        key = ("compressed", layer if self.sizes.layered else 0)
         if key not in self.cache:
             sizes = self.held(self.decoding, layer, "written")
-            self.cache[key] = tuple(row for row, size in zip(self.decoding, sizes)
-                                    if every or size < self.batch.computed[row] + 1)
+            self.cache[key] = tuple(row for row, size in zip(self.decoding, sizes) if size < self.batch.computed[row] + 1)
         return self.cache[key]
 
     def engine_rows(self, ours: tuple[int, ...]) -> list[int]:
