@@ -330,8 +330,9 @@ class PagedCompression:
         is one of :data:`OUR_DECODE_BACKENDS`, every method's; it hands back the step's
         statistics as well. The rest in one call of the engine's kernel: a prompt's rows, and a
         request under its budget, attended as stock's."""
-        ours = () if rows is not None or not (slots.layout.biased or _decode_backend(query.device)
-                                              in OUR_DECODE_BACKENDS) else plan.compressed(layer)
+        on_ours = slots.layout.biased or (_decode_backend(query.device) in OUR_DECODE_BACKENDS
+                                          and _readable(self.kernel, slots.layout))
+        ours = plan.compressed(layer) if on_ours and rows is None else ()
         engine_rows = plan.engine_rows(ours) if ours else (plan.attending if rows is None else rows)
         if engine_rows:
             call = plan.kernel_call(self.kernel, layer, slots.layout, query.shape[1], engine_rows)
@@ -433,6 +434,17 @@ def _layout(kernel, block_size, kv_heads, head_dim, dtype, biased, words) -> Pag
 def _geometry(kernel, layout: PagedLayout):
     """Where keepkv's paged kernel finds an entry in ``layout``'s blocks as ``kernel`` packs them."""
     return layout.geometry(*kernel.orders(layout.block_size, layout.head_dim, layout.dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _readable(kernel, layout: PagedLayout) -> bool:
+    """Whether keepkv's paged kernel reads ``layout``'s blocks as ``kernel`` packs them (a biased
+    layout's packing is checked when the layout is made; an unbiased one may be any engine's)."""
+    try:
+        _geometry(kernel, layout)
+    except ValueError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,6 +1,7 @@
 """The paged adapter (keepkv.paged): requests in a serving engine's blocks decode as alone in a
 CompressedCache, hold what PagedCompression.stored says, and never write past capacity_bound."""
 
+import functools
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from keepkv import CompressedCache
 from keepkv.budgets import budget_floor, row_budgets
 from keepkv.methods import SELECTIONS, get_method
 from keepkv.paged import SERVED_METHODS, PagedBatch, PagedCompression, rank_config
+from keepkv.paged_layout import TorchPagedKernel
 from keepkv.step import LayerStep
 
 from helpers import assert_equal_up_to_rounding, request_state, slot_positions, with_scorer
@@ -140,6 +142,45 @@ def test_paged_requests_decode_as_alone(method, budget):
             layer = references[request].layers[0]
             assert int(layer.live_counts().max()) == paged.stored(engine.prompt[request], engine.computed[request])
     assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
+
+
+
+class TiledKernel(TorchPagedKernel):
+    """The reference kernel with keys packed two slots side by side (as AMX tiles pack them): a
+    packing keepkv's paged kernel does not read."""
+
+    @functools.lru_cache(maxsize=8)
+    def orders(self, block_size: int, head_dim: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        slot, dim = torch.arange(block_size)[:, None], torch.arange(head_dim)[None, :]
+        return (slot // 2) * (2 * head_dim) + 2 * dim + slot % 2, slot * head_dim + dim
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("method", ["snapkv+window=2", "streamingllm", "h2o+interval=3"])
+def test_an_eviction_methods_compressed_requests_go_to_keepkvs_kernel_where_it_reads_the_packing(method, tiled,
+                                                                                                  monkeypatch):
+    """With keepkv's kernel in OUR_DECODE_BACKENDS, an eviction method's compressed requests are
+    attended by it, its requests under their budget by the engine's kernel; on an engine whose
+    packing keepkv's kernel does not read, every request by the engine's. Outputs are those of
+    each request's own CompressedCache either way."""
+    monkeypatch.setattr(paged_module, "OUR_DECODE_BACKENDS", (paged_module._decode_backend(torch.device("cpu")),))
+    decode, attended = paged_module.paged_decode, []
+    monkeypatch.setattr(paged_module, "paged_decode", lambda *a, **k: attended.append(a[3].tolist()) or decode(*a, **k))
+    generator = torch.Generator().manual_seed(2)
+    paged = PagedCompression(CONFIG, method, 6, kernel=TiledKernel() if tiled else None)
+    engine = Engine(paged)
+    prompts = {0: 11, 1: 4}  # request 0 over its budget of 6, request 1 under it for its first steps
+    references = {r: CompressedCache(CONFIG, method, 6) for r in prompts}
+    for step in range(6):
+        new = {r: tokens(generator, prompts[r] if step == 0 else 1) for r in prompts}
+        outputs = engine.step(new)
+        for request, (query, key, value) in new.items():
+            torch.testing.assert_close(outputs[request], alone(references[request], query, key, value), rtol=1e-5,
+                                       atol=1e-5)
+    if tiled:
+        assert attended == []
+    else:  # request 0 alone at first; both once request 1 outgrew its budget
+        assert attended and all(len(lengths) in (1, 2) for lengths in attended) and [len(a) for a in attended][-1] == 2
 
 
 @pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "keepkv+interval=3", LEARNED])
