@@ -39,8 +39,9 @@ class PagedPrompts:
     def group(self) -> int:
         """Query heads per KV head (read on use: a scheduler's config names only the KV heads)."""
         return self.config.num_attention_heads // self.config.num_key_value_heads
+
     def attention(self, query: torch.Tensor, store: LayerStore, scaling: float):
-        """keepkv's attention of a prompt's query rows [1, H, q, D], the store's last q entries,
+        """keepkv's attention of prompts' query rows [R, H, q, D], the store's last q entries,
         causal among them and seeing every entry before them: (output, the statistics the method
         reads of a prompt)."""
         rows = query.shape[2]
