@@ -265,7 +265,8 @@ class StepPlan:
         """The attending rows not among ``ours``: the engine's kernel attends them."""
         key = ("engine", ours)
         if key not in self.cache:
-            self.cache[key] = [row for row in self.attending if row not in set(ours)]
+            theirs = set(ours)
+            self.cache[key] = [row for row in self.attending if row not in theirs]
         return self.cache[key]
 
     def decode_call(self, rows: tuple, layer: int, geometry: PagedGeometry) -> DecodeCall:

@@ -85,7 +85,7 @@ class PagedPrompts:
             return [[row] for row in plan.closing]
         groups: dict = {}
         for row in plan.closing:
-            filed = self.requests.chunks.get((plan.batch.chunk_keys[row][0], layer))
+            filed = self.requests.peek_chunk(plan.batch.chunk_keys[row][0], layer)
             newest = 0 if filed is None or filed.queries is None else filed.queries.shape[2]
             alone = filed is not None and (filed.stats is not None or bool(filed.state))
             key = ("alone", row) if alone else (plan.batch.computed[row], plan.batch.offsets[row], newest)
@@ -155,7 +155,7 @@ class PagedPrompts:
         self.step.start(store)
         newest = query[batch.query_start[row] : batch.query_start[row + 1]].transpose(0, 1)[None]  # [1, H, q, D]
         if newest.shape[2] < self.end_rows:  # the chunk's earlier rows, filed by its earlier steps
-            earlier = self.requests.chunks.get((batch.chunk_keys[row][0], layer))
+            earlier = self.requests.peek_chunk(batch.chunk_keys[row][0], layer)
             if earlier is not None and earlier.queries is not None:
                 newest = torch.cat([earlier.queries, newest], dim=2)
         stats = prompt_window_stats(group_queries(newest[:, :, -self.end_rows :], slots.layout.kv_heads),

@@ -279,6 +279,10 @@ class PagedRequests:
         key the step's batch gave it)."""
         self.chunks[key, layer] = PromptSoFar(state, stats, queries, extras, self.steps)
 
+    def peek_chunk(self, key, layer: int) -> PromptSoFar | None:
+        """What the prompt's earlier chunks filed under ``key`` (None: nothing), left filed."""
+        return self.chunks.get((key, layer))
+
     def take_chunk(self, key, layer: int) -> PromptSoFar | None:
         """What the prompt's earlier chunks filed under ``key`` (None: nothing), unfiled."""
         return self.chunks.pop((key, layer), None)
