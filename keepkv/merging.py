@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from .entries import add_entries, gather_entries
+from .kernels import nearest
 
 NEG_INF = float("-inf")
 
@@ -55,7 +56,6 @@ __all__ = [
     "ema_log_scores",
     "gathers_candidates",
     "group_logsumexp",
-    "logsumexp_in_place",
     "mean_merge_rows",
     "merged_ema_rows",
     "momentum_merge_rows",
@@ -198,13 +198,6 @@ def group_logsumexp(log_own: torch.Tensor, log_incoming: torch.Tensor, entry_gro
     adds the votes of its group this way (ln Σ p from each entry's ln p)."""
     group_max, own_weight, incoming_weight = _group_weights(log_own, log_incoming, entry_group)
     return group_max + _group_sum(own_weight, incoming_weight, entry_group).log()
-
-
-def logsumexp_in_place(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """ln Σ exp(x) over ``dim`` (removed), computed in ``x``'s own memory, which it overwrites: one
-    buffer where ``torch.logsumexp`` allocates three. -inf where every term is -inf. x: fp32."""
-    top = x.amax(dim, keepdim=True).clamp_min_(torch.finfo(x.dtype).min)  # finite: -inf - top stays -inf
-    return x.sub_(top).exp_().sum(dim).log_().add_(top.squeeze(dim))
 
 
 def _shift_along_query(
@@ -807,6 +800,8 @@ def cosine_nearest(
     best_sim : [B, H_kv, E] fp32, its cosine similarity; -inf (with any index) where a row has
         no candidate.
     """
+    if nearest.cpp_takes(keys, src):  # a decode step's few evicted entries: one C++ pass, the same slots
+        return nearest.nearest_cpp(keys, src, candidates_mask)
     keys = keys.float()
     if candidate_idx is not None and gathers_candidates(candidate_idx.shape[-1], keys.shape[2]):
         targets, allowed = _gather_entries(keys, candidate_idx), candidates_mask.gather(-1, candidate_idx)

@@ -61,6 +61,7 @@ inline vf vzero() { return _mm512_setzero_ps(); }
 inline vf vset(float x) { return _mm512_set1_ps(x); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -125,6 +126,7 @@ inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vset(float x) { return _mm256_set1_ps(x); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
@@ -185,6 +187,7 @@ inline vf vzero() { return 0.0f; }
 inline vf vset(float x) { return x; }
 inline vf vfma(vf a, vf b, vf c) { return std::fma(a, b, c); }
 inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vsub(vf a, vf b) { return a - b; }
 inline vf vmul(vf a, vf b) { return a * b; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline float widen(bf16_t x) {
@@ -833,6 +836,252 @@ int decode(const int64_t* a, double scaling, int64_t* where) {
   return 0;
 }
 
+// -- KeepKV's EMA fold ---------------------------------------------------------------------------
+// The r query rows of a decode interval folded into KeepKV's EMA of attention scores (eq. 8), per
+// (row, KV head) and entry s, in one pass over the rows' scores (keepkv/kernels/ema.py has the
+// contract and the torch reference):
+//
+//     new_h(s) = ln sum_{i<r, pos_s <= qpos_i} exp(score_{h,i,s} + ln(1 - a) + (r - 1 - i) ln a)
+//     out_h(s) = logaddexp(old_h(s) + r ln a, new_h(s))
+//
+// where, pooled (one EMA word per KV head), the sum also runs over the group's g query heads and
+// new(s) takes - ln g. A row at position -1 (padding) sees nothing.
+struct Fold {
+  const float* scores;      // [B, H_kv, g, r, S], S contiguous
+  const float* old;         // [B, H_kv, S, g'] (g' = 1 pooled, else g)
+  const int64_t* pos;       // [B, H_kv, S] or null (every row sees every entry)
+  const int64_t* qpos;      // [B, r]
+  float* out;               // [B, H_kv, g', S] contiguous
+  int64_t batch, kv_heads, group, rows, size;
+  int64_t sb, sk, sg, sr;   // scores' strides
+  int64_t ob, ok, os, oh;   // old's
+  int64_t pb, pk, ps;       // pos'
+  int64_t qb, qr;           // qpos'
+  bool pool;
+  float log_fresh, log_alpha, decay;
+};
+
+void fold_task(const Fold& f, int64_t b, int64_t k, std::vector<float>& scratch) {
+  const int64_t r = f.rows, S = f.size;
+  scratch.resize(size_t((r + 3) * S));
+  float* add = scratch.data();  // [r, S]: the row's weight where it sees the entry, else -inf
+  float* top = add + r * S;
+  float* total = top + S;
+  float* kept = total + S;  // the old state, decayed
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < r; ++i) {
+    const float weight = f.log_fresh + float(r - 1 - i) * f.log_alpha;
+    float* row = add + i * S;
+    if (!f.pos) {
+      std::fill(row, row + S, weight);
+      continue;
+    }
+    const int64_t seen = f.qpos[b * f.qb + i * f.qr];
+    const int64_t* pos = f.pos + b * f.pb + k * f.pk;
+    for (int64_t s = 0; s < S; ++s) row[s] = pos[s * f.ps] <= seen ? weight : kNegInf;
+  }
+  const int64_t outputs = f.pool ? 1 : f.group, heads = f.pool ? f.group : 1;
+  const float inv_heads = 1.0f / float(heads);
+  for (int64_t o = 0; o < outputs; ++o) {
+    const float* first = f.scores + b * f.sb + k * f.sk + (f.pool ? 0 : o * f.sg);
+    const float* old = f.old + b * f.ob + k * f.ok + o * f.oh;
+    for (int64_t s = 0; s < S; ++s) kept[s] = old[s * f.os] + f.decay;
+    // out = ln(exp(kept) + (1/g) sum exp(v)) = m + ln(exp(kept - m) + (1/g) sum exp(v - m)), m the max
+    // of them all: one pass for m, one for the sum, one logarithm per entry
+    for (int64_t s = 0; s < S; s += W) {
+      const int n = int(std::min<int64_t>(W, S - s));
+      const vf old_s = vload_n(kept + s, n);
+      vf m = old_s;
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = 0; i < r; ++i)
+          m = vmax(m, vadd(vload_n(first + h * f.sg + i * f.sr + s, n), vload_n(add + i * S + s, n)));
+      vf sum = vzero();
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = 0; i < r; ++i)
+          sum = vadd(sum, vexp(vsub(vadd(vload_n(first + h * f.sg + i * f.sr + s, n), vload_n(add + i * S + s, n)), m)));
+      sum = vfma(sum, vset(inv_heads), vexp(vsub(old_s, m)));  // exp(-inf - -inf) = exp(NaN): 0
+      vstore_n(top + s, m, n);
+      vstore_n(total + s, sum, n);
+    }
+    float* out = f.out + ((b * f.kv_heads + k) * outputs + o) * S;
+    for (int64_t s = 0; s < S; ++s) out[s] = total[s] > 0.0f ? top[s] + std::log(total[s]) : kNegInf;
+  }
+}
+
+// Returns 0, or 1 (a shape or stride the fold does not take); nothing is written then.
+int ema_fold(const int64_t* a, const double* d) {
+  Fold f;
+  f.scores = reinterpret_cast<const float*>(a[0]);
+  f.old = reinterpret_cast<const float*>(a[1]);
+  f.pos = reinterpret_cast<const int64_t*>(a[2]);
+  f.qpos = reinterpret_cast<const int64_t*>(a[3]);
+  f.out = reinterpret_cast<float*>(a[4]);
+  f.batch = a[5];
+  f.kv_heads = a[6];
+  f.group = a[7];
+  f.rows = a[8];
+  f.size = a[9];
+  f.sb = a[10], f.sk = a[11], f.sg = a[12], f.sr = a[13];
+  f.ob = a[14], f.ok = a[15], f.os = a[16], f.oh = a[17];
+  f.pb = a[18], f.pk = a[19], f.ps = a[20];
+  f.qb = a[21], f.qr = a[22];
+  f.pool = a[23] != 0;
+  f.log_fresh = float(d[0]);
+  f.log_alpha = float(d[1]);
+  f.decay = float(d[2]);
+  if (f.batch < 0 || f.kv_heads < 1 || f.group < 1 || f.rows < 1 || f.size < 0 || !f.scores || !f.old || !f.qpos || !f.out)
+    return 1;
+  const int64_t tasks = f.batch * f.kv_heads;
+  const int64_t work = tasks * f.group * f.rows * f.size;
+  const int64_t threads = work < (int64_t(1) << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
+  std::atomic<int64_t> next{0};
+  on_threads(threads, [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks; t = next.fetch_add(1, std::memory_order_relaxed))
+      fold_task(f, t / f.kv_heads, t % f.kv_heads, scratch);
+  });
+  return 0;
+}
+
+constexpr Py_ssize_t kFoldInts = 24, kFoldDoubles = 3;
+
+// -- the most cosine-similar candidate ----------------------------------------------------------
+// For each evicted entry e of a (row, KV head), the allowed slot t whose key is most cosine-similar
+// (D2O eq. 8; KeepKV's merge target; keepkv.merging.cosine_nearest has the contract):
+//
+//     u_e = k_e / max(|k_e|, 1e-12),   sim(e, t) = (k_t . u_e) / max(|k_t|, 1e-12)
+//
+// the first t of the largest sim, and that sim (-inf, slot 0, where no slot is allowed). Keys
+// fp32, bf16 or fp16 [B, H_kv, S, D] with D contiguous; src [B, H_kv, E] int64 (negative: 0);
+// allowed [B, H_kv, S] bool. Out: idx [B, H_kv, E] int64, sim [B, H_kv, E] fp32, contiguous.
+struct Nearest {
+  const void* keys;
+  const int64_t* src;
+  const uint8_t* allowed;
+  int64_t* idx;
+  float* sim;
+  int64_t batch, kv_heads, size, dim, evicted;
+  int64_t kb, kk, ks;  // keys' strides (elements)
+  int64_t sb, sk, se;  // src's
+  int64_t ab, ak, as;  // allowed's
+};
+
+template <typename T>
+float dot(const T* a, const float* u, int64_t dim) {
+  vf acc = vzero();
+  for (int64_t d = 0; d < dim; d += W) {
+    const int n = int(std::min<int64_t>(W, dim - d));
+    acc = vfma(vload_n(a + d, n), vload_n(u + d, n), acc);
+  }
+  return vsum(acc);
+}
+
+template <typename T>
+void nearest_task(const Nearest& f, int64_t b, int64_t k, std::vector<float>& scratch, std::vector<int32_t>& slots) {
+  const T* keys = static_cast<const T*>(f.keys) + b * f.kb + k * f.kk;
+  const uint8_t* allowed = f.allowed + b * f.ab + k * f.ak;
+  const int64_t D = f.dim;
+  slots.clear();
+  for (int64_t s = 0; s < f.size; ++s)
+    if (allowed[s * f.as]) slots.push_back(int32_t(s));
+  const int64_t count = int64_t(slots.size());
+  scratch.resize(size_t(count + 2 * D));
+  float* norms = scratch.data();  // max(|k_t|, 1e-12) of each allowed slot
+  float* unit = norms + count;
+  float* widened = unit + D;
+  for (int64_t c = 0; c < count; ++c) {
+    const T* key = keys + slots[c] * f.ks;
+    for (int64_t d = 0; d < D; d += W) {
+      const int n = int(std::min<int64_t>(W, D - d));
+      vstore_n(widened + d, vload_n(key + d, n), n);
+    }
+    norms[c] = std::max(std::sqrt(dot(widened, widened, D)), 1e-12f);
+  }
+  const int64_t* src = f.src + b * f.sb + k * f.sk;
+  int64_t* idx = f.idx + (b * f.kv_heads + k) * f.evicted;
+  float* sim = f.sim + (b * f.kv_heads + k) * f.evicted;
+  for (int64_t e = 0; e < f.evicted; ++e) {
+    const T* key = keys + std::max<int64_t>(src[e * f.se], 0) * f.ks;
+    for (int64_t d = 0; d < D; d += W) {
+      const int n = int(std::min<int64_t>(W, D - d));
+      vstore_n(widened + d, vload_n(key + d, n), n);
+    }
+    const float norm = std::max(std::sqrt(dot(widened, widened, D)), 1e-12f);
+    for (int64_t d = 0; d < D; ++d) unit[d] = widened[d] / norm;
+    float best = -std::numeric_limits<float>::infinity();
+    int64_t at = 0;
+    int64_t c = 0;
+    for (; c + 4 <= count; c += 4) {  // four candidates at once: four independent sums
+      const T* k0 = keys + slots[c] * f.ks;
+      const T* k1 = keys + slots[c + 1] * f.ks;
+      const T* k2 = keys + slots[c + 2] * f.ks;
+      const T* k3 = keys + slots[c + 3] * f.ks;
+      vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      for (int64_t d = 0; d < D; d += W) {
+        const int n = int(std::min<int64_t>(W, D - d));
+        const vf u = vload_n(unit + d, n);
+        a0 = vfma(vload_n(k0 + d, n), u, a0);
+        a1 = vfma(vload_n(k1 + d, n), u, a1);
+        a2 = vfma(vload_n(k2 + d, n), u, a2);
+        a3 = vfma(vload_n(k3 + d, n), u, a3);
+      }
+      float dots[4];
+      vsum4(a0, a1, a2, a3, dots);
+      for (int j = 0; j < 4; ++j) {
+        const float similarity = dots[j] / norms[c + j];
+        if (similarity > best) {
+          best = similarity;
+          at = slots[c + j];
+        }
+      }
+    }
+    for (; c < count; ++c) {
+      const float similarity = dot(keys + slots[c] * f.ks, unit, D) / norms[c];
+      if (similarity > best) {
+        best = similarity;
+        at = slots[c];
+      }
+    }
+    idx[e] = at;
+    sim[e] = best;
+  }
+}
+
+// Returns 0, or 1 (a shape the search does not take); nothing is written then.
+int nearest(const int64_t* a) {
+  Nearest f;
+  f.keys = reinterpret_cast<const void*>(a[0]);
+  f.src = reinterpret_cast<const int64_t*>(a[1]);
+  f.allowed = reinterpret_cast<const uint8_t*>(a[2]);
+  f.idx = reinterpret_cast<int64_t*>(a[3]);
+  f.sim = reinterpret_cast<float*>(a[4]);
+  const int64_t dtype = a[5];
+  f.batch = a[6], f.kv_heads = a[7], f.size = a[8], f.dim = a[9], f.evicted = a[10];
+  f.kb = a[11], f.kk = a[12], f.ks = a[13];
+  f.sb = a[14], f.sk = a[15], f.se = a[16];
+  f.ab = a[17], f.ak = a[18], f.as = a[19];
+  if (f.batch < 0 || f.kv_heads < 1 || f.size < 0 || f.dim < 1 || f.evicted < 0 || dtype < 0 || dtype > 2) return 1;
+  const int64_t tasks = f.batch * f.kv_heads;
+  const int64_t work = tasks * f.evicted * f.size * f.dim;
+  const int64_t threads = work < (int64_t(1) << 18) ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
+  std::atomic<int64_t> next{0};
+  on_threads(threads, [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    std::vector<int32_t> slots;
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks; t = next.fetch_add(1, std::memory_order_relaxed)) {
+      if (dtype == 1)
+        nearest_task<bf16_t>(f, t / f.kv_heads, t % f.kv_heads, scratch, slots);
+      else if (dtype == 2)
+        nearest_task<f16_t>(f, t / f.kv_heads, t % f.kv_heads, scratch, slots);
+      else
+        nearest_task<float>(f, t / f.kv_heads, t % f.kv_heads, scratch, slots);
+    }
+  });
+  return 0;
+}
+
+constexpr Py_ssize_t kNearestInts = 20;
+
 constexpr Py_ssize_t kIntArgs = 27;
 
 const char* isa_name() {
@@ -882,11 +1131,54 @@ static PyObject* py_decode(PyObject*, PyObject* const* args, Py_ssize_t count) {
   return Py_BuildValue("(iL)", error, static_cast<long long>(where));
 }
 
+static PyObject* py_ema_fold(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  if (count != kFoldInts + kFoldDoubles) {
+    PyErr_Format(PyExc_TypeError, "ema_fold takes %d arguments; got %d", int(kFoldInts + kFoldDoubles), int(count));
+    return nullptr;
+  }
+  int64_t a[kFoldInts];
+  double d[kFoldDoubles];
+  for (Py_ssize_t i = 0; i < kFoldInts; ++i) {
+    a[i] = PyLong_AsLongLong(args[i]);
+    if (a[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < kFoldDoubles; ++i) {
+    d[i] = PyFloat_AsDouble(args[kFoldInts + i]);
+    if (d[i] == -1.0 && PyErr_Occurred()) return nullptr;
+  }
+  int error = 0;
+  Py_BEGIN_ALLOW_THREADS
+  error = ema_fold(a, d);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(error);
+}
+
+static PyObject* py_nearest(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  if (count != kNearestInts) {
+    PyErr_Format(PyExc_TypeError, "nearest takes %d arguments; got %d", int(kNearestInts), int(count));
+    return nullptr;
+  }
+  int64_t a[kNearestInts];
+  for (Py_ssize_t i = 0; i < kNearestInts; ++i) {
+    a[i] = PyLong_AsLongLong(args[i]);
+    if (a[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  int error = 0;
+  Py_BEGIN_ALLOW_THREADS
+  error = nearest(a);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(error);
+}
+
 static PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name()); }
 
 static PyMethodDef kMethods[] = {
     {"decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_decode)), METH_FASTCALL,
      "paged decode attention over raw addresses (see keepkv/kernels/paged_cpp.py)"},
+    {"ema_fold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_ema_fold)), METH_FASTCALL,
+     "KeepKV's EMA fold over raw addresses (see keepkv/kernels/ema.py)"},
+    {"nearest", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_nearest)), METH_FASTCALL,
+     "the most cosine-similar allowed slot of each evicted entry (see keepkv/merging.py cosine_nearest)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set this build was compiled for"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits, static_shapes
+from ..kernels.ema import ema_fold
 from ..merging import (
-    KEY_RULES, LogScores, cosine_nearest, ema_log_scores, logsumexp_in_place, pool_log_scores, zip_rows,
-    zip_rows_with_ema,
+    KEY_RULES, LogScores, cosine_nearest, ema_log_scores, pool_log_scores, zip_rows, zip_rows_with_ema,
 )
 from ..offload import FullKVCopy
 from ..store import NEG_INF, slots_of
@@ -505,41 +505,24 @@ class KeepKVMerge(ZipMerge):
         rows = queries.shape[3]
         if logits is None:  # a prompt's end whose statistics hold none, or a refresh: computed here
             logits = scaled_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
-        log_fresh = math.log1p(-self.alpha)
-        decay = rows * math.log(self.alpha)
-        visible = None  # a decode step: the newest query sees every live entry, and the bias hides the rest
+        visible_at = None  # a decode step: the newest query sees every live entry, and the bias hides the rest
         if rows > 1:
             # A row sees the entries at or before its position. Only live slots matter (see above),
             # and a padding row (position -1) sees none of them.
-            visible = layer.positions[:, :, None, :] <= query_pos[:, None, :, None]  # [B, H_kv, r, S]
+            visible_at = layer.positions
         scores = logits
         if self.score_norm == "row":
             # ln Z = ln Σ_j p_j s_j of each query row over what it sees: each query then counts
             # equally in the EMA, as in H2O's and SnapKV's sums of attention probabilities.
             seen = logits + layer.bias[:, :, None, None]  # -inf on empty slots
-            if visible is not None:
+            if visible_at is not None:
+                visible = visible_at[:, :, None, :] <= query_pos[:, None, :, None]  # [B, H_kv, r, S]
                 seen = seen.masked_fill(~visible[:, :, None], NEG_INF)
             log_z = torch.logsumexp(seen, dim=-1).nan_to_num(0.0, 0.0, 0.0)  # [B, H_kv, g, r]; 0: nothing seen
             scores = logits - log_z[..., None]
             layer.state["log_z"] = log_z[..., -1]  # [B, H_kv, g]: the newest query's, see _log_scale
-        pool = self.pooled_ema and scores.shape[2] > 1  # ln (1/g) Σ_h s^h: the group's mean score
-        if rows == 1:
-            if pool:
-                scores = scores.logsumexp(dim=2, keepdim=True) - math.log(scores.shape[2])  # [B, H_kv, 1, 1, S]
-            new_s = scores[:, :, :, 0] + log_fresh
-        else:
-            ages = torch.arange(rows - 1, -1, -1, device=layer.device, dtype=torch.float32)
-            weights = (log_fresh + ages * math.log(self.alpha))[:, None].masked_fill(~visible, NEG_INF)  # [B, H_kv, r, S]
-            terms = scores + weights[:, :, None]  # [B, H_kv, g, r, S]: ln((1 - α) α^age s^h)
-            if pool:  # one sum over the group's heads and the rows at once, then the mean over the heads
-                new_s = logsumexp_in_place(terms.flatten(2, 3), 2).unsqueeze(2) - math.log(scores.shape[2])
-            else:
-                new_s = logsumexp_in_place(terms, 3)  # [B, H_kv, g, S]
-        # logaddexp on a strided view (the buffers' spare slots, ln S's [B, H_kv, S, g] order) is slow
-        # on CPU, so it reads a contiguous [B, H_kv, g, S] copy of ln S (docs/performance.md has the
-        # figure); the store writes the result in place.
-        ema_s = layer.extras["ema_log_s"].permute(0, 1, 3, 2)  # [B, H_kv, g, S], a view
-        ema_s = torch.logaddexp(ema_s.contiguous() + decay, new_s)
+        # eq. 8 over the rows, one pass (keepkv.kernels.ema): ln S [B, H_kv, g', S], g' = 1 pooled
+        ema_s = ema_fold(scores, layer.extras["ema_log_s"], visible_at, query_pos, self.alpha, self.pooled_ema)
         layer.overwrite(ema_log_s=ema_s.permute(0, 1, 3, 2))
         self._fold_span(layer, query_pos)
         return logits
