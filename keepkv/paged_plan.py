@@ -190,25 +190,35 @@ class StepPlan:
 
     def new_slots(self, layer: int):
         """(slots [N] int64, tokens [N] or None: the attending rows' tokens, positions [N] int64):
-        where each attending row's new tokens go (its next slots) and the positions they are."""
-        batch = self.batch
+        where each attending row's new tokens go (its next slots) and the positions they are. Only
+        the slots depend on the layer (a layered method's rows hold more entries in some layers):
+        the rest is the step's, and so are the tensors returned for them, in every layer."""
         sizes = self.held(self.attending, layer, "written")
         key = ("new", sizes)
         if key not in self.cache:
-            rows = torch.tensor(self.attending)
+            row, within, lengths, table, tokens, positions = self._new_tokens()
+            slot = (torch.tensor(sizes) - lengths)[row] + within  # each new token's slot: after what its row held
+            block = table[row, slot // self.block_size]
+            self.cache[key] = ((block * self.block_size + slot % self.block_size).to(self.decode_tokens.device),
+                               tokens, positions)
+        return self.cache[key]
+
+    def _new_tokens(self) -> tuple:
+        """The step's new tokens, every layer's: (row [N], each one's attending row; within [N], its
+        index in its row; lengths [R]; the rows' block tables [R, blocks] int64; tokens [N] on the
+        step's device or None (every token); positions [N] on the step's device)."""
+        if "new tokens" not in self.cache:
+            batch, device = self.batch, self.decode_tokens.device
             lengths = torch.tensor([batch.query_lengths[r] for r in self.attending])
             total = int(lengths.sum())
-            row = torch.repeat_interleave(torch.arange(len(rows)), lengths, output_size=total)
-            within = torch.arange(total) - (lengths.cumsum(0) - lengths)[row]  # each new token's index in its row
-            slot = (torch.tensor(sizes) - lengths)[row] + within  # its slot: after what its row held
-            block = batch.block_table[rows][row, slot // self.block_size].long()
+            row = torch.repeat_interleave(torch.arange(len(self.attending)), lengths, output_size=total)
+            within = torch.arange(total) - (lengths.cumsum(0) - lengths)[row]
             tokens = torch.tensor([batch.query_start[r] for r in self.attending])[row] + within
             positions = torch.tensor([batch.computed[r] + batch.offsets[r] for r in self.attending])[row] + within
-            device = self.decode_tokens.device
             every = total == batch.query_start[-1]
-            self.cache[key] = ((block * self.block_size + slot % self.block_size).to(device),
-                               None if every else tokens.to(device), positions.to(device))
-        return self.cache[key]
+            self.cache["new tokens"] = (row, within, lengths, batch.block_table[self.attending].long(),
+                                        None if every else tokens.to(device), positions.to(device))
+        return self.cache["new tokens"]
 
     def word_rows(self, layout: PagedLayout, slots: torch.Tensor) -> torch.Tensor:
         """[N, H_kv, M] indices of the words of slots [N] in the flat fp32 view."""
@@ -270,13 +280,17 @@ class StepPlan:
         return self.cache[key]
 
     def decode_call(self, rows: tuple, layer: int, geometry: PagedGeometry) -> DecodeCall:
-        """keepkv's paged kernel's call over decoding ``rows``, in blocks as ``geometry`` says."""
+        """keepkv's paged kernel's call over decoding ``rows``, in blocks as ``geometry`` says (the
+        tokens and block table the step's, the lengths the layer's)."""
         sizes = self.held(rows, layer, "written")
         key = ("decode", rows, sizes, geometry)
         if key not in self.cache:
             device = self.decode_tokens.device
-            tokens = torch.tensor([self.batch.query_start[r] for r in rows], device=device)
-            table = self.batch.block_table[list(rows)].to(device=device, dtype=torch.int32)
+            if ("decode rows", rows) not in self.cache:
+                self.cache["decode rows", rows] = (
+                    torch.tensor([self.batch.query_start[r] for r in rows], device=device),
+                    self.batch.block_table[list(rows)].to(device=device, dtype=torch.int32))
+            tokens, table = self.cache["decode rows", rows]
             seq_lens = torch.tensor(sizes, dtype=torch.int32, device=device)
             self.cache[key] = DecodeCall(tokens, table, seq_lens, max(sizes), geometry)
         return self.cache[key]

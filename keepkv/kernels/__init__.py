@@ -1,4 +1,5 @@
-"""Optional GPU kernels (``pip install -e ".[gpu]"``, which brings Triton).
+"""keepkv's kernels: optional GPU kernels (``pip install -e ".[gpu]"``, which brings Triton), and
+C++ ones on CPU (``paged_cpu.cpp``, built on first use where a compiler and ninja are there).
 
 :func:`decode_attention` is keepkv's decode-step attention as one Triton kernel that reads
 each stored key and value once (see :mod:`keepkv.kernels.decode`). Nothing calls it by default:
@@ -6,6 +7,11 @@ the torch path of :mod:`keepkv.attention` stays the reference and the default;
 ``CompressedCache(kernel="triton")`` makes a cache's decode steps that need probabilities or
 logits use it, and :func:`keepkv.attention.decode_kernel_for` refuses it, in one line, on a
 device where it cannot run.
+
+On CPU, :mod:`keepkv.kernels.paged` attends a serving engine's blocks in place, and two steps of
+KeepKV's merge run in one C++ pass each where the kernels build, with torch's code everywhere
+else: its EMA fold (:mod:`keepkv.kernels.ema`) and the merge's target search
+(:mod:`keepkv.kernels.nearest`).
 """
 
 from .decode import decode_attention, triton_available

@@ -1,6 +1,7 @@
 """The C++ backend of :func:`keepkv.kernels.paged.paged_decode` (``backend="cpp"``): the loader.
 
-The kernel is ``paged_cpu.cpp`` beside this file, compiled on first use by torch's extension
+The kernel is ``paged_cpu.cpp`` beside this file (which also holds KeepKV's EMA fold and target
+search, :mod:`keepkv.kernels.ema` and :mod:`keepkv.kernels.nearest`), compiled on first use by torch's extension
 loader (``torch.utils.cpp_extension.load``: a C++ compiler and ninja), once per instruction set,
 source and torch version, into ``$KEEPKV_CACHE_DIR`` (else ``$XDG_CACHE_HOME/keepkv``, else
 ``~/.cache/keepkv``) ``/paged_cpu/``; a later process imports the built library from there

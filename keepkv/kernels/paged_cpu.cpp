@@ -1,4 +1,6 @@
-// keepkv's paged decode attention on CPU, in C++: the "cpp" backend of keepkv.kernels.paged.
+// keepkv's C++ kernels on CPU: the paged decode attention (the "cpp" backend of
+// keepkv.kernels.paged), and two steps of KeepKV's merge (keepkv.kernels.ema, the EMA fold, and
+// keepkv.kernels.nearest, the target search; both at the end of this file).
 //
 // One query token per request, grouped-query attention over the request's entries, read in place
 // through its block table (keepkv/kernels/paged.py has the contract and the reference):
