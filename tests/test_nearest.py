@@ -67,8 +67,7 @@ def test_the_first_of_equal_candidates_wins(monkeypatch):
     keys = torch.randn(1, 1, 6, 16)
     keys[0, 0, 4] = keys[0, 0, 2]
     src = torch.tensor([[[2, 4]]])
-    allowed = torch.tensor([[[True, True, False, True, True, True]]])
-    allowed[0, 0, 2] = True
+    allowed = torch.ones(1, 1, 6, dtype=torch.bool)
     idx, _ = nearest_cpp(keys, torch.tensor([[[5]]]), allowed)
     want_idx, _ = torch_nearest(keys, torch.tensor([[[5]]]), allowed, monkeypatch)
     assert torch.equal(idx, want_idx)
