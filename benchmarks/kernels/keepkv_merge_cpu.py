@@ -1,4 +1,4 @@
-"""Time KeepKV's two merge steps that have a C++ pass on CPU against their torch code, and KeepKV's
+"""Time KeepKV's three merge steps that have a C++ pass on CPU against their torch code, and KeepKV's
 whole decode-time method step with and without them.
 
 The shapes are a compressing step of the serving layer-step bench (``benchmarks/vllm_cpu/
@@ -9,14 +9,16 @@ per row and head):
 - the EMA fold (``keepkv.kernels.ema.ema_fold``): [16, 3, 3, 16, 206] scores into the pooled EMA;
 - the target search (``keepkv.merging.cosine_nearest``): 16 evicted entries per row and head
   against the candidates open to merges (a quarter of the entries, KeepKV's ``protect=0.75``);
+- the ``protect`` gate (``keepkv.kernels.protect.open_to_merges``): which of the 190 kept entries
+  of each row and head (16 of them the selection's window, +inf) are open to merges at 0.75;
 - the Hugging Face cache's compressing layer call (``CompressedCache.forward_layer``: the
   attention over 206 entries, then the method's step: fold, ranking, plan, merges, the kept
   entries' move) of ``keepkv+interval=16`` and ``snapkv+interval=16``, random keys and values
   (few merges pass KeepKV's gates on them: a model's keys merge more).
 
 Medians of ``--calls`` calls, the variants interleaved in ``--rounds`` rounds, one thread
-(``--threads``). "torch" runs KeepKV's torch code for both steps (``_cpp_takes``/``cpp_takes``
-off), "cpp" the C++ passes where they build.
+(``--threads``). "torch" runs KeepKV's torch code for the three steps (their ``cpp_takes`` off),
+"cpp" the C++ passes where they build.
 
     python benchmarks/kernels/keepkv_merge_cpu.py [--json out.json]
 """
@@ -34,8 +36,9 @@ from contextlib import contextmanager
 import torch
 
 from keepkv import merging
-from keepkv.kernels import ema, nearest
+from keepkv.kernels import ema, nearest, protect
 from keepkv.kernels.ema import ema_fold
+from keepkv.kernels.protect import open_to_merges
 
 ROWS, KV_HEADS, GROUP, HEAD_DIM, ENTRIES, INTERVAL = 16, 3, 3, 64, 206, 16
 
@@ -43,14 +46,15 @@ ROWS, KV_HEADS, GROUP, HEAD_DIM, ENTRIES, INTERVAL = 16, 3, 3, 64, 206, 16
 @contextmanager
 def backend(name: str):
     """KeepKV's C++ passes on ("cpp") or off ("torch") inside the block."""
-    saved = ema._cpp_takes, nearest.cpp_takes
+    saved = ema._cpp_takes, nearest.cpp_takes, protect.cpp_takes
     if name == "torch":
         ema._cpp_takes = lambda *args: False
         nearest.cpp_takes = lambda *args: False
+        protect.cpp_takes = lambda *args: False
     try:
         yield
     finally:
-        ema._cpp_takes, nearest.cpp_takes = saved
+        ema._cpp_takes, nearest.cpp_takes, protect.cpp_takes = saved
 
 
 def fold_inputs(generator):
@@ -66,6 +70,14 @@ def search_inputs(generator):
     src = torch.randint(0, ENTRIES, (ROWS, KV_HEADS, INTERVAL), generator=generator)
     allowed = torch.rand(ROWS, KV_HEADS, ENTRIES, generator=generator) < 0.25
     return keys, src, allowed
+
+
+def gate_inputs(generator):
+    priority = torch.randn(ROWS, KV_HEADS, ENTRIES, generator=generator)
+    priority[:, :, ENTRIES - 2 * INTERVAL : ENTRIES - INTERVAL] = float("inf")  # the window
+    order = torch.rand(ROWS, KV_HEADS, ENTRIES, generator=generator).argsort(-1)
+    kept = order >= INTERVAL  # 190 of 206
+    return kept, priority
 
 
 def method_store(spec: str, generator):
@@ -117,6 +129,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     fold = fold_inputs(generator)
     search = search_inputs(generator)
+    gate = gate_inputs(generator)
     stores = {spec: method_store(spec, generator) for spec in ("snapkv+interval=16", "keepkv+interval=16")}
     cells: dict[str, list[float]] = {}
     for _ in range(args.rounds):
@@ -126,6 +139,7 @@ def main() -> None:
                     timed(args.calls, lambda: ema_fold(*fold, 0.94, True)))
                 cells.setdefault(f"search/{name}", []).append(
                     timed(args.calls, lambda: merging.cosine_nearest(*search)))
+                cells.setdefault(f"gate/{name}", []).append(timed(args.calls, lambda: open_to_merges(*gate, 0.75)))
                 for spec, (cache, call) in stores.items():
                     if spec.startswith("snapkv") and name == "cpp":
                         continue  # no step of snapkv's has a C++ pass

@@ -1,6 +1,7 @@
 // keepkv's C++ kernels on CPU: the paged decode attention (the "cpp" backend of
-// keepkv.kernels.paged), and two steps of KeepKV's merge (keepkv.kernels.ema, the EMA fold, and
-// keepkv.kernels.nearest, the target search; both at the end of this file).
+// keepkv.kernels.paged), and three steps of KeepKV's merge (keepkv.kernels.ema, the EMA fold;
+// keepkv.kernels.nearest, the target search; keepkv.kernels.protect, the entries open to merges;
+// all at the end of this file).
 //
 // One query token per request, grouped-query attention over the request's entries, read in place
 // through its block table (keepkv/kernels/paged.py has the contract and the reference):
@@ -66,6 +67,9 @@ inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+// lanes where a > b (ordered: a NaN never is): x, else y
+inline vf vwhere_gt(vf a, vf b, vf x, vf y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x); }
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vf vload(const bf16_t* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -131,6 +135,8 @@ inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vwhere_gt(vf a, vf b, vf x, vf y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 inline vf vload(const bf16_t* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -192,6 +198,8 @@ inline vf vadd(vf a, vf b) { return a + b; }
 inline vf vsub(vf a, vf b) { return a - b; }
 inline vf vmul(vf a, vf b) { return a * b; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vdiv(vf a, vf b) { return a / b; }
+inline vf vwhere_gt(vf a, vf b, vf x, vf y) { return a > b ? x : y; }
 inline float widen(bf16_t x) {
   uint32_t bits = uint32_t(x.bits) << 16;
   float y;
@@ -978,6 +986,13 @@ float dot(const T* a, const float* u, int64_t dim) {
   return vsum(acc);
 }
 
+constexpr int kCandidates = 8;  // candidates in flight in the search
+
+// The evicted entries' unit keys are laid out dimension by dimension ([D, E], E padded to whole
+// vectors), so each candidate's key, one broadcast per dimension, takes W evicted entries at once:
+// their similarities and the running best of each are lanes, with no horizontal sums. Eight
+// candidates, two sums each (even and odd dimensions), are in flight; they are then compared in
+// slot order, strictly greater, so each lane keeps the first of its largest.
 template <typename T>
 void nearest_task(const Nearest& f, int64_t b, int64_t k, std::vector<float>& scratch, std::vector<int32_t>& slots) {
   const T* keys = static_cast<const T*>(f.keys) + b * f.kb + k * f.kk;
@@ -987,21 +1002,11 @@ void nearest_task(const Nearest& f, int64_t b, int64_t k, std::vector<float>& sc
   for (int64_t s = 0; s < f.size; ++s)
     if (allowed[s * f.as]) slots.push_back(int32_t(s));
   const int64_t count = int64_t(slots.size());
-  scratch.resize(size_t(count + 2 * D));
-  float* norms = scratch.data();  // max(|k_t|, 1e-12) of each allowed slot
-  float* unit = norms + count;
-  float* widened = unit + D;
-  for (int64_t c = 0; c < count; ++c) {
-    const T* key = keys + slots[c] * f.ks;
-    for (int64_t d = 0; d < D; d += W) {
-      const int n = int(std::min<int64_t>(W, D - d));
-      vstore_n(widened + d, vload_n(key + d, n), n);
-    }
-    norms[c] = std::max(std::sqrt(dot(widened, widened, D)), 1e-12f);
-  }
+  const int64_t lanes = (f.evicted + W - 1) / W * W;
+  scratch.assign(size_t(D * lanes + kCandidates * D + W), 0.0f);
+  float* units = scratch.data();             // [D, lanes]: evicted entry e's unit key at units[d * lanes + e]
+  float* widened = units + D * lanes;        // [kCandidates, D]: keys in fp32, then W lanes out
   const int64_t* src = f.src + b * f.sb + k * f.sk;
-  int64_t* idx = f.idx + (b * f.kv_heads + k) * f.evicted;
-  float* sim = f.sim + (b * f.kv_heads + k) * f.evicted;
   for (int64_t e = 0; e < f.evicted; ++e) {
     const T* key = keys + std::max<int64_t>(src[e * f.se], 0) * f.ks;
     for (int64_t d = 0; d < D; d += W) {
@@ -1009,43 +1014,55 @@ void nearest_task(const Nearest& f, int64_t b, int64_t k, std::vector<float>& sc
       vstore_n(widened + d, vload_n(key + d, n), n);
     }
     const float norm = std::max(std::sqrt(dot(widened, widened, D)), 1e-12f);
-    for (int64_t d = 0; d < D; ++d) unit[d] = widened[d] / norm;
-    float best = -std::numeric_limits<float>::infinity();
-    int64_t at = 0;
-    int64_t c = 0;
-    for (; c + 4 <= count; c += 4) {  // four candidates at once: four independent sums
-      const T* k0 = keys + slots[c] * f.ks;
-      const T* k1 = keys + slots[c + 1] * f.ks;
-      const T* k2 = keys + slots[c + 2] * f.ks;
-      const T* k3 = keys + slots[c + 3] * f.ks;
-      vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-      for (int64_t d = 0; d < D; d += W) {
-        const int n = int(std::min<int64_t>(W, D - d));
-        const vf u = vload_n(unit + d, n);
-        a0 = vfma(vload_n(k0 + d, n), u, a0);
-        a1 = vfma(vload_n(k1 + d, n), u, a1);
-        a2 = vfma(vload_n(k2 + d, n), u, a2);
-        a3 = vfma(vload_n(k3 + d, n), u, a3);
+    for (int64_t d = 0; d < D; ++d) units[d * lanes + e] = widened[d] / norm;
+  }
+  int64_t* idx = f.idx + (b * f.kv_heads + k) * f.evicted;
+  float* sim = f.sim + (b * f.kv_heads + k) * f.evicted;
+  float* best_out = widened + kCandidates * D;  // [W]
+  for (int64_t e0 = 0; e0 < lanes; e0 += W) {
+    vf best = vset(-std::numeric_limits<float>::infinity()), at = vzero();  // slots as floats: exact below 2^24
+    for (int64_t c0 = 0; c0 < count; c0 += kCandidates) {
+      const int here = int(std::min<int64_t>(kCandidates, count - c0));
+      float norm[kCandidates];
+      for (int j = 0; j < kCandidates; ++j) {
+        float* key = widened + j * D;
+        if (j >= here) {  // past the last candidate: a zero key, never compared
+          std::fill(key, key + D, 0.0f);
+          norm[j] = 1.0f;
+          continue;
+        }
+        const T* from = keys + slots[c0 + j] * f.ks;
+        for (int64_t d = 0; d < D; d += W) {
+          const int n = int(std::min<int64_t>(W, D - d));
+          vstore_n(key + d, vload_n(from + d, n), n);
+        }
+        norm[j] = std::max(std::sqrt(dot(key, key, D)), 1e-12f);
       }
-      float dots[4];
-      vsum4(a0, a1, a2, a3, dots);
-      for (int j = 0; j < 4; ++j) {
-        const float similarity = dots[j] / norms[c + j];
-        if (similarity > best) {
-          best = similarity;
-          at = slots[c + j];
+      vf even[kCandidates], odd[kCandidates];
+      UNROLL for (int j = 0; j < kCandidates; ++j) even[j] = odd[j] = vzero();
+      int64_t d = 0;
+      for (; d + 2 <= D; d += 2) {
+        const vf u0 = vload(units + d * lanes + e0), u1 = vload(units + (d + 1) * lanes + e0);
+        UNROLL for (int j = 0; j < kCandidates; ++j) {
+          even[j] = vfma(vset(widened[j * D + d]), u0, even[j]);
+          odd[j] = vfma(vset(widened[j * D + d + 1]), u1, odd[j]);
         }
       }
-    }
-    for (; c < count; ++c) {
-      const float similarity = dot(keys + slots[c] * f.ks, unit, D) / norms[c];
-      if (similarity > best) {
-        best = similarity;
-        at = slots[c];
+      if (d < D) {
+        const vf u0 = vload(units + d * lanes + e0);
+        UNROLL for (int j = 0; j < kCandidates; ++j) even[j] = vfma(vset(widened[j * D + d]), u0, even[j]);
+      }
+      for (int j = 0; j < here; ++j) {
+        const vf similarity = vdiv(vadd(even[j], odd[j]), vset(norm[j]));
+        at = vwhere_gt(similarity, best, vset(float(slots[c0 + j])), at);
+        best = vwhere_gt(similarity, best, similarity, best);
       }
     }
-    idx[e] = at;
-    sim[e] = best;
+    const int n = int(std::min<int64_t>(W, f.evicted - e0));
+    vstore_n(best_out, best, n);
+    for (int i = 0; i < n; ++i) sim[e0 + i] = best_out[i];
+    vstore_n(best_out, at, n);
+    for (int i = 0; i < n; ++i) idx[e0 + i] = int64_t(best_out[i]);
   }
 }
 
@@ -1083,6 +1100,62 @@ int nearest(const int64_t* a) {
 }
 
 constexpr Py_ssize_t kNearestInts = 20;
+
+// -- the kept entries open to merges ------------------------------------------------------------
+// KeepKV's merge gate `protect` (keepkv.methods.keepkv.open_to_merges has the contract): of the n
+// kept entries of a (row, KV head) whose priority is finite, those ranked r < n * protect (fp32,
+// as torch computes it) by (priority descending, slot ascending) take no merges; every other kept
+// entry is open. One partial selection (nth_element) per (row, KV head), not a sort. priority
+// [B, H_kv, S] fp32, kept [B, H_kv, S] bool (any strides); out [B, H_kv, S] bool, contiguous.
+struct OpenRank {
+  const float* priority;
+  const uint8_t* kept;
+  uint8_t* out;
+  int64_t batch, kv_heads, size;
+  int64_t pb, pk, ps;  // priority's strides (elements)
+  int64_t kb, kk, ks;  // kept's
+  float protect;
+};
+
+void open_task(const OpenRank& f, int64_t b, int64_t k, std::vector<int32_t>& scored) {
+  const float* priority = f.priority + b * f.pb + k * f.pk;
+  const uint8_t* kept = f.kept + b * f.kb + k * f.kk;
+  uint8_t* out = f.out + (b * f.kv_heads + k) * f.size;
+  scored.clear();
+  for (int64_t s = 0; s < f.size; ++s) {
+    out[s] = kept[s * f.ks] ? 1 : 0;
+    if (out[s] && std::isfinite(priority[s * f.ps])) scored.push_back(int32_t(s));
+  }
+  const int64_t n = int64_t(scored.size());
+  const float bound = float(n) * f.protect;  // rank r is protected iff float(r) < bound
+  const int64_t protected_count = std::min<int64_t>(n, int64_t(std::ceil(bound)));
+  if (protected_count <= 0) return;
+  auto before = [&](int32_t a, int32_t c) {  // a ranks before c
+    const float pa = priority[a * f.ps], pc = priority[c * f.ps];
+    return pa > pc || (pa == pc && a < c);
+  };
+  if (protected_count < n) std::nth_element(scored.begin(), scored.begin() + protected_count, scored.end(), before);
+  for (int64_t r = 0; r < protected_count; ++r) out[scored[r]] = 0;
+}
+
+// Returns 0, or 1 (a shape it does not take); nothing is written then.
+int open_to_merges(const int64_t* a, double protect) {
+  OpenRank f;
+  f.priority = reinterpret_cast<const float*>(a[0]);
+  f.kept = reinterpret_cast<const uint8_t*>(a[1]);
+  f.out = reinterpret_cast<uint8_t*>(a[2]);
+  f.batch = a[3], f.kv_heads = a[4], f.size = a[5];
+  f.pb = a[6], f.pk = a[7], f.ps = a[8];
+  f.kb = a[9], f.kk = a[10], f.ks = a[11];
+  f.protect = float(protect);
+  if (f.batch < 0 || f.kv_heads < 1 || f.size < 0 || f.size >= (int64_t(1) << 24) || !(protect >= 0.0 && protect <= 1.0))
+    return 1;
+  std::vector<int32_t> scored;
+  for (int64_t t = 0; t < f.batch * f.kv_heads; ++t) open_task(f, t / f.kv_heads, t % f.kv_heads, scored);
+  return 0;
+}
+
+constexpr Py_ssize_t kOpenInts = 12;
 
 constexpr Py_ssize_t kIntArgs = 27;
 
@@ -1172,6 +1245,25 @@ static PyObject* py_nearest(PyObject*, PyObject* const* args, Py_ssize_t count) 
   return PyLong_FromLong(error);
 }
 
+static PyObject* py_open_to_merges(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  if (count != kOpenInts + 1) {
+    PyErr_Format(PyExc_TypeError, "open_to_merges takes %d arguments; got %d", int(kOpenInts + 1), int(count));
+    return nullptr;
+  }
+  int64_t a[kOpenInts];
+  for (Py_ssize_t i = 0; i < kOpenInts; ++i) {
+    a[i] = PyLong_AsLongLong(args[i]);
+    if (a[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  const double protect = PyFloat_AsDouble(args[kOpenInts]);
+  if (protect == -1.0 && PyErr_Occurred()) return nullptr;
+  int error = 0;
+  Py_BEGIN_ALLOW_THREADS
+  error = open_to_merges(a, protect);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(error);
+}
+
 static PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name()); }
 
 static PyMethodDef kMethods[] = {
@@ -1181,6 +1273,8 @@ static PyMethodDef kMethods[] = {
      "KeepKV's EMA fold over raw addresses (see keepkv/kernels/ema.py)"},
     {"nearest", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_nearest)), METH_FASTCALL,
      "the most cosine-similar allowed slot of each evicted entry (see keepkv/merging.py cosine_nearest)"},
+    {"open_to_merges", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_open_to_merges)), METH_FASTCALL,
+     "the kept entries open to KeepKV's merges (see keepkv/kernels/protect.py)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set this build was compiled for"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits, static_shapes
 from ..kernels.ema import ema_fold
+from ..kernels.protect import open_to_merges
 from ..merging import (
     KEY_RULES, LogScores, cosine_nearest, ema_log_scores, pool_log_scores, zip_rows, zip_rows_with_ema,
 )
@@ -94,18 +95,6 @@ def _counted(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(mask [B, H_kv, E], the most True of any row and head): :func:`slots_of`'s arguments to
     keep every True slot. One host sync."""
     return mask, int(mask.sum(-1).max())
-
-
-def open_to_merges(kept: torch.Tensor, priority: torch.Tensor, protect: float) -> torch.Tensor:
-    """[B, H_kv, S] bool: the ``kept`` entries outside the top ``protect`` share of those the selection
-    ranked by score. Of the n kept entries with a finite ``priority`` (the selection's own sinks and
-    window rank +inf and are not counted), the first ceil(protect · n) of a stable descending sort
-    are protected, equal priorities in slot order. kept, priority [B, H_kv, S]."""
-    scored = kept & torch.isfinite(priority)
-    order = priority.where(scored, NEG_INF).argsort(dim=-1, descending=True, stable=True)  # scored first
-    # The entry at rank r is protected iff r < ceil(protect · n), that is r < protect · n (r is an integer).
-    is_open = torch.arange(order.shape[-1], device=order.device) >= scored.sum(-1, keepdim=True) * protect
-    return kept & kept.scatter(-1, order, is_open)  # order is a permutation: the scatter writes every slot
 
 
 @register_merge
