@@ -221,7 +221,7 @@ class PagedCompression:
     def extra_fill(self) -> dict[str, float]:
         return self._extras[1]
 
-    @property
+    @functools.cached_property
     def meta_words(self) -> int:
         """fp32 words per slot and KV head: the position, the bias (a merging method's), each extra's words."""
         return 1 + self.biased + sum(math.prod(shape) for shape in self.extras.values())

@@ -118,19 +118,19 @@ class PagedLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
-    @property
+    @functools.cached_property  # a frozen layout: once
     def cell_bytes(self) -> int:
         """Bytes of one slot of one KV head: its key, value and words (vLLM's ``state_content_bytes``)."""
         return 2 * self.head_dim * self.itemsize + 4 * self.words
 
-    @property
+    @functools.cached_property  # a frozen layout: once
     def cell(self) -> int:
         """Elements of the model's dtype in one (block, head) cell of ``block_size`` slots."""
         return self.block_size * self.cell_bytes // self.itemsize
 
-    @property
+    @functools.cached_property  # a frozen layout: once
     def _plane_words(self) -> int:
         return 2 * self.block_size * self.head_dim * self.itemsize // 4
 
