@@ -6,7 +6,8 @@ A decode step's plan evicts a few entries per row and KV head (E, up to the inte
 the few hundred kept ones; in torch that is a normalisation of every key, a batched GEMM of few
 columns, a masked fill and a max, each over [B, H_kv, E, S]. The C++ search (``paged_cpu.cpp``,
 built by :mod:`keepkv.kernels.paged_cpp`) does it in one pass per (row, KV head), reading fp32,
-bf16 or fp16 keys in place. It agrees with the torch code to fp32 rounding: the same slot but where
+bf16 or fp16 keys in place, the evicted entries side by side in vector lanes (each candidate's
+key is read once per W of them). It agrees with the torch code to fp32 rounding: the same slot but where
 two candidates' similarities are within it (``tests/test_nearest.py``).
 """
 
