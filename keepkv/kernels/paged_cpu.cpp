@@ -1102,7 +1102,7 @@ int nearest(const int64_t* a) {
 constexpr Py_ssize_t kNearestInts = 20;
 
 // -- the kept entries open to merges ------------------------------------------------------------
-// KeepKV's merge gate `protect` (keepkv.methods.keepkv.open_to_merges has the contract): of the n
+// KeepKV's merge gate `protect` (keepkv.kernels.protect.open_to_merges has the contract): of the n
 // kept entries of a (row, KV head) whose priority is finite, those ranked r < n * protect (fp32,
 // as torch computes it) by (priority descending, slot ascending) take no merges; every other kept
 // entry is open. One partial selection (nth_element) per (row, KV head), not a sort. priority
