@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .checks import check_architecture, check_model
 from .continuation import unwatch_ids, watch_ids
+from .kernels.kept import kept_softmax
 
 NEG_INF = float("-inf")
 # Floats in one chunk of prefill logits: bounds the workspace, never a full T×T matrix.
@@ -125,6 +126,10 @@ class StepStats:
                                       the attention's probabilities come from
     decayed      {λ: [B, H_kv, g, S]} Σ_i λ^(q-1-i) probs_i over the q query rows (if asked):
                                       the newest row weighs 1
+    log_z        [B, H_kv, g, q]      ln of each row's softmax normaliser, Σ exp(logits + bias) over
+                                      the entries it sees (-inf: none), where the attention hands
+                                      it back with the probabilities at no cost (a paged
+                                      compression's kept queries, on keepkv's C++ kernels)
     colmax       [B, H_kv, g, S]      max over the real query rows of the probabilities (if asked)
     reconstructed {pass: [B, H_kv, g, S]} per reconstruction pass run after a prefill: the largest
                                       probability any of its queries gave each prompt entry
@@ -144,6 +149,7 @@ class StepStats:
     window_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     decayed: dict[float, torch.Tensor] = field(default_factory=dict)
+    log_z: torch.Tensor | None = None
     colmax: torch.Tensor | None = None
     reconstructed: dict[Reconstruction, torch.Tensor] = field(default_factory=dict)
     rebuilt: bool = False
@@ -162,9 +168,11 @@ class StepStats:
     @staticmethod
     def join(parts: list["StepStats"]) -> "StepStats":
         """One StepStats whose rows are the rows of ``parts`` in order (each per-row tensor of one
-        shape past its first dimension; anything else as the first part's)."""
+        shape past its first dimension, None where a part lacks it; anything else as the first part's)."""
         first = parts[0]
-        joined = {name: torch.cat([getattr(part, name) for part in parts]) if isinstance(value, torch.Tensor) else value
+        joined = {name: value if not isinstance(value, torch.Tensor)
+                  else None if any(getattr(part, name) is None for part in parts)
+                  else torch.cat([getattr(part, name) for part in parts])
                   for name, value in vars(first).items()}
         joined["decayed"] = {decay: torch.cat([part.decayed[decay] for part in parts]) for decay in first.decayed}
         joined["reconstructed"] = {key: torch.cat([part.reconstructed[key] for part in parts])
@@ -253,16 +261,16 @@ def kept_query_stats(query_g, keys, bias, positions, query_positions, scaling: f
     query_g [B, H_kv, g, N, D], oldest first; keys [B, H_kv, S, D]; bias, positions [B, H_kv, S];
     query_positions [B, N]. Each query sees the entries held at its position (positions up to its
     own), with their bias: nothing was evicted or merged between compressions, so these are the
-    probabilities it had. Logits [B, H_kv, g, N, S] where ``needs`` asks for them.
+    probabilities it had. Logits [B, H_kv, g, N, S] where ``needs`` asks for them; with the
+    probabilities, each row's ln Z where the softmax hands it back at no cost
+    (:func:`keepkv.kernels.kept.kept_softmax`).
     """
     logits = scaled_logits(query_g, keys, scaling)
-    probs = None
+    probs = log_z = None
     if needs.probs:
-        visible = positions[:, :, None, :] <= query_positions[:, None, :, None]  # [B, H_kv, N, S]
-        biased = (logits + bias[:, :, None, None, :]).masked_fill(~visible[:, :, None], NEG_INF)
-        probs = softmax_probs(biased)
+        probs, log_z = kept_softmax(logits, bias, positions, query_positions)
     return StepStats(query=query_g, scaling=scaling, is_prefill=False, probs=probs,
-                     logits=logits if needs.logits else None)
+                     logits=logits if needs.logits else None, log_z=log_z)
 
 
 def prompt_window_stats(query_g, keys, bias, positions, scaling: float, window: int) -> StepStats:

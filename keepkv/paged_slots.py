@@ -79,7 +79,7 @@ class PagedSlots:
             word += width
         return LayerStore.from_entries(layer, tensors, dict(self.fills), seen=max(seen),
                                        real_seen=torch.tensor(seen, device=blocks.device),
-                                       binary=not layout.biased or bool((bias[~empty] == 0).all()),
+                                       binary=None if layout.biased else True,  # read from the bias if asked
                                        headroom=self.headroom)
 
     def read(self, blocks: torch.Tensor, size: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -133,7 +133,7 @@ class LayerStore(CacheLayerMixin):
         self.prefill_stats = None
         self.buffers: dict[str, torch.Tensor] = {}
         self.headroom: int | None = None  # spare slots of a compressed layer; None: grow in proportion
-        self._binary = True  # the bias holds only 0 and -inf
+        self._binary: bool | None = True  # the bias holds only 0 and -inf (None: not known yet)
 
     # -- the tensors, read-only ------------------------------------------------------------
     keys = property(lambda self: self._tensors.get("keys"), doc="[B, H_kv, S, D] kept keys.")
@@ -276,7 +276,11 @@ class LayerStore(CacheLayerMixin):
         return self.budget - self.frozen_held[:, None]
 
     def binary_bias(self) -> bool:
-        """True if the bias holds only 0 and -inf: only appends, selections and drops wrote it."""
+        """True if the bias holds only 0 and -inf: only appends, selections and drops wrote it (or,
+        for a store built not knowing, :meth:`from_entries`' ``binary=None``, its bias says so when
+        first asked)."""
+        if self._binary is None:
+            self._binary = bool((torch.isneginf(self.bias) | (self.bias == 0)).all())
         return self._binary
 
     def live(self) -> torch.Tensor:
@@ -404,14 +408,16 @@ class LayerStore(CacheLayerMixin):
         for name, row in rows.items():
             current = self._tensors[self._name(name)]
             write_entries_(current, index, row.to(current.dtype))
-        self._binary &= "bias" not in rows
+        if "bias" in rows:
+            self._binary = False
 
     def merge_into(self, merged) -> None:
         """Write a merge's rows (:class:`keepkv.merging.MergedRows`: each target slot's merged row per
         tensor name) into the store, in place; every slot that is no target stays bit-identical."""
         for name, rows in merged.rows.items():
             write_rows(self._tensors[self._name(name)], merged.groups, rows)
-        self._binary &= "bias" not in merged.rows
+        if "bias" in merged.rows:
+            self._binary = False
 
     def overwrite(self, **tensors: torch.Tensor) -> None:
         """Overwrite whole tensors (name -> [B, H_kv, S, ...] of the stored shape), in place."""
@@ -421,7 +427,8 @@ class LayerStore(CacheLayerMixin):
             if frozen is not None:  # a kept prompt's entries stay as they are
                 tensor = tensor.where(~frozen.view(*frozen.shape, *(1,) * (current.dim() - 3)), current)
             current.copy_(tensor)
-        self._binary &= "bias" not in tensors
+        if "bias" in tensors:
+            self._binary = False
 
     def add_to(self, name: str, delta: torch.Tensor) -> None:
         """Add ``delta`` [B, H_kv, S, ...] to a stored tensor (a method's accumulated scores), in place."""
@@ -430,7 +437,8 @@ class LayerStore(CacheLayerMixin):
         if frozen is not None:  # a kept prompt's entries stay as they are
             delta = delta.masked_fill(frozen.view(*frozen.shape, *(1,) * (current.dim() - 3)), 0)
         current.add_(delta)
-        self._binary &= name != "bias"
+        if name == "bias":
+            self._binary = False
 
     def reload(self, keys: torch.Tensor, values: torch.Tensor, is_real: torch.Tensor) -> None:
         """Replace every entry by ``keys``, ``values`` [B, H_kv, S, D] of S tokens seen from the start
@@ -519,7 +527,7 @@ class LayerStore(CacheLayerMixin):
     @classmethod
     def from_entries(
         cls, layer_idx: int, tensors: dict[str, torch.Tensor], extra_fill: dict[str, float], *, seen: int,
-        real_seen: torch.Tensor, binary: bool, headroom: int | None = None, shared: dict | None = None,
+        real_seen: torch.Tensor, binary: bool | None, headroom: int | None = None, shared: dict | None = None,
         buffers: dict[str, torch.Tensor] | None = None,
     ) -> "LayerStore":
         """A store holding copies of ``tensors`` (buffer name -> [B, H_kv, S, ...]: the four core
@@ -592,7 +600,9 @@ class LayerStore(CacheLayerMixin):
         out = cls.from_entries(
             first.layer_idx, tensors, dict(first.extra_fill), seen=first.seen,
             real_seen=torch.cat([layer.real_seen for layer in layers]),
-            binary=all(layer.binary_bias() for layer in layers), headroom=first.headroom, shared=shared,
+            binary=(False if any(layer._binary is False for layer in layers)
+                    else None if any(layer._binary is None for layer in layers) else True),
+            headroom=first.headroom, shared=shared,
             buffers=buffers,
         )
         out.state = {

@@ -531,6 +531,30 @@ def test_keepkv_merges_and_keeps_its_state_per_request(method):
     assert merged
 
 
+@pytest.mark.parametrize("cpp", [True, False])
+def test_keepkvs_compressions_fold_the_kept_softmax_where_it_hands_ln_z_back(cpp, monkeypatch):
+    """KeepKV's EMA at a paged compression folds the kept queries' probabilities where their softmax
+    hands back each row's ln Z (keepkv's C++ kernels), else their logits; either way every request
+    decodes as alone."""
+    import keepkv.kernels.kept
+    import keepkv.methods.keepkv
+    from keepkv.kernels.paged_cpp import cpp_available
+
+    if cpp and not cpp_available():
+        pytest.skip("no C++ compiler or ninja: the cpp backend cannot build")
+    monkeypatch.setattr(keepkv.kernels.kept, "cpp_takes", lambda logits, bias: cpp)
+    folds = []
+    from_probs = keepkv.methods.keepkv.ema_fold_from_probs
+    monkeypatch.setattr(keepkv.methods.keepkv, "ema_fold_from_probs",
+                        lambda *args, **kwargs: folds.append(args[0].shape) or from_probs(*args, **kwargs))
+    method = "keepkv+interval=3"
+    paged = PagedCompression(CONFIG, method, 6)
+    for _ in decode_beside_alone(paged, method, 6, 1, 7, 8):
+        pass
+    assert bool(folds) == cpp
+    assert all(shape[3] == 3 for shape in folds)  # the interval's kept queries
+
+
 @pytest.mark.parametrize("method", SERVED_METHODS)
 @pytest.mark.parametrize("prompt", [1, 5, 40])
 @pytest.mark.parametrize("budget", [0.1, 0.5, 2, 64])

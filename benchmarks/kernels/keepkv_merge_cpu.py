@@ -1,5 +1,6 @@
-"""Time KeepKV's three merge steps that have a C++ pass on CPU against their torch code, and KeepKV's
-whole decode-time method step with and without them.
+"""Time KeepKV's three merge steps that have a C++ pass on CPU against their torch code, the kept
+queries' softmax a paged compression computes, and KeepKV's whole decode-time method step with
+and without the C++ passes.
 
 The shapes are a compressing step of the serving layer-step bench (``benchmarks/vllm_cpu/
 paged_layer_step.py --mode compressed``): 16 rows, SmolLM2-135M's 3 KV heads of 3 query heads
@@ -7,6 +8,11 @@ each, D = 64, 206 entries a row and head, interval 16 (16 query rows folded, 16 
 per row and head):
 
 - the EMA fold (``keepkv.kernels.ema.ema_fold``): [16, 3, 3, 16, 206] scores into the pooled EMA;
+  and the same fold from the rows' probabilities and ln Z (``ema_fold_from_probs``, torch ops,
+  what a paged compression runs on CPU), as "fold_from_probs";
+- the kept queries' masked softmax (``keepkv.kernels.kept.kept_softmax``): the 16 rows' logits
+  over what each sees, with the entries' votes, and each row's ln Z (the C++ pass; torch's
+  computes none);
 - the target search (``keepkv.merging.cosine_nearest``): 16 evicted entries per row and head
   against the candidates open to merges (a quarter of the entries, KeepKV's ``protect=0.75``);
 - the ``protect`` gate (``keepkv.kernels.protect.open_to_merges``): which of the 190 kept entries
@@ -36,8 +42,9 @@ from contextlib import contextmanager
 import torch
 
 from keepkv import merging
-from keepkv.kernels import ema, nearest, protect
-from keepkv.kernels.ema import ema_fold
+from keepkv.kernels import ema, kept, nearest, protect
+from keepkv.kernels.ema import ema_fold, ema_fold_from_probs
+from keepkv.kernels.kept import kept_softmax
 from keepkv.kernels.protect import open_to_merges
 
 ROWS, KV_HEADS, GROUP, HEAD_DIM, ENTRIES, INTERVAL = 16, 3, 3, 64, 206, 16
@@ -46,15 +53,16 @@ ROWS, KV_HEADS, GROUP, HEAD_DIM, ENTRIES, INTERVAL = 16, 3, 3, 64, 206, 16
 @contextmanager
 def backend(name: str):
     """KeepKV's C++ passes on ("cpp") or off ("torch") inside the block."""
-    saved = ema._cpp_takes, nearest.cpp_takes, protect.cpp_takes
+    saved = ema._cpp_takes, nearest.cpp_takes, protect.cpp_takes, kept.cpp_takes
     if name == "torch":
         ema._cpp_takes = lambda *args: False
         nearest.cpp_takes = lambda *args: False
         protect.cpp_takes = lambda *args: False
+        kept.cpp_takes = lambda *args: False
     try:
         yield
     finally:
-        ema._cpp_takes, nearest.cpp_takes, protect.cpp_takes = saved
+        ema._cpp_takes, nearest.cpp_takes, protect.cpp_takes, kept.cpp_takes = saved
 
 
 def fold_inputs(generator):
@@ -130,6 +138,10 @@ def main() -> None:
     fold = fold_inputs(generator)
     search = search_inputs(generator)
     gate = gate_inputs(generator)
+    scores, old, positions, query_pos = fold
+    bias = torch.zeros(ROWS, KV_HEADS, ENTRIES).masked_fill(torch.rand(ROWS, KV_HEADS, ENTRIES, generator=generator)
+                                                            < 0.1, 0.7)  # a few votes
+    probs, log_z = kept_softmax(scores, bias, positions, query_pos, backend="cpp")
     stores = {spec: method_store(spec, generator) for spec in ("snapkv+interval=16", "keepkv+interval=16")}
     cells: dict[str, list[float]] = {}
     for _ in range(args.rounds):
@@ -140,6 +152,11 @@ def main() -> None:
                 cells.setdefault(f"search/{name}", []).append(
                     timed(args.calls, lambda: merging.cosine_nearest(*search)))
                 cells.setdefault(f"gate/{name}", []).append(timed(args.calls, lambda: open_to_merges(*gate, 0.75)))
+                cells.setdefault(f"softmax/{name}", []).append(
+                    timed(args.calls, lambda: kept_softmax(scores, bias, positions, query_pos)))
+                if name == "torch":
+                    cells.setdefault("fold_from_probs/torch", []).append(
+                        timed(args.calls, lambda: ema_fold_from_probs(probs, log_z, bias, old, 0.94, True)))
                 for spec, (cache, call) in stores.items():
                     if spec.startswith("snapkv") and name == "cpp":
                         continue  # no step of snapkv's has a C++ pass

@@ -78,6 +78,7 @@ inline vf vload(const bf16_t* p) {
 inline vf vload(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 // the first n lanes (0 <= n <= W) from p, zeros after: no read past them
 inline vf vload_n(const float* p, int n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+inline vf vload_n_or(const float* p, int n, float fill) { return _mm512_mask_loadu_ps(vset(fill), first_lanes(n), p); }
 inline vf vload_n(const bf16_t* p, int n) {
   __m256i h = _mm256_maskz_loadu_epi16(first_lanes(n), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -142,6 +143,10 @@ inline vf widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_
 inline vf vload(const bf16_t* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vf vload(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vf vload_n(const float* p, int n) { return _mm256_maskload_ps(p, lane_mask(n)); }
+inline vf vload_n_or(const float* p, int n, float fill) {
+  const __m256i mask = lane_mask(n);
+  return _mm256_blendv_ps(vset(fill), _mm256_maskload_ps(p, mask), _mm256_castsi256_ps(mask));
+}
 inline __m128i load_halves_n(const uint16_t* p, int n) {
   alignas(16) uint16_t staged[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   std::memcpy(staged, p, sizeof(uint16_t) * std::max(0, std::min(n, 8)));
@@ -227,6 +232,7 @@ inline vf vload(const bf16_t* p) { return widen(*p); }
 inline vf vload(const f16_t* p) { return widen(*p); }
 template <typename T>
 inline vf vload_n(const T* p, int n) { return n > 0 ? vload(p) : 0.0f; }
+inline vf vload_n_or(const float* p, int n, float fill) { return n > 0 ? *p : fill; }
 inline void vstore(float* p, vf x) { *p = x; }
 inline void vstore_n(float* p, vf x, int n) { if (n > 0) *p = x; }
 inline float vsum(vf x) { return x; }
@@ -955,6 +961,125 @@ int ema_fold(const int64_t* a, const double* d) {
 
 constexpr Py_ssize_t kFoldInts = 24, kFoldDoubles = 3;
 
+// -- the kept queries' masked softmax -----------------------------------------------------------
+// The attention each query row a cache kept since its last compression gave (keepkv/kernels/kept.py
+// has the contract and the torch reference): per (row, KV head), query head h and kept query i,
+//
+//     probs(s) = exp(logits(s) + bias(s) - log_z)  where pos_s <= qpos_i, else 0
+//     log_z    = ln sum_{pos_s <= qpos_i} exp(logits(s) + bias(s))   (-inf where it sees none)
+//
+// Each row's visible bias ([N, S], -inf where it sees nothing) is built once per (row, KV head)
+// and read by the group's heads; a row is three passes in L1: max, exp and sum, scale.
+struct KeptSoftmax {
+  const float* logits;  // [B, H_kv, g, N, S], S contiguous
+  const float* bias;    // [B, H_kv, S]
+  const int64_t* pos;   // [B, H_kv, S]
+  const int64_t* qpos;  // [B, N]
+  float* probs;         // [B, H_kv, g, N, S] contiguous
+  float* log_z;         // [B, H_kv, g, N] contiguous
+  int64_t batch, kv_heads, group, rows, size;
+  int64_t lb, lk, lg, lr;  // logits' strides
+  int64_t bb, bk, bs;      // bias'
+  int64_t pb, pk, ps;      // pos'
+  int64_t qb, qr;          // qpos'
+};
+
+void kept_softmax_task(const KeptSoftmax& f, int64_t b, int64_t k, std::vector<float>& scratch) {
+  const int64_t N = f.rows, S = f.size;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  scratch.resize(size_t((N + 2) * S));
+  float* add = scratch.data();  // [N, S]: the bias where the row sees the entry, else -inf
+  float* bias = add + N * S;    // [S], contiguous
+  float* at = bias + S;         // [S]: the positions as floats, exact below 2^24
+  const float* bias_in = f.bias + b * f.bb + k * f.bk;
+  const int64_t* pos = f.pos + b * f.pb + k * f.pk;
+  constexpr int64_t kExact = int64_t(1) << 24;
+  bool exact = true;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t p = pos[s * f.ps];
+    exact = exact && p < kExact && p > -kExact;
+    at[s] = float(p);
+    bias[s] = bias_in[s * f.bs];
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t seen = f.qpos[b * f.qb + i * f.qr];
+    float* row = add + i * S;
+    if (!exact || seen >= kExact || seen <= -kExact) {  // compared as integers
+      for (int64_t s = 0; s < S; ++s) row[s] = pos[s * f.ps] <= seen ? bias[s] : kNegInf;
+      continue;
+    }
+    const vf limit = vset(float(seen));
+    for (int64_t s = 0; s < S; s += W) {  // a later entry than the row's query: -inf
+      const int n = int(std::min<int64_t>(W, S - s));
+      vstore_n(row + s, vwhere_gt(vload_n(at + s, n), limit, vset(kNegInf), vload_n(bias + s, n)), n);
+    }
+  }
+  for (int64_t h = 0; h < f.group; ++h) {
+    for (int64_t i = 0; i < N; ++i) {
+      const float* logits = f.logits + b * f.lb + k * f.lk + h * f.lg + i * f.lr;
+      const float* row = add + i * S;
+      float* probs = f.probs + (((b * f.kv_heads + k) * f.group + h) * N + i) * S;
+      float* log_z = f.log_z + ((b * f.kv_heads + k) * f.group + h) * N + i;
+      vf top = vset(kNegInf);
+      for (int64_t s = 0; s < S; s += W) {
+        const int n = int(std::min<int64_t>(W, S - s));
+        top = vmax(top, vadd(vload_n(logits + s, n), vload_n_or(row + s, n, kNegInf)));  // past S: -inf
+      }
+      const float m = vtop(top);
+      if (m == kNegInf) {  // sees nothing (a padding row)
+        std::fill(probs, probs + S, 0.0f);
+        *log_z = kNegInf;
+        continue;
+      }
+      vf total = vzero();
+      for (int64_t s = 0; s < S; s += W) {
+        const int n = int(std::min<int64_t>(W, S - s));
+        const vf e = vexp(vsub(vadd(vload_n(logits + s, n), vload_n_or(row + s, n, kNegInf)), vset(m)));
+        vstore_n(probs + s, e, n);
+        total = vadd(total, e);
+      }
+      const float sum = vsum(total);
+      const vf scale = vset(1.0f / sum);
+      for (int64_t s = 0; s < S; s += W) {
+        const int n = int(std::min<int64_t>(W, S - s));
+        vstore_n(probs + s, vmul(vload_n(probs + s, n), scale), n);
+      }
+      *log_z = m + std::log(sum);
+    }
+  }
+}
+
+// Returns 0, or 1 (a shape the pass does not take); nothing is written then.
+int kept_softmax(const int64_t* a) {
+  KeptSoftmax f;
+  f.logits = reinterpret_cast<const float*>(a[0]);
+  f.bias = reinterpret_cast<const float*>(a[1]);
+  f.pos = reinterpret_cast<const int64_t*>(a[2]);
+  f.qpos = reinterpret_cast<const int64_t*>(a[3]);
+  f.probs = reinterpret_cast<float*>(a[4]);
+  f.log_z = reinterpret_cast<float*>(a[5]);
+  f.batch = a[6], f.kv_heads = a[7], f.group = a[8], f.rows = a[9], f.size = a[10];
+  f.lb = a[11], f.lk = a[12], f.lg = a[13], f.lr = a[14];
+  f.bb = a[15], f.bk = a[16], f.bs = a[17];
+  f.pb = a[18], f.pk = a[19], f.ps = a[20];
+  f.qb = a[21], f.qr = a[22];
+  if (f.batch < 0 || f.kv_heads < 1 || f.group < 1 || f.rows < 1 || f.size < 1 || !f.logits || !f.bias || !f.pos ||
+      !f.qpos || !f.probs || !f.log_z)
+    return 1;
+  const int64_t tasks = f.batch * f.kv_heads;
+  const int64_t work = tasks * f.group * f.rows * f.size;
+  const int64_t threads = work < (int64_t(1) << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
+  std::atomic<int64_t> next{0};
+  on_threads(threads, [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks; t = next.fetch_add(1, std::memory_order_relaxed))
+      kept_softmax_task(f, t / f.kv_heads, t % f.kv_heads, scratch);
+  });
+  return 0;
+}
+
+constexpr Py_ssize_t kKeptInts = 23;
+
 // -- the most cosine-similar candidate ----------------------------------------------------------
 // For each evicted entry e of a (row, KV head), the allowed slot t whose key is most cosine-similar
 // (D2O eq. 8; KeepKV's merge target; keepkv.merging.cosine_nearest has the contract):
@@ -1264,6 +1389,23 @@ static PyObject* py_open_to_merges(PyObject*, PyObject* const* args, Py_ssize_t 
   return PyLong_FromLong(error);
 }
 
+static PyObject* py_kept_softmax(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  if (count != kKeptInts) {
+    PyErr_Format(PyExc_TypeError, "kept_softmax takes %d arguments; got %d", int(kKeptInts), int(count));
+    return nullptr;
+  }
+  int64_t a[kKeptInts];
+  for (Py_ssize_t i = 0; i < kKeptInts; ++i) {
+    a[i] = PyLong_AsLongLong(args[i]);
+    if (a[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  int error = 0;
+  Py_BEGIN_ALLOW_THREADS
+  error = kept_softmax(a);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(error);
+}
+
 static PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name()); }
 
 static PyMethodDef kMethods[] = {
@@ -1275,6 +1417,8 @@ static PyMethodDef kMethods[] = {
      "the most cosine-similar allowed slot of each evicted entry (see keepkv/merging.py cosine_nearest)"},
     {"open_to_merges", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_open_to_merges)), METH_FASTCALL,
      "the kept entries open to KeepKV's merges (see keepkv/kernels/protect.py)"},
+    {"kept_softmax", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_kept_softmax)), METH_FASTCALL,
+     "the kept queries' masked softmax and its normalisers (see keepkv/kernels/kept.py)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set this build was compiled for"},
     {nullptr, nullptr, 0, nullptr}};
 
