@@ -126,10 +126,6 @@ class StepStats:
                                       the attention's probabilities come from
     decayed      {λ: [B, H_kv, g, S]} Σ_i λ^(q-1-i) probs_i over the q query rows (if asked):
                                       the newest row weighs 1
-    log_z        [B, H_kv, g, q]      ln of each row's softmax normaliser, Σ exp(logits + bias) over
-                                      the entries it sees (-inf: none), where the attention hands
-                                      it back with the probabilities at no cost (a paged
-                                      compression's kept queries, on keepkv's C++ kernels)
     colmax       [B, H_kv, g, S]      max over the real query rows of the probabilities (if asked)
     reconstructed {pass: [B, H_kv, g, S]} per reconstruction pass run after a prefill: the largest
                                       probability any of its queries gave each prompt entry
@@ -149,7 +145,6 @@ class StepStats:
     window_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     decayed: dict[float, torch.Tensor] = field(default_factory=dict)
-    log_z: torch.Tensor | None = None
     colmax: torch.Tensor | None = None
     reconstructed: dict[Reconstruction, torch.Tensor] = field(default_factory=dict)
     rebuilt: bool = False
@@ -261,16 +256,13 @@ def kept_query_stats(query_g, keys, bias, positions, query_positions, scaling: f
     query_g [B, H_kv, g, N, D], oldest first; keys [B, H_kv, S, D]; bias, positions [B, H_kv, S];
     query_positions [B, N]. Each query sees the entries held at its position (positions up to its
     own), with their bias: nothing was evicted or merged between compressions, so these are the
-    probabilities it had. Logits [B, H_kv, g, N, S] where ``needs`` asks for them; with the
-    probabilities, each row's ln Z where the softmax hands it back at no cost
-    (:func:`keepkv.kernels.kept.kept_softmax`).
+    probabilities it had (:func:`keepkv.kernels.kept.kept_softmax`). Logits [B, H_kv, g, N, S]
+    where ``needs`` asks for them.
     """
     logits = scaled_logits(query_g, keys, scaling)
-    probs = log_z = None
-    if needs.probs:
-        probs, log_z = kept_softmax(logits, bias, positions, query_positions)
+    probs = kept_softmax(logits, bias, positions, query_positions) if needs.probs else None
     return StepStats(query=query_g, scaling=scaling, is_prefill=False, probs=probs,
-                     logits=logits if needs.logits else None, log_z=log_z)
+                     logits=logits if needs.logits else None)
 
 
 def prompt_window_stats(query_g, keys, bias, positions, scaling: float, window: int) -> StepStats:

@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keepkv.kernels import ema
-from keepkv.kernels.ema import ema_fold, ema_fold_from_probs, ema_fold_reference
-from keepkv.kernels.kept import kept_softmax_reference
+from keepkv.kernels.ema import ema_fold, ema_fold_reference
 from keepkv.kernels.paged_cpp import cpp_available, isa
 
 pytestmark = pytest.mark.skipif(not cpp_available(), reason="no C++ compiler or ninja: the cpp backend cannot build")
@@ -59,48 +58,6 @@ def test_the_cpp_fold_matches_the_reference(batch, kv_heads, group, rows, size, 
     assert_folds_agree(got, want)
 
 
-def probs_case(batch, kv_heads, group, rows, size, pool, seed):
-    """A fold case as :func:`fold_case`'s, with a bias (votes; -inf on the empty slots) and the
-    rows' softmax over what each sees with it, and each row's ln Z, as kept_query_stats gives them."""
-    logits, old, positions, query_pos = fold_case(batch, kv_heads, group, rows, size, pool, seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    empty = torch.isneginf(logits[:, :, 0, 0])
-    logits = logits.masked_fill(empty[:, :, None, None], 0.0)  # an empty slot's logit is any number
-    bias = (torch.randn(batch, kv_heads, size, generator=generator).clamp(max=0) * 3).masked_fill(empty, NEG_INF)
-    probs, log_z = kept_softmax_reference(logits, bias, positions, query_pos)
-    return logits, bias, probs, log_z, old, positions, query_pos, empty
-
-
-@settings(max_examples=60, deadline=None)
-@given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 8]),
-       rows=st.integers(1, 17), size=st.integers(1, 70), pool=st.booleans(), row_norm=st.booleans(),
-       alpha=st.floats(0.05, 0.99), seed=st.integers(0, 2**16))
-def test_the_fold_from_the_softmax_is_the_fold_from_the_logits(batch, kv_heads, group, rows, size, pool, row_norm,
-                                                                alpha, seed):
-    """On every entry a slot holds, the fold from the rows' probabilities and ln Z equals eq. 8's
-    fold of the logits (or of the row-normalised scores)."""
-    logits, bias, probs, log_z, old, positions, query_pos, empty = probs_case(batch, kv_heads, group, rows, size,
-                                                                              pool, seed)
-    scores = logits - log_z.nan_to_num(0.0, 0.0, 0.0)[..., None] if row_norm else logits
-    want = ema_fold_reference(scores, old, positions, query_pos, alpha, pool)
-    got = ema_fold_from_probs(probs, log_z, bias, old, alpha, pool, row_norm)
-    held = ~empty[:, :, None].expand_as(want)
-    assert_folds_agree(got[held], want[held])
-
-
-def test_the_fold_from_the_softmax_by_hand():
-    """The case of :func:`test_a_row_folds_as_the_equation_says` (one entry, two heads pooled, the
-    second row alone sees it), the rows' softmax given: ln(α² S + (1 - α)(s_0 + s_1)/2) again, with
-    the entry's vote of ln 2 in its probabilities and taken back out."""
-    alpha, vote = 0.9, math.log(2.0)
-    logits = torch.tensor([[[[[0.0], [math.log(6.0)]], [[0.0], [math.log(10.0)]]]]])  # [1, 1, 2, 2, 1]
-    probs = torch.tensor([[[[[0.0], [1.0]], [[0.0], [1.0]]]]])  # row 0 sees nothing; row 1 only the entry
-    log_z = (logits[..., 0] + vote).masked_fill(torch.tensor([True, False]), NEG_INF)  # [1, 1, 2, 2]
-    old = torch.tensor([[[[math.log(3.0)]]]])
-    got = ema_fold_from_probs(probs, log_z, torch.tensor([[[vote]]]), old, alpha, True)
-    assert got.item() == pytest.approx(math.log(alpha**2 * 3.0 + (1 - alpha) * (6.0 + 10.0) / 2), rel=1e-6)
-
-
 def test_the_comparison_fails_on_a_wrong_fold():
     """The check above can fail: a fold with the wrong decay, or one that reads every row as seeing
     every entry, is caught."""
@@ -110,15 +67,6 @@ def test_the_comparison_fails_on_a_wrong_fold():
         assert_folds_agree(ema_fold(scores, old, positions, query_pos, 0.9, True, backend="cpp"), want)
     with pytest.raises(AssertionError):
         assert_folds_agree(ema_fold(scores, old, None, query_pos, 0.94, True, backend="cpp"), want)
-    # the softmax's fold with the votes left in, or with the row weights' ages reversed
-    logits, bias, probs, log_z, old, positions, query_pos, empty = probs_case(2, 3, 3, 16, 40, True, seed=1)
-    want = ema_fold_reference(logits, old, positions, query_pos, 0.94, True)[~empty[:, :, None]]
-    with pytest.raises(AssertionError):
-        assert_folds_agree(ema_fold_from_probs(probs, log_z, torch.zeros_like(bias), old, 0.94, True)[~empty[:, :, None]],
-                           want)
-    with pytest.raises(AssertionError):
-        assert_folds_agree(ema_fold_from_probs(probs.flip(3), log_z.flip(3), bias, old, 0.94, True)[~empty[:, :, None]],
-                           want)
 
 
 def test_a_row_folds_as_the_equation_says():

@@ -532,27 +532,24 @@ def test_keepkv_merges_and_keeps_its_state_per_request(method):
 
 
 @pytest.mark.parametrize("cpp", [True, False])
-def test_keepkvs_compressions_fold_the_kept_softmax_where_it_hands_ln_z_back(cpp, monkeypatch):
-    """KeepKV's EMA at a paged compression folds the kept queries' probabilities where their softmax
-    hands back each row's ln Z (keepkv's C++ kernels), else their logits; either way every request
-    decodes as alone."""
+@pytest.mark.parametrize("method", ["snapkv+interval=3", "keepkv+interval=3", "h2o+interval=3"])
+def test_compressions_read_the_kept_queries_softmax_on_either_backend(method, cpp, monkeypatch):
+    """A compression's kept queries get their softmax from keepkv's C++ pass where it builds, else
+    from torch's (keepkv.kernels.kept): either way every request decodes as alone."""
     import keepkv.kernels.kept
-    import keepkv.methods.keepkv
     from keepkv.kernels.paged_cpp import cpp_available
 
     if cpp and not cpp_available():
         pytest.skip("no C++ compiler or ninja: the cpp backend cannot build")
     monkeypatch.setattr(keepkv.kernels.kept, "cpp_takes", lambda logits, bias: cpp)
-    folds = []
-    from_probs = keepkv.methods.keepkv.ema_fold_from_probs
-    monkeypatch.setattr(keepkv.methods.keepkv, "ema_fold_from_probs",
-                        lambda *args, **kwargs: folds.append(args[0].shape) or from_probs(*args, **kwargs))
-    method = "keepkv+interval=3"
+    calls = []
+    in_cpp = keepkv.kernels.kept._kept_cpp
+    monkeypatch.setattr(keepkv.kernels.kept, "_kept_cpp", lambda *args: calls.append(args[0].shape) or in_cpp(*args))
     paged = PagedCompression(CONFIG, method, 6)
     for _ in decode_beside_alone(paged, method, 6, 1, 7, 8):
         pass
-    assert bool(folds) == cpp
-    assert all(shape[3] == 3 for shape in folds)  # the interval's kept queries
+    assert bool(calls) == cpp
+    assert all(shape[3] == 3 for shape in calls)  # the interval's kept queries
 
 
 @pytest.mark.parametrize("method", SERVED_METHODS)

@@ -8,11 +8,8 @@ each, D = 64, 206 entries a row and head, interval 16 (16 query rows folded, 16 
 per row and head):
 
 - the EMA fold (``keepkv.kernels.ema.ema_fold``): [16, 3, 3, 16, 206] scores into the pooled EMA;
-  and the same fold from the rows' probabilities and ln Z (``ema_fold_from_probs``, torch ops,
-  what a paged compression runs on CPU), as "fold_from_probs";
 - the kept queries' masked softmax (``keepkv.kernels.kept.kept_softmax``): the 16 rows' logits
-  over what each sees, with the entries' votes, and each row's ln Z (the C++ pass; torch's
-  computes none);
+  over what each sees, with the entries' votes (a paged compression's statistics);
 - the target search (``keepkv.merging.cosine_nearest``): 16 evicted entries per row and head
   against the candidates open to merges (a quarter of the entries, KeepKV's ``protect=0.75``);
 - the ``protect`` gate (``keepkv.kernels.protect.open_to_merges``): which of the 190 kept entries
@@ -43,7 +40,7 @@ import torch
 
 from keepkv import merging
 from keepkv.kernels import ema, kept, nearest, protect
-from keepkv.kernels.ema import ema_fold, ema_fold_from_probs
+from keepkv.kernels.ema import ema_fold
 from keepkv.kernels.kept import kept_softmax
 from keepkv.kernels.protect import open_to_merges
 
@@ -138,10 +135,9 @@ def main() -> None:
     fold = fold_inputs(generator)
     search = search_inputs(generator)
     gate = gate_inputs(generator)
-    scores, old, positions, query_pos = fold
+    scores, _, positions, query_pos = fold
     bias = torch.zeros(ROWS, KV_HEADS, ENTRIES).masked_fill(torch.rand(ROWS, KV_HEADS, ENTRIES, generator=generator)
                                                             < 0.1, 0.7)  # a few votes
-    probs, log_z = kept_softmax(scores, bias, positions, query_pos, backend="cpp")
     stores = {spec: method_store(spec, generator) for spec in ("snapkv+interval=16", "keepkv+interval=16")}
     cells: dict[str, list[float]] = {}
     for _ in range(args.rounds):
@@ -154,9 +150,6 @@ def main() -> None:
                 cells.setdefault(f"gate/{name}", []).append(timed(args.calls, lambda: open_to_merges(*gate, 0.75)))
                 cells.setdefault(f"softmax/{name}", []).append(
                     timed(args.calls, lambda: kept_softmax(scores, bias, positions, query_pos)))
-                if name == "torch":
-                    cells.setdefault("fold_from_probs/torch", []).append(
-                        timed(args.calls, lambda: ema_fold_from_probs(probs, log_z, bias, old, 0.94, True)))
                 for spec, (cache, call) in stores.items():
                     if spec.startswith("snapkv") and name == "cpp":
                         continue  # no step of snapkv's has a C++ pass

@@ -9,10 +9,9 @@ logits use it, and :func:`keepkv.attention.decode_kernel_for` refuses it, in one
 device where it cannot run.
 
 On CPU, :mod:`keepkv.kernels.paged` attends a serving engine's blocks in place; a paged
-compression's kept queries get their softmax, and its normalisers, in one C++ pass
-(:mod:`keepkv.kernels.kept`); and three steps of KeepKV's merge run in one C++ pass each where the
-kernels build, with torch's code everywhere else: its EMA fold (:mod:`keepkv.kernels.ema`, which
-also folds from the kept queries' softmax), the ``protect`` gate (:mod:`keepkv.kernels.protect`)
+compression's kept queries get their softmax in one C++ pass (:mod:`keepkv.kernels.kept`); and
+three steps of KeepKV's merge run in one C++ pass each where the kernels build, with torch's code
+everywhere else: its EMA fold (:mod:`keepkv.kernels.ema`), the ``protect`` gate (:mod:`keepkv.kernels.protect`)
 and the merge's target search (:mod:`keepkv.kernels.nearest`).
 """
 

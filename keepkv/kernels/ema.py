@@ -18,17 +18,6 @@ inside ``torch.compile``). ``"auto"`` takes the C++ one for fp32 tensors on CPU 
 kernels build (:func:`keepkv.kernels.paged.cpu_backend`), outside ``torch.compile``; else torch.
 The two agree to fp32 rounding (``tests/test_ema_fold.py``).
 
-**From the rows' probabilities** (:func:`ema_fold_from_probs`): where the attention's softmax of
-the same rows is at hand (the paged adapter's kept queries), each term comes from it with no
-exponential of its own, since p = exp(logit + bias - ln Z) gives exp(logit) = p exp(ln Z - bias)::
-
-    new_h(s) = ln Σ_i p_{h,i}(s) (1 - α) α^(r-1-i) Z_{h,i} - bias(s)
-
-(with row-normalised scores, logit - ln Z, the ln Z goes), ln Z_{h,i} being the row's softmax
-normaliser, which the softmax hands back (:func:`keepkv.kernels.kept.kept_softmax`). It equals the
-fold over the logits wherever a row gives an entry a probability fp32 holds (p >= 1e-38: a logit
-less than ~87 below the row's log-sum); an entry every row gives less adds nothing new, as a slot
-no row sees.
 """
 
 from __future__ import annotations
@@ -92,34 +81,6 @@ def ema_fold(scores: torch.Tensor, old: torch.Tensor, positions: torch.Tensor | 
     if backend != "cpp":
         raise ValueError(f"backend must be 'auto', 'cpp' or 'torch'; got {backend!r}")
     return _cpp_fold(scores, old, positions, query_pos, alpha, pool)
-
-
-def ema_fold_from_probs(probs: torch.Tensor, log_z: torch.Tensor, bias: torch.Tensor, old: torch.Tensor,
-                        alpha: float, pool: bool, row_norm: bool = False) -> torch.Tensor:
-    """The EMA after folding ``r`` query rows in, [B, H_kv, g', S] fp32 as :func:`ema_fold`'s, from
-    the rows' softmax (see the module docstring): one small matmul over [B, H_kv, g, r, S] and no
-    exponential per term.
-
-    probs [B, H_kv, g, r, S]: each row's attention probabilities over the entries it sees, with the
-    bias (0 where it sees none: a later entry, an empty slot, a padding row); log_z [B, H_kv, g, r]:
-    each row's ln Z (-inf where it sees nothing); bias [B, H_kv, S]; old [B, H_kv, S, g'] as
-    :func:`ema_fold`'s; ``row_norm``: fold the row-normalised scores, logits - ln Z.
-    """
-    batch, kv_heads, group, rows, size = probs.shape
-    ages = torch.arange(rows - 1, -1, -1, device=probs.device, dtype=torch.float32)
-    terms = (math.log1p(-alpha) + ages * math.log(alpha)).expand(batch, kv_heads, group, rows)  # ln w_i
-    # exp(score) = p exp(ln Z - bias) (row-normalised: p exp(-bias)); a row that sees nothing adds nothing
-    terms = (terms if row_norm else terms + log_z).masked_fill(~torch.isfinite(log_z), NEG_INF)
-    pool = pool and group > 1
-    flat = probs.float()
-    if pool:  # one sum over the group's heads and the rows, then the mean over the heads
-        terms, flat = terms.reshape(batch, kv_heads, 1, group * rows), flat.reshape(batch, kv_heads, 1, group * rows, size)
-    shift = terms.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # [B, H_kv, g', 1]
-    total = (terms - shift).exp()[..., None, :].matmul(flat)[..., 0, :]  # [B, H_kv, g', S]
-    new_s = (shift + total.log() - bias.float()[:, :, None]).masked_fill(total <= 0, NEG_INF)  # nothing seen: -inf
-    if pool:
-        new_s = new_s - math.log(group)
-    return torch.logaddexp(old.permute(0, 1, 3, 2).contiguous() + rows * math.log(alpha), new_s)
 
 
 def _cpp_takes(scores: torch.Tensor, old: torch.Tensor) -> bool:

@@ -4,14 +4,14 @@ last compression gave, recomputed at the compression over the entries it saw
 
 Per (row, KV head), query head h and kept query i (oldest first)::
 
-    probs(s) = exp(logits(s) + bias(s) - log_z)  where pos_s <= qpos_i, else 0
-    log_z    = ln Σ_{pos_s <= qpos_i} exp(logits(s) + bias(s))        (-inf where it sees none)
+    probs(s) = exp(logits(s) + bias(s)) / Σ_{pos_t <= qpos_i} exp(logits(t) + bias(t))
+
+where pos_s <= qpos_i, else 0 (a row that sees nothing, a padding row: all 0).
 
 **Backends:** ``"torch"``, :func:`kept_softmax_reference`: the visible bias built once per row and
-KV head, then a softmax (and, where asked, a logsumexp for ``log_z``) over [B, H_kv, g, N, S] (any
-device, and inside ``torch.compile``); ``"cpp"``, one pass per (row, KV head) in keepkv's C++ CPU
-kernels (``paged_cpu.cpp``, built by :mod:`keepkv.kernels.paged_cpp`), which hands ``log_z`` back
-at no cost. ``"auto"`` takes the C++ one for fp32 tensors on CPU where keepkv's C++ kernels build
+KV head, then a softmax over [B, H_kv, g, N, S] (any device, and inside ``torch.compile``);
+``"cpp"``, one pass per (row, KV head) in keepkv's C++ CPU kernels (``paged_cpu.cpp``, built by
+:mod:`keepkv.kernels.paged_cpp`), the visible bias built once for the group's heads. ``"auto"`` takes the C++ one for fp32 tensors on CPU where keepkv's C++ kernels build
 (:func:`keepkv.kernels.paged.cpu_backend`), outside ``torch.compile``; else torch. The two agree
 to fp32 rounding (``tests/test_kept_softmax.py``).
 """
@@ -32,11 +32,10 @@ def visible_bias(bias: torch.Tensor, positions: torch.Tensor, query_pos: torch.T
 
 
 def kept_softmax_reference(logits: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor,
-                           query_pos: torch.Tensor, log_z: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`kept_softmax` in torch ops (the arguments as there); ``log_z`` False skips its logsumexp."""
+                           query_pos: torch.Tensor) -> torch.Tensor:
+    """:func:`kept_softmax` in torch ops (the arguments as there)."""
     biased = logits + visible_bias(bias, positions, query_pos)[:, :, None]  # [B, H_kv, g, N, S]
-    probs = torch.softmax(biased, dim=-1).nan_to_num_(0.0)  # a row that sees nothing: 0, not NaN
-    return probs, (torch.logsumexp(biased, dim=-1) if log_z else None)
+    return torch.softmax(biased, dim=-1).nan_to_num_(0.0)  # a row that sees nothing: 0, not NaN
 
 
 def cpp_takes(logits: torch.Tensor, bias: torch.Tensor) -> bool:
@@ -53,7 +52,7 @@ def cpp_takes(logits: torch.Tensor, bias: torch.Tensor) -> bool:
     return cpu_backend() == "cpp"
 
 
-def _kept_cpp(logits, bias, positions, query_pos) -> tuple[torch.Tensor, torch.Tensor]:
+def _kept_cpp(logits, bias, positions, query_pos) -> torch.Tensor:
     from .paged_cpp import extension
 
     batch, kv_heads, group, rows, size = logits.shape
@@ -67,20 +66,18 @@ def _kept_cpp(logits, bias, positions, query_pos) -> tuple[torch.Tensor, torch.T
     positions = positions if positions.dtype == torch.int64 else positions.long()
     query_pos = query_pos if query_pos.dtype == torch.int64 else query_pos.long()
     probs = torch.empty(batch, kv_heads, group, rows, size)
-    log_z = torch.empty(batch, kv_heads, group, rows)
     error = extension().kept_softmax(
         logits.data_ptr(), bias.data_ptr(), positions.data_ptr(), query_pos.data_ptr(), probs.data_ptr(),
-        log_z.data_ptr(), batch, kv_heads, group, rows, size, *logits.stride()[:4], *bias.stride(),
-        *positions.stride(), *query_pos.stride())
+        batch, kv_heads, group, rows, size, *logits.stride()[:4], *bias.stride(), *positions.stride(),
+        *query_pos.stride())
     if error:
         raise ValueError(f"the C++ kept softmax does not take logits {tuple(logits.shape)}")
-    return probs, log_z
+    return probs
 
 
 def kept_softmax(logits: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor, query_pos: torch.Tensor,
-                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(probs [B, H_kv, g, N, S] fp32, log_z [B, H_kv, g, N] fp32 or None) as the module docstring
-    says: ``log_z`` where the backend hands it back at no cost (the C++ one), else None.
+                 backend: str = "auto") -> torch.Tensor:
+    """probs [B, H_kv, g, N, S] fp32, as the module docstring says.
 
     logits [B, H_kv, g, N, S] fp32: q·k·scaling of the kept queries, no bias; bias, positions
     [B, H_kv, S] (an empty slot: bias -inf); query_pos [B, N] int64 (-1: padding).
@@ -89,4 +86,4 @@ def kept_softmax(logits: torch.Tensor, bias: torch.Tensor, positions: torch.Tens
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     if backend == "cpp" or (backend == "auto" and cpp_takes(logits, bias)):
         return _kept_cpp(logits, bias, positions, query_pos)
-    return kept_softmax_reference(logits, bias, positions, query_pos, log_z=False)
+    return kept_softmax_reference(logits, bias, positions, query_pos)

@@ -965,9 +965,9 @@ constexpr Py_ssize_t kFoldInts = 24, kFoldDoubles = 3;
 // The attention each query row a cache kept since its last compression gave (keepkv/kernels/kept.py
 // has the contract and the torch reference): per (row, KV head), query head h and kept query i,
 //
-//     probs(s) = exp(logits(s) + bias(s) - log_z)  where pos_s <= qpos_i, else 0
-//     log_z    = ln sum_{pos_s <= qpos_i} exp(logits(s) + bias(s))   (-inf where it sees none)
+//     probs(s) = exp(logits(s) + bias(s)) / sum_{pos_t <= qpos_i} exp(logits(t) + bias(t))
 //
+// where pos_s <= qpos_i, else 0 (a row that sees nothing: all 0).
 // Each row's visible bias ([N, S], -inf where it sees nothing) is built once per (row, KV head)
 // and read by the group's heads; a row is three passes in L1: max, exp and sum, scale.
 struct KeptSoftmax {
@@ -976,7 +976,6 @@ struct KeptSoftmax {
   const int64_t* pos;   // [B, H_kv, S]
   const int64_t* qpos;  // [B, N]
   float* probs;         // [B, H_kv, g, N, S] contiguous
-  float* log_z;         // [B, H_kv, g, N] contiguous
   int64_t batch, kv_heads, group, rows, size;
   int64_t lb, lk, lg, lr;  // logits' strides
   int64_t bb, bk, bs;      // bias'
@@ -1019,7 +1018,6 @@ void kept_softmax_task(const KeptSoftmax& f, int64_t b, int64_t k, std::vector<f
       const float* logits = f.logits + b * f.lb + k * f.lk + h * f.lg + i * f.lr;
       const float* row = add + i * S;
       float* probs = f.probs + (((b * f.kv_heads + k) * f.group + h) * N + i) * S;
-      float* log_z = f.log_z + ((b * f.kv_heads + k) * f.group + h) * N + i;
       vf top = vset(kNegInf);
       for (int64_t s = 0; s < S; s += W) {
         const int n = int(std::min<int64_t>(W, S - s));
@@ -1028,7 +1026,6 @@ void kept_softmax_task(const KeptSoftmax& f, int64_t b, int64_t k, std::vector<f
       const float m = vtop(top);
       if (m == kNegInf) {  // sees nothing (a padding row)
         std::fill(probs, probs + S, 0.0f);
-        *log_z = kNegInf;
         continue;
       }
       vf total = vzero();
@@ -1038,13 +1035,11 @@ void kept_softmax_task(const KeptSoftmax& f, int64_t b, int64_t k, std::vector<f
         vstore_n(probs + s, e, n);
         total = vadd(total, e);
       }
-      const float sum = vsum(total);
-      const vf scale = vset(1.0f / sum);
+      const vf scale = vset(1.0f / vsum(total));
       for (int64_t s = 0; s < S; s += W) {
         const int n = int(std::min<int64_t>(W, S - s));
         vstore_n(probs + s, vmul(vload_n(probs + s, n), scale), n);
       }
-      *log_z = m + std::log(sum);
     }
   }
 }
@@ -1057,14 +1052,13 @@ int kept_softmax(const int64_t* a) {
   f.pos = reinterpret_cast<const int64_t*>(a[2]);
   f.qpos = reinterpret_cast<const int64_t*>(a[3]);
   f.probs = reinterpret_cast<float*>(a[4]);
-  f.log_z = reinterpret_cast<float*>(a[5]);
-  f.batch = a[6], f.kv_heads = a[7], f.group = a[8], f.rows = a[9], f.size = a[10];
-  f.lb = a[11], f.lk = a[12], f.lg = a[13], f.lr = a[14];
-  f.bb = a[15], f.bk = a[16], f.bs = a[17];
-  f.pb = a[18], f.pk = a[19], f.ps = a[20];
-  f.qb = a[21], f.qr = a[22];
+  f.batch = a[5], f.kv_heads = a[6], f.group = a[7], f.rows = a[8], f.size = a[9];
+  f.lb = a[10], f.lk = a[11], f.lg = a[12], f.lr = a[13];
+  f.bb = a[14], f.bk = a[15], f.bs = a[16];
+  f.pb = a[17], f.pk = a[18], f.ps = a[19];
+  f.qb = a[20], f.qr = a[21];
   if (f.batch < 0 || f.kv_heads < 1 || f.group < 1 || f.rows < 1 || f.size < 1 || !f.logits || !f.bias || !f.pos ||
-      !f.qpos || !f.probs || !f.log_z)
+      !f.qpos || !f.probs)
     return 1;
   const int64_t tasks = f.batch * f.kv_heads;
   const int64_t work = tasks * f.group * f.rows * f.size;
@@ -1078,7 +1072,7 @@ int kept_softmax(const int64_t* a) {
   return 0;
 }
 
-constexpr Py_ssize_t kKeptInts = 23;
+constexpr Py_ssize_t kKeptInts = 22;
 
 // -- the most cosine-similar candidate ----------------------------------------------------------
 // For each evicted entry e of a (row, KV head), the allowed slot t whose key is most cosine-similar
@@ -1418,7 +1412,7 @@ static PyMethodDef kMethods[] = {
     {"open_to_merges", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_open_to_merges)), METH_FASTCALL,
      "the kept entries open to KeepKV's merges (see keepkv/kernels/protect.py)"},
     {"kept_softmax", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_kept_softmax)), METH_FASTCALL,
-     "the kept queries' masked softmax and its normalisers (see keepkv/kernels/kept.py)"},
+     "the kept queries' masked softmax (see keepkv/kernels/kept.py)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set this build was compiled for"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import CHUNK_ELEMENTS, Needs, StepStats, scaled_logits, static_shapes
-from ..kernels.ema import ema_fold, ema_fold_from_probs
+from ..kernels.ema import ema_fold
 from ..kernels.protect import open_to_merges
 from ..merging import (
     KEY_RULES, LogScores, cosine_nearest, ema_log_scores, pool_log_scores, zip_rows, zip_rows_with_ema,
@@ -446,7 +446,7 @@ class KeepKVMerge(ZipMerge):
             logits = None if stats.logits is None else stats.logits[:, :, :, -window:]
             self._update_ema(layer, query[:, :, :, -window:], layer.positions[:, 0, -window:], logits)
         else:
-            self._update_ema(layer, query, layer.positions[:, 0, -rows:], stats.logits, stats.probs, stats.log_z)
+            self._update_ema(layer, query, layer.positions[:, 0, -rows:], stats.logits)
         if self.refresh_interval is None:
             return
         is_real = layer.positions[:, 0, -rows:] >= 0
@@ -480,31 +480,18 @@ class KeepKVMerge(ZipMerge):
 
     def _update_ema(
         self, layer, queries: torch.Tensor, query_pos: torch.Tensor, logits: torch.Tensor | None = None,
-        probs: torch.Tensor | None = None, log_z: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """Fold r query rows (oldest first) into the EMA (eq. 8); returns their logits (None where
-        the fold read the probabilities and none were given).
+    ) -> torch.Tensor:
+        """Fold r query rows (oldest first) into the EMA (eq. 8); returns their logits.
 
         queries [B, H_kv, g, r, D]; query_pos [B, r] their positions (-1: padding, skipped);
         logits [B, H_kv, g, r, S]: their q·k·scaling against the layer's keys, if the attention
-        computed them (else computed here); probs [B, H_kv, g, r, S] and log_z [B, H_kv, g, r]: the
-        rows' softmax over the entries each sees and its normalisers, where the attention handed
-        both back (a paged compression's kept queries): the fold then reads them, with no
-        exponential per term (:func:`keepkv.kernels.ema.ema_fold_from_probs`). Row r' of r gets weight (1 - α) α^(r-1-r'); the old
+        computed them (else computed here). Row r' of r gets weight (1 - α) α^(r-1-r'); the old
         state decays by α^r. A row scores only the live entries at or before its position (causal,
         padding excluded); a kept prompt's entries stay unscored (``LayerStore.overwrite``). A slot
         that holds no entry may get anything: every reader masks it (:meth:`ranking_scores`), and an
         entry that takes the slot brings its own (an append: the fill).
         """
         rows = queries.shape[3]
-        if probs is not None and log_z is not None:
-            ema_s = ema_fold_from_probs(probs, log_z, layer.bias, layer.extras["ema_log_s"], self.alpha,
-                                        self.pooled_ema, self.score_norm == "row")
-            if self.score_norm == "row":
-                layer.state["log_z"] = log_z[..., -1].nan_to_num(0.0, 0.0, 0.0)  # as below
-            layer.overwrite(ema_log_s=ema_s.permute(0, 1, 3, 2))
-            self._fold_span(layer, query_pos)
-            return logits
         if logits is None:  # a prompt's end whose statistics hold none, or a refresh: computed here
             logits = scaled_logits(queries, layer.keys, layer.state["scaling"])  # [B, H_kv, g, r, S]
         visible_at = None  # a decode step: the newest query sees every live entry, and the bias hides the rest
