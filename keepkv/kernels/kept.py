@@ -11,7 +11,8 @@ where pos_s <= qpos_i, else 0 (a row that sees nothing, a padding row: all 0).
 **Backends:** ``"torch"``, :func:`kept_softmax_reference`: the visible bias built once per row and
 KV head, then a softmax over [B, H_kv, g, N, S] (any device, and inside ``torch.compile``);
 ``"cpp"``, one pass per (row, KV head) in keepkv's C++ CPU kernels (``paged_cpu.cpp``, built by
-:mod:`keepkv.kernels.paged_cpp`), the visible bias built once for the group's heads. ``"auto"`` takes the C++ one for fp32 tensors on CPU where keepkv's C++ kernels build
+:mod:`keepkv.kernels.paged_cpp`), the visible bias built once for the group's heads. ``"auto"``
+takes the C++ one for fp32 tensors on CPU where keepkv's C++ kernels build
 (:func:`keepkv.kernels.paged.cpu_backend`), outside ``torch.compile``; else torch. The two agree
 to fp32 rounding (``tests/test_kept_softmax.py``).
 """
