@@ -163,11 +163,9 @@ class StepStats:
     @staticmethod
     def join(parts: list["StepStats"]) -> "StepStats":
         """One StepStats whose rows are the rows of ``parts`` in order (each per-row tensor of one
-        shape past its first dimension, None where a part lacks it; anything else as the first part's)."""
+        shape past its first dimension; anything else as the first part's)."""
         first = parts[0]
-        joined = {name: value if not isinstance(value, torch.Tensor)
-                  else None if any(getattr(part, name) is None for part in parts)
-                  else torch.cat([getattr(part, name) for part in parts])
+        joined = {name: torch.cat([getattr(part, name) for part in parts]) if isinstance(value, torch.Tensor) else value
                   for name, value in vars(first).items()}
         joined["decayed"] = {decay: torch.cat([part.decayed[decay] for part in parts]) for decay in first.decayed}
         joined["reconstructed"] = {key: torch.cat([part.reconstructed[key] for part in parts])
