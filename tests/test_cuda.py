@@ -18,7 +18,7 @@ import keepkv
 from keepkv.methods import METHODS
 from keepkv.perturbation import _attend
 
-from conftest import random_batch, tiny_model
+from conftest import prefill, random_batch, tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else os.environ.get("KEEPKV_CUDA_TESTS_ON")
 pytestmark = [
@@ -36,14 +36,25 @@ def on_device(kind: str, dtype: torch.dtype, layers: int = 2):
 
 @torch.no_grad()
 def greedy(model, input_ids, attention_mask, method, budget, new_tokens=8):
-    """(tokens [B, n], fp32 scores [n, B, V]) of a greedy generate with a CompressedCache."""
+    """(tokens [B, n], fp32 scores [n, B, V]) of a greedy generate with a CompressedCache. A method
+    with a reconstruction pass (KVzip) has its prompt prefilled by it, its first token from that
+    prefill's logits, as ``keepkv.generate`` does."""
     cache = keepkv.CompressedCache(model.config, method, budget)
+    input_ids, attention_mask = input_ids.to(DEVICE), attention_mask.to(DEVICE)
+    first_scores = []
+    if cache.defers_to_reconstruction:
+        logits = prefill(model, cache, input_ids, attention_mask, positions="real")
+        first = logits.argmax(-1, keepdim=True)
+        input_ids = torch.cat([input_ids, first], dim=-1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(first)], dim=-1)
+        first_scores, new_tokens = [logits], new_tokens - 1
     out = model.generate(
-        input_ids=input_ids.to(DEVICE), attention_mask=attention_mask.to(DEVICE), past_key_values=cache,
+        input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
         output_scores=True, return_dict_in_generate=True,
     )
-    return out.sequences[:, input_ids.shape[1]:].cpu(), torch.stack(out.scores).float().cpu()
+    tokens = out.sequences[:, input_ids.shape[1] - len(first_scores):]
+    return tokens.cpu(), torch.stack([*first_scores, *out.scores]).float().cpu()
 
 
 def assert_same_greedy_tokens(batched, alone, scores):

@@ -48,9 +48,11 @@ def test_default_phases_are_the_cuda_tests_then_the_gpu_bench(tmp_path):
     names = [p["name"] for p in default_phases(str(tmp_path))]
     assert names == ["tests", "ops", "bench", "memory_cap", "bench_kernel"]
     bench = " ".join(default_phases(str(tmp_path))[2]["argv"])
-    assert "--config llama2-7b --dtype bfloat16" in bench and "--prompt-len 4096 --gen-len 1024 --batch 8" in bench
+    assert "--config llama2-7b --dtype bfloat16" in bench and "--prompt-len 4096 --gen-len 256 --batch 8" in bench
     kernel = default_phases(str(tmp_path))[4]
-    assert "--gen-len 256 --batch 8" in " ".join(kernel["argv"]) and "--kernel triton" in " ".join(kernel["argv"])
+    assert "--gen-len 128 --batch 8" in " ".join(kernel["argv"]) and "--kernel triton" in " ".join(kernel["argv"])
+    tests = default_phases(str(tmp_path))[0]["argv"]
+    assert tests[tests.index("-k") + 1] == "not gloo and not numba"  # CPU-only cases: the main suite's
     # every phase's command line parses as a keepkv bench / pytest invocation
     for phase in default_phases(str(tmp_path))[1:]:
         build_parser().parse_args(phase["argv"][3:])
