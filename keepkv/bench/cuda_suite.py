@@ -16,9 +16,8 @@ start and a rerun must fit beside it). The sizes below fit that budget on one H2
    operation counts should equal the CPU's, and a ``.cpu()`` is a real sync there).
 3. ``bench``: KeepKV's Table 1 shape, ``llama2-7b`` with random weights, bf16, 4096-token
    prompts, batch 8, budget 0.2, full/h2o/keepkv, with ``--overhead``; 256 generated tokens, not
-   the paper's 1024, to fit the budget (the JSON says so), and ``--profile 8``: the first run's
-   steps were far above the memory bound, and the profile's device time per step says whether
-   the device or the host sets it.
+   the paper's 1024, to fit the budget (the JSON says so), and ``--profile 8``: the device time
+   per op and step, which says whether the device or the host sets the step's time.
 4. ``memory_cap``: the same under an 80 GB cap (``--memory-cap 80``), 128 generated tokens.
 5. ``bench_kernel``: phase 3's shapes for h2o/keepkv with 128 generated tokens and
    ``--kernel triton`` (the scoring methods' decode attention through the Triton kernel).
