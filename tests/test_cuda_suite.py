@@ -4,6 +4,8 @@ pytest counts from JUnit XML, a phase past the time budget stopped and the rest 
 import json
 import sys
 
+import pytest
+
 from keepkv.bench.core import build_parser, main
 from keepkv.bench.cuda_suite import default_phases, run_suite
 
@@ -62,3 +64,14 @@ def test_without_cuda_the_suite_refuses_in_one_line(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(build_parser().parse_args(["--cuda-suite"])) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("budget", ["0", "-5", "nan", "inf", "ten"])
+def test_a_bad_time_budget_is_refused_in_one_line_before_anything_runs(budget, capsys, tmp_path, monkeypatch):
+    from keepkv.bench.cuda_suite import main as suite_main
+
+    monkeypatch.setattr("keepkv.bench.cuda_suite.run_suite", lambda *a, **k: pytest.fail("the suite ran"))
+    assert suite_main(["--out", str(tmp_path / "out"), "--time-budget", budget]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--time-budget" in err[0] and repr(budget) in err[0]
+    assert not (tmp_path / "out").exists()

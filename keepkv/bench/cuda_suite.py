@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -179,13 +180,26 @@ def run_suite(out: str, time_budget: float = 420.0, phases: list[dict] | None = 
     return result
 
 
+def _seconds(text: str) -> float:
+    """``--time-budget`` (``KEEPKV_CUDA_BUDGET`` in ``.ci/cuda``) as seconds; ValueError, in one line,
+    unless it is a finite number above 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"--time-budget (KEEPKV_CUDA_BUDGET) must be a number of seconds above 0, got {text!r}")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keepkv bench --cuda-suite", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/cuda", help="folder of cuda.json and cuda.log (default: runs/cuda)")
-    parser.add_argument("--time-budget", type=float, default=420.0, metavar="S", help="seconds for all phases")
+    parser.add_argument("--time-budget", default="420", metavar="S", help="seconds for all phases (default 420)")
     args = parser.parse_args(argv)
     try:
-        result = run_suite(args.out, args.time_budget)
+        time_budget = _seconds(args.time_budget)  # before CUDA is asked for: a bad value is refused at once
+        result = run_suite(args.out, time_budget)
     except ValueError as error:
         print(f"keepkv bench --cuda-suite: {error}", file=sys.stderr)
         return 2
