@@ -284,6 +284,8 @@ class RequestSizes:
             return computed  # nothing compressed since its close (a kept prompt's close compresses nothing)
         return held_entries(self.kept(prompt_length, layer), closed, computed, interval)
 
-    def capacity(self, prompt_length: int) -> int:
-        """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
-        return max(capacity_bound(self.method, prompt_length, self.budget, self.config, self.keep_prompt))
+    def capacity(self, prompt_length: int, layers: tuple[int, ...] | None = None) -> int:
+        """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer; of
+        ``layers`` alone when given: an engine's group of layers with blocks of their own)."""
+        bound = capacity_bound(self.method, prompt_length, self.budget, self.config, self.keep_prompt)
+        return max(bound if layers is None else [bound[layer] for layer in layers])

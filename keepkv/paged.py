@@ -247,9 +247,10 @@ class PagedCompression:
         """Entries ``layer`` of a request holds per head after ``computed`` tokens (prompt included)."""
         return self.sizes.stored(prompt_length, computed, layer, closed)
 
-    def capacity(self, prompt_length: int) -> int:
-        """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer)."""
-        return self.sizes.capacity(prompt_length)
+    def capacity(self, prompt_length: int, layers: tuple[int, ...] | None = None) -> int:
+        """Slots a request needs at most (``keepkv.capacity_bound``, the largest layer; of ``layers``
+        alone when given)."""
+        return self.sizes.capacity(prompt_length, layers)
 
     # -- one step's phases ------------------------------------------------------------------------
     def batch(

@@ -48,9 +48,11 @@ class PagedBatch:
     # (None: first_block; keep_prompt: the last slot's block and the token count, see batch())
     chunk_keys: list | None = None
     closed: list[int] | None = None
-    # The model's layers that run this batch, each once and in order (an engine's step): a layer's
-    # due compressions then wait for the last layer, which runs them as one batch. None: each layer
-    # runs its own (a caller that may run only some layers).
+    # The model's layers that run this batch, each once and in order (an engine's step), are among
+    # the first ``layers``, the last of them layer ``layers - 1`` (an engine's group of layers with
+    # blocks of their own passes its last layer + 1): a layer's due compressions then wait for that
+    # layer, which runs them as one batch. None: each layer runs its own (a caller that may run only
+    # some layers).
     layers: int | None = None
     # A prompt compressed chunk by chunk (``chunk_blocks``: keepkv.paged_chunks): [R] position - slot
     # of each row's tokens, the prompt's tokens (what a kept prompt freezes, by position), the

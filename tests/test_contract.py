@@ -425,9 +425,10 @@ def test_no_dispatch_on_a_method_class_outside_the_registry():
 
 def test_what_is_served_is_declared_on_the_parts():
     """What the paged adapter serves, read from the declarations (``serving_refusal``): seven methods,
-    their selections and the learned one, merges none and keepkv, a variant only with served parts,
-    not a full copy (refresh_interval) nor layer budgets from every layer's scores, and KVzip in its
-    own words."""
+    their selections and the learned one (its trained layer split too: an engine gives layers of
+    different budgets blocks of their own), merges none and keepkv, a variant only with served
+    parts, not a full copy (refresh_interval) nor layer budgets from every layer's scores, and KVzip
+    in its own words."""
     from keepkv.methods.base import served_names, serving_refusal
 
     methods, selections, merges = served_names()
@@ -435,11 +436,11 @@ def test_what_is_served_is_declared_on_the_parts():
     assert sorted(selections) == sorted(["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keydiff", "ema", "learned"])
     assert merges == ["none", "keepkv"]
     for spec in (*methods, "snapkv+merge=keepkv", "keepkv+merge=none", "keepkv+selection=ema+kernel=3",
-                 "snapkv+selection=learned+budgets=uniform"):
+                 "snapkv+selection=learned+budgets=uniform", "snapkv+selection=learned"):
         assert serving_refusal(keepkv.get_method(spec)) is None, spec
         assert serving_refusal(keepkv.get_method(spec), keep_prompt=True) is None, spec
     for spec in ("cam", "d2o", "kvmerger", "kvmerger+merge=none", "snapkv+merge=zip", "keepkv+selection=kvzip", "full",
-                 "zeromerge", "kvreviver", "snapkv+selection=learned+budgets=layers", "snapkv+selection=learned"):
+                 "zeromerge", "kvreviver", "snapkv+selection=learned+budgets=layers"):
         reason = serving_refusal(keepkv.get_method(spec))
         assert reason and "\n" not in reason and reason.startswith(spec.split("+")[0]), (spec, reason)
     assert serving_refusal(keepkv.get_method("kvzip")).startswith("kvzip: its reconstruction pass is a second prefill")

@@ -494,11 +494,13 @@ def test_a_decode_step_moves_only_what_changed(method):
             assert torch.equal(old_keys[:, :both][same], new_keys[:, :both][same])
 
 
-@pytest.mark.parametrize("method", ["pyramidkv+window=2+kernel=1", "pyramidkv+window=2+kernel=1+interval=3"])
+@pytest.mark.parametrize("method", ["pyramidkv+window=2+kernel=1", "pyramidkv+window=2+kernel=1+interval=3",
+                                    LEARNED.replace("+budgets=uniform", "")])
 @pytest.mark.parametrize("budget", [6, 0.3])
 def test_per_layer_budgets_decode_as_alone_in_every_layer(method, budget):
-    """PyramidKV's layers keep budgets of their own (larger below): each layer of paged requests
-    gives that layer's output in a CompressedCache of its own, and holds what ``stored`` says for it.
+    """PyramidKV's layers keep budgets of their own (larger below), as the learned selection's
+    trained split (its scorer's shares, larger below here): each layer of paged requests gives that
+    layer's output in a CompressedCache of its own, and holds what ``stored`` says for it.
 
     kernel=1: SnapKV's max-pooling gives random keys' neighbours equal scores, and a batch may
     then keep the other of two tied entries (the Hugging Face path's batches too)."""

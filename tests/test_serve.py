@@ -249,6 +249,7 @@ def test_serve_help_lists_the_served_methods():
     ("d2o", 1, 1, 3, []),
     ("kvzip+budgets=global", 2, 1, 3, ["layer budgets drawn from every layer's scores under tensor parallelism"]),
     ("snapkv+selection=learned+budgets=uniform", 3, 1, 3, []),
+    ("snapkv+selection=learned", 3, 1, 3, []),  # its trained split: from the prompt's length alone
     ("keepkv+selection=learned+budgets=uniform", 1, 1, 3, []),
     ("full", 3, 1, 3, []),
 ])

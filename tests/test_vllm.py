@@ -27,7 +27,7 @@ NEW_TOKENS = 24
 KEPT = "vllm_ranks.KeptEntries"  # tests/vllm_ranks.py: each worker's kept positions, through collective_rpc
 PAPER_KEEPKV = "keepkv+selection=ema+prefill_order=merge_first+protect=0+max_value_change=None+min_mass=0"  # docs/keepkv.md
 SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", "keydiff", PAPER_KEEPKV,
-          "snapkv+selection=learned+budgets=uniform"]
+          "snapkv+selection=learned+budgets=uniform", "snapkv+selection=learned"]
 
 
 def test_every_served_method_is_checked_against_the_hugging_face_path():
@@ -73,9 +73,13 @@ class Engine:
         self.config = config
         self.cached_tokens: dict[str, int] = {}
 
-    def manager(self):
+    def managers(self):
+        """The scheduler's block managers, one per KV cache group (layers grouped by budget)."""
         core = self.llm.llm_engine.engine_core.engine_core
-        return core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        return core.scheduler.kv_cache_manager.coordinator.single_type_managers
+
+    def manager(self):
+        return self.managers()[0]
 
     def run(self, prompts, new_tokens=NEW_TOKENS, kept=False, logprobs=None):
         """Greedy outputs (token ids) of ``prompts``, all in flight at once, and the most blocks each
@@ -93,7 +97,7 @@ class Engine:
         names = [f"r{i}" for i in range(len(prompts))]
         internal = [engine.add_request(name, {"prompt_token_ids": p}, params) for name, p in zip(names, prompts)]
         outputs, peak_blocks, last_blocks, generated = {}, {}, {}, {}
-        self.kept, self.logprobs = {}, {}
+        self.kept, self.logprobs, self.group_peaks = {}, {}, {}
         while engine.has_unfinished_requests():
             for output in engine.step():
                 generated[output.request_id] = list(output.outputs[0].token_ids)
@@ -103,13 +107,26 @@ class Engine:
                 if output.finished:
                     outputs[output.request_id] = list(output.outputs[0].token_ids)
                     self.cached_tokens[output.request_id] = output.num_cached_tokens  # vLLM's prefix-cache hits
-            for request_id, blocks in self.manager().req_to_blocks.items():
-                held = sum(not block.is_null for block in blocks)
+            step_held = {}
+            for group, manager in enumerate(self.managers()):
+                for request_id, blocks in manager.req_to_blocks.items():
+                    held = sum(not block.is_null for block in blocks)
+                    peaks = self.group_peaks.setdefault(request_id, {})
+                    peaks[group] = max(peaks.get(group, 0), held)
+                    step_held[request_id] = max(step_held.get(request_id, 0), held)
+            for request_id, held in step_held.items():  # its largest group's (every layer's, ungrouped)
                 peak_blocks[request_id] = max(peak_blocks.get(request_id, 0), held)
                 last_blocks[request_id] = held
             if kept:
                 self._read_kept(prompts, names, internal, generated)
         self.last_blocks = [last_blocks[request_id] for request_id in internal]  # held at their last step
+        self.group_peaks = [self.group_peaks[request_id] for request_id in internal]  # {group: most blocks held}
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        core = engine.engine_core.engine_core
+        # Each KV cache group's layers (one group of every layer unless layers are grouped by budget).
+        self.groups = [tuple(sorted(extract_layer_index(name) for name in group.layer_names))
+                       for group in core.scheduler.kv_cache_config.kv_cache_groups]
         self.logprobs = [self.logprobs.get(name) for name in names]
         if kept:
             self.priorities = self.llm.collective_rpc("keepkv_record", args=(False,))[0]
@@ -265,6 +282,8 @@ class Run:
     logprobs: list
     ranks: list
     priorities: dict
+    groups: list  # each KV cache group's layers
+    group_peaks: list  # [request] {group: the most blocks it held}
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +297,7 @@ def single_process(model_dir, prompts):
             engine = Engine(model_dir, {"method": method, "budget": 0.3}, worker_extension_cls=KEPT)
             tokens, blocks = engine.run(prompts, kept=True, logprobs=2)
             runs[method] = Run(tokens, blocks, engine.manager().block_size, engine.kept, engine.logprobs, engine.ranks,
-                               engine.priorities)
+                               engine.priorities, engine.groups, engine.group_peaks)
             engine.close()
         return runs[method]
 
@@ -288,18 +307,38 @@ def single_process(model_dir, prompts):
 @pytest.mark.parametrize("method", SERVED)
 def test_matches_hf_path_and_caps_blocks(model_dir, prompts, stock, hf_model, single_process, method):
     """Three unequal prompts in one batch: each request's greedy tokens are keepkv's Hugging Face
-    path's for that prompt alone, and it never holds more blocks than its capacity bound (fewer than
-    stock vLLM's for the long prompts)."""
+    path's for that prompt alone, and it never holds more blocks than its capacity bound, in each
+    group of layers (layers whose budgets differ, PyramidKV's and the learned selection's trained
+    split, are grouped with blocks of their own), and holds less than stock vLLM for the long
+    prompts (blocks times the layers they serve)."""
     budget = 0.3
     run = single_process(method)
-    tokens, blocks, block_size = run.tokens, run.blocks, run.block_size
+    tokens, block_size = run.tokens, run.block_size
     assert tokens != stock[0]  # the compression is real: stock vLLM answers otherwise
     paged = PagedCompression(hf_model.config, served(method), budget)
-    for prompt, got, held, stock_held in zip(prompts, tokens, blocks, stock[1]):
+    layers = hf_model.config.num_hidden_layers
+    assert sorted(layer for group in run.groups for layer in group) == list(range(layers))
+    for prompt, got, peaks, stock_held in zip(prompts, tokens, run.group_peaks, stock[1]):
         assert got == hf_greedy(hf_model, prompt, method, budget)
-        assert held <= math.ceil(paged.capacity(len(prompt)) / block_size)
+        for group, held in peaks.items():
+            assert held <= math.ceil(paged.capacity(len(prompt), run.groups[group]) / block_size)
         if len(prompt) > 2 * block_size:
-            assert held < stock_held
+            assert sum(held * len(run.groups[group]) for group, held in peaks.items()) < stock_held * layers
+
+
+@pytest.mark.parametrize("method", ["pyramidkv", "snapkv+selection=learned"])
+def test_layers_of_different_budgets_hold_blocks_of_their_own(hf_model, prompts, single_process, method):
+    """PyramidKV's layer budgets and the learned selection's trained split: the engine groups the
+    layers by budget (groups of one size, vLLM's rule), each group with a block table of its own, so
+    the long prompt holds fewer block-layers than one table sized by its largest layer would."""
+    budget = 0.3
+    run = single_process(method)
+    layers = hf_model.config.num_hidden_layers
+    assert len(run.groups) > 1 and len({len(group) for group in run.groups}) == 1
+    paged = PagedCompression(hf_model.config, served(method), budget)
+    long = max(range(len(prompts)), key=lambda index: len(prompts[index]))
+    one_table = math.ceil(paged.capacity(len(prompts[long])) / run.block_size) * layers
+    assert sum(held * len(run.groups[group]) for group, held in run.group_peaks[long].items()) < one_table
 
 
 @pytest.mark.parametrize("method", SERVED)
@@ -368,7 +407,8 @@ def bound_threads(monkeypatch):
     monkeypatch.setenv(BIND, thread_binding(3) or "auto")
 
 
-@pytest.mark.parametrize("method", [*SERVED_METHODS, "snapkv+selection=learned+budgets=uniform"])
+@pytest.mark.parametrize("method", [*SERVED_METHODS, "snapkv+selection=learned+budgets=uniform",
+                                    "snapkv+selection=learned"])
 def test_tensor_parallel_ranks_keep_their_heads_entries_as_one_process(model_dir, prompts, single_process, method,
                                                                        bound_threads):
     """TP=3 in fp32, one KV head and its three query heads per rank, no communication but vLLM's own:
@@ -648,6 +688,77 @@ def test_the_start_up_line_counts_slots_and_requests_against_stock(method, budge
         assert (f"{prompt:,} + {generated:,}" in line.split("no gain for")[-1]) == (mine <= theirs)
     assert gains[1]  # a chat turn: more requests at once than stock in every mode
     assert gains[0] == (not keep_prompt)  # a long document's answer gains only when its prompt is compressed
+
+
+@pytest.mark.parametrize("method", ["pyramidkv", "snapkv+selection=learned", "snapkv", "snapkv+selection=learned+budgets=uniform"])
+@pytest.mark.parametrize("budget", [0.05, 0.1, 0.3, 64])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_layers_are_grouped_by_budget_in_groups_of_one_size(hf_model, method, budget, block_size):
+    """Layers whose budgets differ are cut into groups of one size (vLLM pads groups to one size),
+    every layer in one group, each group's layers of neighbouring budgets: the fewest groups whose
+    blocks per request (each group holds its largest layer's, in whole blocks) are within
+    GROUP_SLACK of a group per layer's. A method whose layers keep one budget stays in one group
+    (())."""
+    from keepkv.vllm.spec import GROUP_SLACK, layer_groups
+
+    paged = PagedCompression(hf_model.config, served(method), budget)
+    layers, prompt = hf_model.config.num_hidden_layers, 1024
+    needed = [paged.capacity(prompt, (layer,)) for layer in range(layers)]
+    groups = layer_groups(paged, prompt, block_size)
+    if len(set(needed)) == 1:
+        assert groups == ()
+        return
+
+    def blocks(cut):
+        return sum(len(group) * math.ceil(max(needed[layer] for layer in group) / block_size) for group in cut)
+
+    fewest = blocks([[layer] for layer in range(layers)])
+    cut = groups or (tuple(range(layers)),)
+    assert sorted(layer for group in cut for layer in group) == list(range(layers))
+    assert len({len(group) for group in cut}) == 1 and blocks(cut) <= (1 + GROUP_SLACK) * fewest
+    ranges = sorted((min(needed[layer] for layer in group), max(needed[layer] for layer in group)) for group in cut)
+    assert all(high <= low for (_, high), (low, _) in zip(ranges, ranges[1:]))  # neighbouring budgets
+    order = sorted(range(layers), key=lambda layer: (needed[layer], layer))
+    for count in [count for count in range(1, len(cut)) if layers % count == 0]:  # fewer groups hold more
+        size = layers // count
+        assert blocks([order[start: start + size] for start in range(0, layers, size)]) > (1 + GROUP_SLACK) * fewest
+
+
+def test_a_spec_of_another_layer_group_never_merges_and_the_line_counts_every_group():
+    """Specs of two layer groups: merging them raises AssertionError (vLLM's sign for "a group of its
+    own") and they are not one type; a group's capacity is its largest layer's; the start-up line
+    (the first group's manager logs it) counts a request's blocks in every group, and stock's tokens
+    in the bytes of one group's layers."""
+    from keepkv.vllm.backend import VllmCpuKernel
+    from keepkv.vllm.spec import KeepKVSpec, layer_groups
+
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+    method = served("pyramidkv")
+    paged = PagedCompression(smollm2, method, 0.1, kernel=VllmCpuKernel())
+    groups = layer_groups(paged, 4096)
+    assert len(groups) > 1
+    content = paged.content_bytes(64, torch.bfloat16)
+    specs = [KeepKVSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, state_content_bytes=content,
+                        method=method, budget=0.1, num_layers=30, max_model_len=8192, layer_groups=groups, group=group)
+             for group in range(len(groups))]
+    with pytest.raises(AssertionError):
+        KeepKVSpec.merge(specs[:2])
+    assert KeepKVSpec.merge([specs[1], specs[1]]) == specs[1]
+    assert not specs[0].is_uniform_with_collection({"a": specs[0], "b": specs[1]})
+    assert specs[0].is_uniform_with_collection({"a": specs[0], "b": specs[0]})
+    for spec, group in zip(specs, groups):
+        assert spec.capacity_tokens(4096) == max(paged.capacity(4096, (layer,)) for layer in group) <= paged.capacity(4096)
+    assert min(spec.capacity_tokens(4096) for spec in specs) < paged.capacity(4096)
+    line = specs[0].capacity_line(num_blocks=329)
+    size = len(groups[0])
+    stock_tokens = 329 * 128 * content * size // (256 * 30)
+    assert f"layers in {len(groups)} groups of {size} with blocks of their own" in line
+    assert f"(stock vLLM would hold {stock_tokens:,} tokens" in line
+    for prompt, generated in ((7680, 512), (1024, 1024)):
+        blocks = sum(math.ceil(min(prompt + generated, paged.capacity(prompt, group)) / 128) for group in groups)
+        assert f"{328 // blocks:,} of a {prompt:,}-token prompt generating {generated:,}" in line
 
 
 def test_the_start_up_line_gives_each_ranks_figures_and_the_total():

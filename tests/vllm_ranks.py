@@ -57,13 +57,16 @@ class KeptEntries:
         for name, module in runner.compilation_config.static_forward_context.items():
             if isinstance(getattr(module, "kv_cache", None), torch.Tensor) and module.kv_cache.numel():
                 caches[extract_layer_index(name)] = module.kv_cache
+        # vLLM's KV cache group of each layer (layers grouped by budget hold blocks of their own).
+        group_of = {extract_layer_index(name): index for index, group in enumerate(runner.kv_cache_config.kv_cache_groups)
+                    for name in group.layer_names}
         kept, kv_heads = {}, None
         for request_id, (prompt, processed) in requests.items():
             state = runner.requests.get(request_id)
             if state is None:
                 continue
-            blocks = torch.tensor(state.block_ids[0])
-            kept[request_id] = [slot_positions(paged, caches[layer], blocks, paged.stored(prompt, processed, layer),
-                                               head_dim) for layer in sorted(caches)]
+            kept[request_id] = [slot_positions(paged, caches[layer], torch.tensor(state.block_ids[group_of[layer]]),
+                                               paged.stored(prompt, processed, layer), head_dim)
+                                for layer in sorted(caches)]
             kv_heads = caches[min(caches)].shape[1]
         return {"rank": get_tensor_model_parallel_rank(), "kv_heads": kv_heads, "kept": kept}

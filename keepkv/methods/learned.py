@@ -23,6 +23,10 @@ from .base import (
 from .kvzip import BUDGETS, ContextReconstruction
 
 LEARNED_BUDGETS = (*BUDGETS, "trained")
+# Predicted log scores are ranked at this resolution (nats). Entries of one token in the first layer
+# differ only by how their rotary pairs' norms round (about 1e-7), which a serving engine's kernels
+# round otherwise than the Hugging Face path; rounded, they tie, and ties rank by slot on every path.
+SCORE_STEP = 2.0**-8
 
 
 @register_selection
@@ -151,19 +155,15 @@ class LearnedScores(ScoredSelection):
             raise ValueError(f"learned: {where} has no layer shares for budgets='trained': train it again with "
                              "`keepkv train-scorer`, which measures them")
 
-    def serving_refusal(self) -> str | None:
-        if self.budgets == "trained":
-            return ("budgets='trained' gives layers budgets up to 10x apart, and an engine's blocks serve every "
-                    "layer, so a request would hold its largest layer's slots and save little (use budgets='uniform')")
-        return None
-
     def for_heads(self, first_kv_head: int) -> "LearnedScores":
         return self if first_kv_head == self.first_head else dataclasses.replace(self, first_head=first_kv_head)
 
     def scores(self, layer) -> torch.Tensor:
         """[B, H_kv, S] the scorer's predicted log KVzip scores of the layer's entries (empty slots
-        included: the plan leaves them out), by the scorer's heads from ``first_head``."""
-        return self._scorer().predict(layer.layer_idx, layer.keys, layer.values, layer.positions, self.first_head)
+        included: the plan leaves them out), by the scorer's heads from ``first_head``, rounded to
+        :data:`SCORE_STEP`."""
+        predicted = self._scorer().predict(layer.layer_idx, layer.keys, layer.values, layer.positions, self.first_head)
+        return torch.round(predicted / SCORE_STEP) * SCORE_STEP
 
     def priority(self, layer, merge_scores=None) -> torch.Tensor:
         """[B, H_kv, S]: +inf for the sinks, the decoding window and the prompt's last

@@ -17,7 +17,7 @@ each request's prompt length, which vLLM's model runner hands it (:func:`_hand_p
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from vllm import _custom_ops as ops
@@ -34,7 +34,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ..paged import PagedBatch, PagedCompression, rank_config
 from .settings import engine_settings
-from .spec import KeepKVSpec
+from .spec import KeepKVSpec, engine_layer_groups
 
 
 def engine_isa(dtype: torch.dtype, block_size: int, head_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
@@ -148,10 +148,11 @@ def _hand_prompt_lengths() -> None:
     CPUModelRunner._build_attention_metadata = build
 
 
-def compression(vllm_config: VllmConfig) -> PagedCompression | None:
-    """This process's PagedCompression for the engine, or None when keepkv is not configured:
-    shaped by this rank's heads (under tensor parallelism a worker holds ``num_attention_heads //
-    tp`` query heads and ``num_key_value_heads // tp`` KV heads, and compresses those alone)."""
+def compression(vllm_config: VllmConfig, group: int = 0) -> PagedCompression | None:
+    """This process's PagedCompression for the engine's layer group ``group`` (each group's requests
+    are its own: their keys are the group's blocks), or None when keepkv is not configured: shaped
+    by this rank's heads (under tensor parallelism a worker holds ``num_attention_heads // tp``
+    query heads and ``num_key_value_heads // tp`` KV heads, and compresses those alone)."""
     chosen = engine_settings(vllm_config)
     if chosen is None:
         _WORKER.clear()  # a stock engine after a keepkv one in this process: its spec is stock's
@@ -161,23 +162,55 @@ def compression(vllm_config: VllmConfig) -> PagedCompression | None:
     rank = parallel.rank % parallel.tensor_parallel_size  # vLLM's worker sets the rank
     key = (chosen["method"], chosen["budget"], chosen["chunked"], chosen.get("keep_prompt", False),
            chosen.get("share_prefix", 0), str(model.dtype), heads, rank)
-    if key not in _COMPRESSIONS:
-        _COMPRESSIONS.clear()
+    if (key, group) not in _COMPRESSIONS:
+        if any(known != key for known, _ in _COMPRESSIONS):
+            _COMPRESSIONS.clear()
         settings = {name: value for name, value in chosen.items() if name != "share_prefix"}
-        _COMPRESSIONS[key] = PagedCompression(rank_config(model.hf_text_config, *heads, rank=rank), **settings,
-                                              kernel=VllmCpuKernel(str(vllm_config.cache_config.cache_dtype)),
-                                              chunk_blocks=chosen.get("share_prefix", 0))
-    _WORKER.update(paged=_COMPRESSIONS[key], num_layers=model.hf_text_config.num_hidden_layers,
-                   max_model_len=model.max_model_len, tensor_parallel_size=parallel.tensor_parallel_size)
-    return _COMPRESSIONS[key]
+        _COMPRESSIONS[key, group] = PagedCompression(
+            rank_config(model.hf_text_config, *heads, rank=rank), **settings,
+            kernel=VllmCpuKernel(str(vllm_config.cache_config.cache_dtype)), chunk_blocks=chosen.get("share_prefix", 0))
+    paged = _COMPRESSIONS[key, 0] if (key, 0) in _COMPRESSIONS else _COMPRESSIONS[key, group]
+    groups = engine_layer_groups(paged, model.max_model_len, vllm_config.cache_config.block_size)
+    _WORKER.update(paged=paged, num_layers=model.hf_text_config.num_hidden_layers, max_model_len=model.max_model_len,
+                   tensor_parallel_size=parallel.tensor_parallel_size, layer_groups=groups)
+    if groups:
+        _group_layers()
+    return _COMPRESSIONS[key, group]
+
+
+def _group_layers() -> None:
+    """Wrap vLLM's CPU model runner's ``get_kv_cache_spec`` so that each layer's KeepKVSpec names
+    its layer group (``_WORKER["layer_groups"]``: the model's layers grouped by their budgets,
+    :func:`keepkv.vllm.spec.layer_groups`); vLLM then gives each group a block table of its own.
+    Idempotent."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    original = CPUModelRunner.get_kv_cache_spec
+    if getattr(original, "_keepkv", False):
+        return
+
+    @functools.wraps(original)
+    def grouped(self, *args, **kwargs):
+        specs = original(self, *args, **kwargs)
+        groups = _WORKER.get("layer_groups", ())
+        if not groups:
+            return specs
+        group_of = {layer: index for index, group in enumerate(groups) for layer in group}
+        return {name: replace(spec, layer_groups=groups, group=group_of[extract_layer_index(name)])
+                if isinstance(spec, KeepKVSpec) else spec for name, spec in specs.items()}
+
+    grouped._keepkv = True
+    CPUModelRunner.get_kv_cache_spec = grouped
 
 
 @dataclass
 class KeepKVMetadata:
-    """What one step's attention calls read: the paged batch and the tokens it covers."""
+    """What one step's attention calls of one layer group read: the paged batch, the tokens it
+    covers, and the group's PagedCompression."""
 
     num_actual_tokens: int
     batch: PagedBatch
+    paged: PagedCompression
 
 
 class KeepKVBackend(CPUAttentionBackend):
@@ -209,7 +242,11 @@ class KeepKVBackend(CPUAttentionBackend):
 class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.paged = compression(vllm_config)
+        self.paged = compression(vllm_config, getattr(kv_cache_spec, "group", 0))
+        # The group's last layer runs its step's due compressions (every layer: PagedBatch.layers).
+        layers = getattr(kv_cache_spec, "layers", None)
+        self.last_layer = None if self.paged is None else (
+            max(layers) if layers else self.paged.config.num_hidden_layers - 1)
         if self.paged is not None and self.paged.keep_prompt:
             _hand_prompt_lengths()
 
@@ -233,8 +270,8 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
         # Every layer of the model runs this batch, in order: the step's compressions wait for the last.
         batch = self.paged.batch(starts, lengths, common.block_table_tensor[:rows], prefilling,
                                  block_size=self.kv_cache_spec.block_size, prompts=prompts,
-                                 layers=self.paged.config.num_hidden_layers)
-        return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch)
+                                 layers=self.last_layer + 1)
+        return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch, paged=self.paged)
 
 
 class KeepKVImpl(CPUAttentionBackendImpl):
@@ -251,7 +288,7 @@ class KeepKVImpl(CPUAttentionBackendImpl):
         if self.layer_index is None:  # the model's layer: its budget is its own (PyramidKV)
             self.layer_index = extract_layer_index(layer.layer_name)
         tokens = attn_metadata.num_actual_tokens
-        output[:tokens] = self.paged.forward(
+        output[:tokens] = attn_metadata.paged.forward(  # the layer group's
             kv_cache, query[:tokens], key[:tokens], value[:tokens], attn_metadata.batch, self.scale, self.layer_index
         ).view_as(output[:tokens])
         return output

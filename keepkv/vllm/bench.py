@@ -183,8 +183,9 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
             if index:
                 first_token = (first_token or []) + [time.perf_counter() - began]
         first_token = round(1000 * sorted(first_token)[len(first_token) // 2], 1)
-    layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
-    block_bytes = layers * scheduler.kv_cache_manager.coordinator.single_type_managers[0].kv_cache_spec.page_size_bytes
+    # A block holds one KV cache group's layers (every layer's, unless keepkv groups them by budget).
+    group_spec = scheduler.kv_cache_config.kv_cache_groups[0]
+    block_bytes = len(group_spec.layer_names) * group_spec.kv_cache_spec.page_size_bytes
     engine_core = engine.engine_core
     del llm, engine, scheduler
     engine_core.shutdown()  # a parallel engine's workers stop before the next engine starts
@@ -283,6 +284,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from .settings import BIND, thread_binding
+    from .spec import engine_layer_groups
 
     if os.environ.get(BIND, "auto") == "auto" and thread_binding(args.tensor_parallel_size):
         os.environ[BIND] = thread_binding(args.tensor_parallel_size)  # as keepkv serve sets it
@@ -321,11 +323,15 @@ def main(argv=None) -> None:
             except ValueError as error:
                 parser.error(str(error))
             slot = paged.content_bytes(head_dim, model.dtype)  # as the engine lays it out (vLLM's kernel widths)
+            # Layers grouped by budget: a block holds one group's layers, so the same bytes are more blocks.
+            groups = engine_layer_groups(paged, max(map(len, prompts)) + args.gen_len, BLOCK_SIZE)
+            layers = config.num_hidden_layers
+            per_block = len(groups[0]) if groups else layers
             settings = ({"method": method, "budget": budget} | ({"keep_prompt": True} if keep else {})
                         | ({"share_prefix": chunk_blocks} if chunk_blocks else {}))
             if len(modes) > 1:
                 settings["prompt_mode"] = mode  # the bench's, for the row's name; not the engine's
-            engines.append((settings, args.blocks or full_blocks * stock_slot // slot))  # same bytes, or --blocks
+            engines.append((settings, args.blocks or full_blocks * stock_slot * layers // (slot * per_block)))  # same bytes
 
     def run(keepkv, blocks, progress):
         engine = None if keepkv is None else {key: value for key, value in keepkv.items() if key != "prompt_mode"}

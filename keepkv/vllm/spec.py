@@ -1,6 +1,9 @@
 """The scheduler side: a KV cache spec that carries the method, and a manager that caps blocks.
 
-The manager sees token counts only; a request's prompt length fixes its capacity.
+The manager sees token counts only; a request's prompt length fixes its capacity. Where the
+method's layers keep budgets of their own (PyramidKV, the learned selection's trained split), the
+layers are grouped by budget (:func:`layer_groups`), each group a KV cache group of vLLM's with a
+manager and a block table of its own, capped at the group's largest layer.
 
 - Without chunked prefill, a request's first allocation is its whole prompt; from then on it
   never holds more than ceil(capacity / block_size) blocks, prefill included: the worker
@@ -41,7 +44,10 @@ class KeepKVSpec(FullAttentionSpec):
     blocks of its own (every rank's block ids and sizes are the scheduler's one table);
     chunk_blocks: with keep_prompt, a prompt's whole chunks of this many blocks are compressed
     alone to one block each, and the prefix cache shares them (0: prompts kept whole;
-    :mod:`keepkv.paged_chunks`).
+    :mod:`keepkv.paged_chunks`); layer_groups, group: the model's layers in groups by budget
+    (:func:`layer_groups`; () when one table serves every layer) and the one this layer's spec is
+    in: vLLM gives each group a KV cache group, a block table of its own, whose requests hold the
+    blocks of the group's largest layer.
     ``state_content_bytes`` holds each slot's key, value and metadata words.
     """
 
@@ -53,14 +59,28 @@ class KeepKVSpec(FullAttentionSpec):
     keep_prompt: bool = False
     tensor_parallel_size: int = 1
     chunk_blocks: int = 0
+    layer_groups: tuple[tuple[int, ...], ...] = ()
+    group: int = 0
 
     @classmethod
     def merge(cls, specs: list["KeepKVSpec"]) -> "KeepKVSpec":
-        merged = super().merge(specs)  # builds cls(...) from the base fields only
+        """One group's spec. Layers of different groups never merge (AssertionError, which vLLM's
+        grouping reads as "a KV cache group of its own")."""
         first = specs[0]
+        if any((spec.layer_groups, spec.group) != (first.layer_groups, first.group) for spec in specs):
+            raise AssertionError("keepkv: layers of different groups keep blocks of their own")
+        merged = super().merge(specs)  # builds cls(...) from the base fields only
         return replace(merged, method=first.method, budget=first.budget, num_layers=first.num_layers,
                        chunked=first.chunked, max_model_len=first.max_model_len, keep_prompt=first.keep_prompt,
-                       tensor_parallel_size=first.tensor_parallel_size, chunk_blocks=first.chunk_blocks)
+                       tensor_parallel_size=first.tensor_parallel_size, chunk_blocks=first.chunk_blocks,
+                       layer_groups=first.layer_groups, group=first.group)
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict) -> bool:
+        """vLLM puts layers of one type in one group unless this says no: layers of different
+        groups are not one type."""
+        return super().is_uniform_with_collection(kv_cache_specs) and all(
+            (getattr(spec, "layer_groups", ()), getattr(spec, "group", 0)) == (self.layer_groups, self.group)
+            for spec in kv_cache_specs.values())
 
     @functools.cached_property
     def compression(self) -> PagedCompression:
@@ -68,9 +88,16 @@ class KeepKVSpec(FullAttentionSpec):
         return PagedCompression(config, self.method, self.budget, keep_prompt=self.keep_prompt,
                                 chunk_blocks=self.chunk_blocks)
 
-    def capacity_tokens(self, prompt_length: int) -> int:
-        """Slots a request of ``prompt_length`` prompt tokens ever needs."""
-        return _capacity(self.compression, prompt_length)
+    @property
+    def layers(self) -> tuple[int, ...] | None:
+        """The model's layers whose blocks this spec's table holds (None: every layer)."""
+        return self.layer_groups[self.group] if self.layer_groups else None
+
+    def capacity_tokens(self, prompt_length: int, group: int | None = None) -> int:
+        """Slots a request of ``prompt_length`` prompt tokens ever needs in this spec's group (or in
+        ``group``'s)."""
+        layers = self.layer_groups[group] if group is not None and self.layer_groups else self.layers
+        return _capacity(self.compression, prompt_length, layers)
 
     def shapes(self) -> list[tuple[int, int]]:
         """The (prompt, generated tokens) requests the start-up line counts: a long document with a
@@ -87,13 +114,19 @@ class KeepKVSpec(FullAttentionSpec):
         usable = num_blocks - 1  # requests never get block 0, vLLM's null block (its own figures count it)
         slots = num_blocks * self.block_size
         stock_bytes = 2 * self.head_size * self.dtype.itemsize  # key and value, per token and KV head
-        stock_tokens = slots * self.state_content_bytes // stock_bytes
+        # With layer groups a block holds one group's layers, and a request holds blocks in each group.
+        groups = range(len(self.layer_groups)) if self.layer_groups else [None]
+        group_layers = len(self.layers) if self.layer_groups else self.num_layers
+        stock_tokens = slots * self.state_content_bytes * group_layers // (stock_bytes * self.num_layers)
         counted, losing = [], []
         for prompt, generated in self.shapes():
-            held = min(prompt + generated, self.capacity_tokens(prompt))
-            if self.chunk_blocks:  # each whole chunk of the prompt holds one block, behind null ones
-                held -= (self.chunk_blocks - 1) * self.block_size * (prompt // (self.chunk_blocks * self.block_size))
-            mine, theirs = usable // math.ceil(held / self.block_size), stock_tokens / (prompt + generated)
+            blocks = 0
+            for group in groups:
+                held = min(prompt + generated, self.capacity_tokens(prompt, group))
+                if self.chunk_blocks:  # each whole chunk of the prompt holds one block, behind null ones
+                    held -= (self.chunk_blocks - 1) * self.block_size * (prompt // (self.chunk_blocks * self.block_size))
+                blocks += math.ceil(held / self.block_size)
+            mine, theirs = usable // blocks, stock_tokens / (prompt + generated)
             counted.append(f"{mine:,} of a {prompt:,}-token prompt generating {generated:,} (stock {theirs:.2f})")
             if mine <= theirs:
                 losing.append(f"{prompt:,} + {generated:,}")
@@ -103,10 +136,13 @@ class KeepKVSpec(FullAttentionSpec):
                       f"{self.block_size} entries, shared through the prefix cache), {self.budget} generated entries")
         ranks = self.tensor_parallel_size
         if ranks > 1:
-            rank_bytes = num_blocks * self.num_layers * self.page_size_bytes
+            rank_bytes = num_blocks * group_layers * self.page_size_bytes
             budget += (f", tensor parallel over {ranks} ranks, each holding {self.num_kv_heads} of the model's "
                        f"{ranks * self.num_kv_heads} KV heads in {rank_bytes / 2**20:,.1f} MiB of KV cache "
                        f"({ranks * rank_bytes / 2**20:,.1f} MiB on all {ranks}); on every rank")
+        if self.layer_groups:
+            budget += (f", layers in {len(self.layer_groups)} groups of {group_layers} with blocks of their own "
+                       f"(by their budgets)")
         line = (f"keepkv: {self.method} at {budget}: KV cache of {slots:,} slots (stock vLLM would hold "
                 f"{stock_tokens:,} tokens in the same memory: each slot also holds {self.state_content_bytes - stock_bytes} "
                 f"bytes of scores and votes per KV head); requests at once: {'; '.join(counted)}")
@@ -118,8 +154,46 @@ class KeepKVSpec(FullAttentionSpec):
 
 
 @functools.lru_cache(maxsize=4096)
-def _capacity(compression: PagedCompression, prompt_length: int) -> int:
-    return compression.capacity(prompt_length)
+def _capacity(compression: PagedCompression, prompt_length: int, layers: tuple[int, ...] | None = None) -> int:
+    return compression.capacity(prompt_length, layers)
+
+
+# Layers whose budgets differ get blocks of their own in groups (layer_groups), the fewest groups
+# whose blocks per request stay within this fraction of one layer per group's: each group costs the
+# engine a block table and a step's metadata.
+GROUP_SLACK = 0.1
+
+
+def layer_groups(compression: PagedCompression, prompt_length: int, block_size: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The model's layers in groups of one size, each to hold blocks of its own (vLLM's KV cache
+    groups, which it keeps at one size), for a method whose layers keep budgets of their own
+    (PyramidKV's, the learned selection's trained split): the layers sorted by the slots each
+    needs for a prompt of ``prompt_length`` tokens, cut into the fewest groups whose blocks of
+    ``block_size`` slots held per request (each group holds its largest layer's, in whole blocks)
+    are within :data:`GROUP_SLACK` of a group per layer's. () when one group is within it: one
+    block table serves every layer."""
+    layers = compression.config.num_hidden_layers
+    needed = [compression.capacity(prompt_length, (layer,)) for layer in range(layers)]
+    order = sorted(range(layers), key=lambda layer: (needed[layer], layer))
+
+    def cut(count: int) -> tuple[list[list[int]], int]:
+        size = layers // count
+        groups = [order[start: start + size] for start in range(0, layers, size)]
+        return groups, sum(size * -(-max(needed[layer] for layer in group) // block_size) for group in groups)
+
+    fewest = cut(layers)[1]
+    for count in (count for count in range(1, layers + 1) if layers % count == 0):
+        groups, blocks = cut(count)
+        if blocks <= (1 + GROUP_SLACK) * fewest:
+            return () if count == 1 else tuple(tuple(sorted(group)) for group in groups)
+    raise AssertionError("one layer per group holds the fewest blocks")
+
+
+def engine_layer_groups(compression: PagedCompression, max_model_len: int, block_size: int) -> tuple[tuple[int, ...], ...]:
+    """The layer groups an engine of context ``max_model_len`` and blocks of ``block_size`` slots
+    serves ``compression`` with: by the slots each layer needs for a prompt of half the context
+    (prompts kept whole: one group)."""
+    return () if compression.keep_prompt else layer_groups(compression, max(1, max_model_len // 2), block_size)
 
 
 class KeepKVManager(FullAttentionManager):
@@ -136,7 +210,7 @@ class KeepKVManager(FullAttentionManager):
         super().__init__(kv_cache_spec, **kwargs)
         self.prompt_tokens: dict[str, int] = {}  # request -> its prompt's tokens
         self._requests: dict = {}  # chunk_blocks: request id -> the request, until it is freed
-        if kv_cache_spec.max_model_len:
+        if kv_cache_spec.max_model_len and kv_cache_spec.group == 0:  # one line for every group
             logger.info(kv_cache_spec.capacity_line(self.block_pool.num_gpu_blocks))
 
     def _capacity(self, request_id: str) -> int:
