@@ -100,9 +100,9 @@ def stdlib_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None,
                chunked_prefill: bool = True, prefix_caching: bool = False, tensor_parallel_size: int = 1,
-               probes=None, repeats: int = 1) -> dict:
-    """Serve every prompt at once with ``blocks`` KV blocks (on each rank); the engine's start time,
-    tokens/s and peak concurrency. ``progress(finished, total, generated, seconds)`` is called every
+               probes=None, repeats: int = 1, block_size: int = BLOCK_SIZE) -> dict:
+    """Serve every prompt at once with ``blocks`` KV blocks of ``block_size`` slots (on each rank);
+    the engine's start time, tokens/s and peak concurrency. ``progress(finished, total, generated, seconds)`` is called every
     few seconds while it runs. ``chunked_prefill``: vLLM's chunked prefill (its default), with its
     CPU default of tokens per step; ``tensor_parallel_size``: ranks, each a process holding its share
     of the heads. ``probes``: prompts on one document, run alone after the workload: the first reads
@@ -116,7 +116,7 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
         model=model_dir, dtype="float32", max_model_len=max(map(len, prompts)) + gen_len, enforce_eager=True,
         enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill, num_gpu_blocks_override=blocks,
         seed=0,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         max_num_seqs=256,
         tensor_parallel_size=tensor_parallel_size,
     )
@@ -244,6 +244,8 @@ def main(argv=None) -> None:
     parser.add_argument("--blocks", type=int, default=None, metavar="N",
                         help="every method's engine gets N KV blocks, whatever its slot's bytes (default: the blocks "
                         "that fit stock's memory); a diagnostic that compares steps at equal blocks")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="SLOTS",
+                        help=f"slots per KV block, every engine's (default {BLOCK_SIZE}, vLLM's CPU default; a multiple of 16)")
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                         help="vLLM's chunked prefill off, for every engine (default: on, vLLM's default; each prompt "
                         "then comes in one step)")
@@ -264,6 +266,8 @@ def main(argv=None) -> None:
         parser.error("--share-blocks (the blocks of a chunk) must be >= 2")
     if not args.shared_prefix and (args.documents > 1 or modes != ["keep"]):
         parser.error("--documents and --prompt-modes need --shared-prefix")
+    if args.block_size < 16 or args.block_size % 16:
+        parser.error(f"--block-size must be a multiple of 16 (vLLM's CPU attention), got {args.block_size}")
     if args.blocks is not None and args.blocks < 2:
         parser.error("--blocks must be >= 2 (vLLM keeps one as its null block)")
     if not 0 < args.prompt_budget <= 1:
@@ -310,7 +314,7 @@ def main(argv=None) -> None:
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     stock_slot = 2 * head_dim * 4  # fp32 key + value per head
-    full_blocks = args.full_requests * math.ceil((request_len + args.gen_len) / BLOCK_SIZE)
+    full_blocks = args.full_requests * math.ceil((request_len + args.gen_len) / args.block_size)
     engines = [(None, full_blocks)]
     for method in args.methods.split(","):
         for mode in modes if keep_prompt else ["compress"]:
@@ -324,7 +328,7 @@ def main(argv=None) -> None:
                 parser.error(str(error))
             slot = paged.content_bytes(head_dim, model.dtype)  # as the engine lays it out (vLLM's kernel widths)
             # Layers grouped by budget: a block holds one group's layers, so the same bytes are more blocks.
-            groups = engine_layer_groups(paged, max(map(len, prompts)) + args.gen_len, BLOCK_SIZE)
+            groups = engine_layer_groups(paged, max(map(len, prompts)) + args.gen_len, args.block_size)
             layers = config.num_hidden_layers
             per_block = len(groups[0]) if groups else layers
             settings = ({"method": method, "budget": budget} | ({"keep_prompt": True} if keep else {})
@@ -338,7 +342,7 @@ def main(argv=None) -> None:
         # prefix caching on with shared prefixes, but for a method that compresses prompts (it refuses it)
         caching = keep_prompt and (keepkv is None or bool(keepkv.get("keep_prompt")))
         row = run_engine(model_dir, prompts, args.gen_len, blocks, engine, progress, args.chunked_prefill, caching,
-                         args.tensor_parallel_size, probes, args.repeats)
+                         args.tensor_parallel_size, probes, args.repeats, args.block_size)
         return row | {"engine": engine_name(keepkv)}
 
     run_all(engines, run, vars(args), args.json)

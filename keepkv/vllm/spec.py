@@ -143,7 +143,8 @@ class KeepKVSpec(FullAttentionSpec):
         if self.layer_groups:
             budget += (f", layers in {len(self.layer_groups)} groups of {group_layers} with blocks of their own "
                        f"(by their budgets)")
-        line = (f"keepkv: {self.method} at {budget}: KV cache of {slots:,} slots (stock vLLM would hold "
+        of_group = " of one group" if self.layer_groups else ""  # a slot of each of the group's layers
+        line = (f"keepkv: {self.method} at {budget}: KV cache of {slots:,} slots{of_group} (stock vLLM would hold "
                 f"{stock_tokens:,} tokens in the same memory: each slot also holds {self.state_content_bytes - stock_bytes} "
                 f"bytes of scores and votes per KV head); requests at once: {'; '.join(counted)}")
         if losing:
@@ -189,6 +190,7 @@ def layer_groups(compression: PagedCompression, prompt_length: int, block_size: 
     raise AssertionError("one layer per group holds the fewest blocks")
 
 
+@functools.lru_cache(maxsize=16)  # each layer's attention and each group's metadata builder ask
 def engine_layer_groups(compression: PagedCompression, max_model_len: int, block_size: int) -> tuple[tuple[int, ...], ...]:
     """The layer groups an engine of context ``max_model_len`` and blocks of ``block_size`` slots
     serves ``compression`` with: by the slots each layer needs for a prompt of half the context
