@@ -114,8 +114,9 @@ class VllmCpuKernel:
         )
 
 
-# The PagedCompression of the engine configuration this process serves now (an engine's layers keep
-# their own reference, so a later engine of another configuration replaces it: one entry at most).
+# The PagedCompressions of the engine configuration this process serves now, one per layer group
+# ((settings, group) -> it; an engine's metadata builders keep their own reference, so a later
+# engine of another configuration replaces them).
 _COMPRESSIONS: dict[tuple, PagedCompression] = {}
 # The worker's engine, set when its attention layers are built: customize_spec() runs later,
 # outside vLLM's config context.
