@@ -414,6 +414,9 @@ def test_the_serving_bench_refuses_flags_it_cannot_honour(capsys):
                        (["--shared-prefix", "64", "--prompt-modes", "share", "--share-blocks", "1"],
                         "--share-blocks (the blocks of a chunk) must be >= 2"),
                        (["--blocks", "1"], "--blocks must be >= 2"),
+                       (["--block-size", "8"], "--block-size must be a multiple of 16"),
+                       (["--block-size", "100"], "--block-size must be a multiple of 16"),
+                       (["--block-size", "0"], "--block-size must be a multiple of 16"),
                        (["--repeats", "0"], "--repeats must be >= 1")]:
         with pytest.raises(SystemExit):
             bench.main(argv)

@@ -128,25 +128,33 @@ _WORKER: dict = {}
 _STEP: dict = {}
 
 
+def _wrap_runner(name: str, wrap) -> None:
+    """Replace vLLM's CPU model runner's method ``name`` by ``wrap(original)``, once (idempotent)."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    original = getattr(CPUModelRunner, name)
+    if getattr(original, "_keepkv", False):
+        return
+    wrapped = functools.wraps(original)(wrap(original))
+    wrapped._keepkv = True
+    setattr(CPUModelRunner, name, wrapped)
+
+
 def _hand_prompt_lengths() -> None:
     """Wrap vLLM's CPU model runner's ``_build_attention_metadata`` so that the metadata builder
     finds each row's prompt length in ``_STEP`` while it builds a step. Idempotent."""
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    original = CPUModelRunner._build_attention_metadata
-    if getattr(original, "_keepkv", False):
-        return
+    def wrap(original):
+        def build(self, *args, **kwargs):
+            _STEP["prompts"] = self.input_batch.num_prompt_tokens_cpu_tensor
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _STEP.clear()
 
-    @functools.wraps(original)
-    def build(self, *args, **kwargs):
-        _STEP["prompts"] = self.input_batch.num_prompt_tokens_cpu_tensor
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _STEP.clear()
+        return build
 
-    build._keepkv = True
-    CPUModelRunner._build_attention_metadata = build
+    _wrap_runner("_build_attention_metadata", wrap)
 
 
 def compression(vllm_config: VllmConfig, group: int = 0) -> PagedCompression | None:
@@ -184,24 +192,20 @@ def _group_layers() -> None:
     its layer group (``_WORKER["layer_groups"]``: the model's layers grouped by their budgets,
     :func:`keepkv.vllm.spec.layer_groups`); vLLM then gives each group a block table of its own.
     Idempotent."""
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    original = CPUModelRunner.get_kv_cache_spec
-    if getattr(original, "_keepkv", False):
-        return
+    def wrap(original):
+        def grouped(self, *args, **kwargs):
+            specs = original(self, *args, **kwargs)
+            groups = _WORKER.get("layer_groups", ())
+            if not groups:
+                return specs
+            group_of = {layer: index for index, group in enumerate(groups) for layer in group}
+            return {name: replace(spec, layer_groups=groups, group=group_of[extract_layer_index(name)])
+                    if isinstance(spec, KeepKVSpec) else spec for name, spec in specs.items()}
 
-    @functools.wraps(original)
-    def grouped(self, *args, **kwargs):
-        specs = original(self, *args, **kwargs)
-        groups = _WORKER.get("layer_groups", ())
-        if not groups:
-            return specs
-        group_of = {layer: index for index, group in enumerate(groups) for layer in group}
-        return {name: replace(spec, layer_groups=groups, group=group_of[extract_layer_index(name)])
-                if isinstance(spec, KeepKVSpec) else spec for name, spec in specs.items()}
+        return grouped
 
-    grouped._keepkv = True
-    CPUModelRunner.get_kv_cache_spec = grouped
+    _wrap_runner("get_kv_cache_spec", wrap)
 
 
 @dataclass
