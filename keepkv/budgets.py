@@ -172,7 +172,7 @@ def prompt_budgets(
 
 
 def decode_interval(interval: int, budgets: torch.Tensor, frozen: torch.Tensor | None = None) -> int:
-    """Every how many decode steps a cache of budgets ``budgets`` [L, B, H_kv] compresses: the
+    """Every how many decode steps a layer of budgets ``budgets`` [B, H_kv] compresses: the
     method's ``interval``, but no more than its smallest budget (beyond a kept prompt, ``frozen``
     [B]), so that a compression keeps at least one entry (``LayerStep.set_budget``: budget -
     (interval - 1)). One host read: at a prompt's end, never in a decode step."""
@@ -239,7 +239,7 @@ class RequestSizes:
         self.method, self.budget, self.config, self.keep_prompt = method, budget, config, keep_prompt
         self.decoding = "keep_prompt" if keep_prompt else "compress"
         self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
-        self._intervals: dict[int, int] = {}  # prompt length -> decode steps between compressions
+        self._intervals: dict[int, list[int]] = {}  # prompt length -> each layer's decode steps between compressions
 
     @functools.cached_property
     def layered(self) -> bool:
@@ -258,28 +258,31 @@ class RequestSizes:
             self._kept[prompt_length] = [MAX_BUDGET] * layers if budgets is None else budgets[:, 0, 0].tolist()
         return self._kept[prompt_length][layer]
 
-    def interval(self, prompt_length: int) -> int:
-        """Decode steps between compressions (:func:`keepkv.budgets.decode_interval`: the method's,
-        but no more than its smallest budget beyond a kept prompt), as the Hugging Face cache of
-        that request alone compresses."""
+    def interval(self, prompt_length: int, layer: int = 0) -> int:
+        """Decode steps between ``layer``'s compressions (:func:`keepkv.budgets.decode_interval`: the
+        method's, but no more than the layer's budget beyond a kept prompt), as the Hugging Face
+        cache of that request alone compresses: a layer of a small budget compresses more often."""
         if prompt_length not in self._intervals:
-            budgets = torch.tensor([self.kept(prompt_length, layer) for layer in range(self.config.num_hidden_layers)])
-            self._intervals[prompt_length] = decode_interval(
-                self.method.interval, budgets - (prompt_length if self.keep_prompt else 0))
-        return self._intervals[prompt_length]
+            layers = self.config.num_hidden_layers
+            frozen = prompt_length if self.keep_prompt else 0
+            self._intervals[prompt_length] = [
+                decode_interval(self.method.interval, torch.tensor([self.kept(prompt_length, each) - frozen]))
+                for each in range(layers)]
+        return self._intervals[prompt_length][layer]
 
     def stored(self, prompt_length: int, computed: int, layer: int = 0, closed: int | None = None) -> int:
         """Entries ``layer`` holds per head after ``computed`` tokens (prompt included).
 
         A layer keeps min(prompt, budget - (k - 1)) after the prefill, takes one entry per decode
         step and shrinks back every k = :meth:`interval` steps: min(P + t, budget - (k - 1) + t mod
-        k) after t decode steps (:func:`keepkv.budgets.held_entries`), never more than its budget.
+        k) after t decode steps (:func:`keepkv.budgets.held_entries`), never more than its budget
+        (k: the layer's own).
         ``closed``: the tokens it held at its close when more than its prompt (``keep_prompt``, a
         replay after a preemption: :class:`~keepkv.paged_requests.PagedBatch`); t counts from
         there, and every entry is held until its first compression, ``interval`` steps later.
         """
         closed = prompt_length if closed is None else closed
-        interval = self.interval(prompt_length)
+        interval = self.interval(prompt_length, layer)
         if self.keep_prompt and computed - closed < interval:
             return computed  # nothing compressed since its close (a kept prompt's close compresses nothing)
         return held_entries(self.kept(prompt_length, layer), closed, computed, interval)

@@ -574,10 +574,11 @@ class CompressedCache(Cache):
         self._fix_budgets(layers[0].real_seen)
         frozen = self.prompt_lengths if self.decoding == "keep_prompt" else None
         held = None if self.chunk_keep is None else self._prompt_held()
-        interval = 1 if self.layer_budgets is None else decode_interval(
-            self.method.interval, self.layer_budgets, frozen if held is None else held)
         for layer in layers:
             budget = None if self.layer_budgets is None else self.layer_budgets[layer.layer_idx]
+            # each layer its own interval: a small budget's does not slow the others' (decode_interval)
+            interval = 1 if budget is None else decode_interval(self.method.interval, budget,
+                                                                 frozen if held is None else held)
             self.step.close_prompt(layer, budget, self.row_budgets, frozen, layer.prefill_stats, interval, held)
             if self.record is None:
                 layer.prefill_stats = None

@@ -239,9 +239,9 @@ class PagedCompression:
         """Entries per head ``layer`` of a request keeps once its prompt is compressed."""
         return self.sizes.kept(prompt_length, layer)
 
-    def interval(self, prompt_length: int) -> int:
-        """Decode steps between a request's compressions."""
-        return self.sizes.interval(prompt_length)
+    def interval(self, prompt_length: int, layer: int = 0) -> int:
+        """Decode steps between ``layer``'s compressions of a request."""
+        return self.sizes.interval(prompt_length, layer)
 
     def stored(self, prompt_length: int, computed: int, layer: int = 0, closed: int | None = None) -> int:
         """Entries ``layer`` of a request holds per head after ``computed`` tokens (prompt included)."""
@@ -305,8 +305,8 @@ class PagedCompression:
         if plan.decoding and self.requests.query_rows:
             with _threads(STEP_THREADS):  # each decoding row's query, for its compression's statistics
                 self.requests.keep_queries(layer, query.index_select(0, plan.decode_tokens), plan.decode_slab_rows,
-                                           plan.decode_query_index)
-        for rows in plan.compressing:
+                                           plan.query_index(layer))
+        for rows in plan.compressing(layer):
             with _threads(STEP_THREADS):
                 plan.due.append(self._gather_due(slots, plan, rows, query, scaling, layer))
         if plan.due and runs_due(plan, layer, self.method):  # the step's last layer, or stores of many bytes
@@ -346,7 +346,7 @@ class PagedCompression:
                 output.index_copy_(0, call.tokens, attended)
         if ours:  # keepkv's paged kernel; the method's statistics of the step's query come back from the same pass
             call = plan.decode_call(ours, layer, _geometry(self.kernel, slots.layout))
-            want = bool(plan.compressing) and self.method.interval == 1
+            want = bool(plan.compressing(layer)) and self.method.interval == 1
             out, probs, logits = paged_decode(query.index_select(0, call.tokens), kv_cache, call.block_table,
                                               call.seq_lens, scaling, call.geometry, max_len=call.max_len,
                                               probs=want and self._decode_needs.probs,
@@ -372,7 +372,7 @@ class PagedCompression:
         store = slots.gather(plan.blocks_of(rows, max(written)), tuple(size - first for size in written),
                              tuple(batch.computed[r] + batch.offsets[r] + 1 for r in rows), layer, first)
         store.resume(state=self.requests.states([batch.first_block[r] for r in rows], layer),
-                     pending=plan.interval(rows))
+                     pending=plan.interval(rows, layer))
         stats = self._decode_stats(plan, rows, store, query, scaling, layer, first)
         return DueCompression(layer, slots, rows, store, stats, (store.positions.clone(), store.bias.clone()), first,
                               (budget, mean, frozen, held))
@@ -389,7 +389,7 @@ class PagedCompression:
             return StepStats(query=group_queries(query.index_select(0, tokens)[:, :, None], kv_heads),
                              scaling=scaling, is_prefill=False)
         attended, *stats = plan.cache.get(("stats", layer), ((),))
-        interval = plan.interval(rows)
+        interval = plan.interval(rows, layer)
         if interval == 1 and set(rows) <= set(attended):  # the kernel's pass gave them
             return _kernel_stats(stats, plan.index_among(attended, rows), store, query.index_select(0, tokens),
                                  scaling, prompt)

@@ -66,14 +66,15 @@ def compress_due(plan, step: LayerStep, requests: PagedRequests) -> None:
     rows' leading slots, its method state filed (``requests``)."""
     groups: dict = {}
     for due in plan.due:
-        groups.setdefault((tuple(due.rows), due.store.keys.shape[2], due.first), []).append(due)
+        interval = plan.interval(due.rows, due.layer)  # layers of one size share it: it follows the budget
+        groups.setdefault((tuple(due.rows), due.store.keys.shape[2], due.first, interval), []).append(due)
     plan.due = []
     for group in groups.values():
         alone = len(group) == 1
         store = group[0].store if alone else LayerStore.stack([due.store for due in group])
         budget, mean, frozen, held = (None if group[0].budgets[i] is None else torch.cat([due.budgets[i] for due in group])
                                       for i in range(4))
-        step.set_budget(store, budget, mean, frozen, plan.interval(group[0].rows), held)
+        step.set_budget(store, budget, mean, frozen, plan.interval(group[0].rows, group[0].layer), held)
         step.decode(store, group[0].stats if alone else StepStats.join([due.stats for due in group]))
         for due, part in zip(group, [store] if alone else store.split([len(due.rows) for due in group])):
             after = tuple(size - due.first for size in plan.held(due.rows, due.layer, "after"))

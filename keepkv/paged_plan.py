@@ -70,11 +70,10 @@ class StepPlan:
     chunks: list[int]  # prompt chunks read in place
     attending: list[int]  # rows whose new tokens are written and attended in place
     decoding: list[int]  # rows decoding a token (close rows too)
-    compressing: list[list[int]]  # decoding rows due to compress, by equal size
     decode_tokens: torch.Tensor
     decode_slab_rows: torch.Tensor
-    decode_query_index: torch.Tensor
     block_size: int
+    keeps_queries: bool = False  # the method reads every decoding query since a compression (PagedRequests.query_rows)
     cache: dict = field(default_factory=dict)
     due: list = field(default_factory=list)  # keepkv.paged_compress.DueCompression, waiting for the method
     # Attending rows by wave (keepkv.paged_chunks: a chunk ended by one wave is compressed before the
@@ -93,7 +92,6 @@ class StepPlan:
               device) -> "StepPlan":
         closing, dense, ending, chunks, attending, decoding = [], [], [], [], [], []
         layers = range(sizes.config.num_hidden_layers)
-        due = []
         for row, phase in enumerate(batch.phases):
             length, done = batch.query_lengths[row], batch.computed[row]
             if phase == "prefill":
@@ -107,24 +105,11 @@ class StepPlan:
                 if phase == "close":
                     closing.append(row)
                 decoding.append(row)
-                decoded = done - batch.closed[row] + 1  # decode steps so far, this one too
-                if decoded % sizes.interval(batch.prompt[row]) == 0:
-                    due.append(row)
             attending.append(row)
-        # Rows due to compress run together when they hold as many entries (their new entries are
-        # then the store's last slots, as in the Hugging Face cache); sizes are the same in every
-        # layer but PyramidKV's, whose layers scale them alike.
-        by_size: dict = {}
-        for row in due:
-            counts = tuple(held(sizes, batch, row, layer, False) for layer in layers)
-            key = (batch.prompt[row] if sizes.keep_prompt else 0, sizes.interval(batch.prompt[row]), counts)
-            by_size.setdefault(key, []).append(row)
         tokens = torch.tensor([batch.query_start[r] for r in decoding], dtype=torch.long)
         slab_rows = requests.slab_rows([batch.first_block[r] for r in decoding])
-        query_index = torch.tensor([(batch.computed[r] - batch.closed[r]) % sizes.interval(batch.prompt[r])
-                                    if requests.query_rows else 0 for r in decoding], dtype=torch.long)
-        plan = cls(batch, sizes, closing, dense, ending, chunks, attending, decoding, list(by_size.values()),
-                   tokens.to(device), slab_rows.to(device), query_index.to(device), block_size)
+        plan = cls(batch, sizes, closing, dense, ending, chunks, attending, decoding, tokens.to(device),
+                   slab_rows.to(device), block_size, bool(requests.query_rows))
         if batch.waves is not None and max(batch.waves, default=0) > 0:
             plan.waves = [[row for row in attending if batch.waves[row] == wave] for wave in range(max(batch.waves) + 1)]
         return plan
@@ -162,11 +147,47 @@ class StepPlan:
             self.cache[key] = (budgets[layer].to(device), mean.to(device), frozen, held)
         return self.cache[key]
 
-    def interval(self, rows: list[int]) -> int:
-        """The decode interval of rows compressed together: the rows due together share it
-        (:meth:`build` groups them by it); rows closing together may not (a budget below the
-        method's interval), and take the shortest."""
-        return min(self.sizes.interval(self.batch.prompt[r]) for r in rows)
+    def interval(self, rows: list[int], layer: int) -> int:
+        """The decode interval of ``layer`` for rows compressed together: the rows due together
+        share it (:meth:`compressing` groups them by it); rows closing together may not (a budget
+        below the method's interval), and take the shortest."""
+        return min(self.sizes.interval(self.batch.prompt[r], layer) for r in rows)
+
+    def _intervals(self, layer: int) -> tuple[int, ...]:
+        """Each decoding row's decode interval in ``layer`` (a layer of a small budget compresses
+        more often: :meth:`keepkv.budgets.RequestSizes.interval`)."""
+        key = ("intervals", layer if self.sizes.layered else 0)
+        if key not in self.cache:
+            self.cache[key] = tuple(self.sizes.interval(self.batch.prompt[r], layer) for r in self.decoding)
+        return self.cache[key]
+
+    def compressing(self, layer: int) -> list[list[int]]:
+        """The decoding rows due to compress in ``layer`` (their layer's interval came round), by
+        equal size: rows that hold as many entries run together (their new entries are then the
+        store's last slots, as in the Hugging Face cache)."""
+        intervals = self._intervals(layer)
+        key = ("compressing", intervals, self.held(self.decoding, layer, "written"))
+        if key not in self.cache:
+            batch, by_size = self.batch, {}
+            for row, interval in zip(self.decoding, intervals):
+                decoded = batch.computed[row] - batch.closed[row] + 1  # decode steps so far, this one too
+                if decoded % interval == 0:
+                    size = held(self.sizes, batch, row, layer, False)
+                    by_size.setdefault((batch.prompt[row] if self.sizes.keep_prompt else 0, interval, size), []).append(row)
+            self.cache[key] = list(by_size.values())
+        return self.cache[key]
+
+    def query_index(self, layer: int) -> torch.Tensor:
+        """[N] where each decoding row's query goes among its kept queries in ``layer``: its decode
+        steps since its last compression of that layer (0 where no query is kept)."""
+        intervals = self._intervals(layer)
+        key = ("query index", intervals)
+        if key not in self.cache:
+            batch = self.batch
+            self.cache[key] = torch.tensor([(batch.computed[r] - batch.closed[r]) % interval if self.keeps_queries else 0
+                                            for r, interval in zip(self.decoding, intervals)],
+                                           dtype=torch.long).to(self.decode_tokens.device)
+        return self.cache[key]
 
     def starts(self, rows: list[int]) -> tuple:
         """The first slot each row may write: with ``keep_prompt`` a prompt's slots (which its own

@@ -176,6 +176,6 @@ class PagedPrompts:
         self.step.observe_prompt(store, stats)
         budget, mean, frozen, held = plan.budgets(rows, layer, store.device)
         before = None if everything else (store.positions.clone(), store.bias.clone())
-        self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(rows), held)
+        self.step.close_prompt(store, budget, mean, frozen, stats, plan.interval(rows, layer), held)
         slots.write_back(plan.blocks_of(rows, first + max(sizes)), plan.starts(rows), store, sizes, before, first)
         self.requests.file_states(store.state, [plan.batch.first_block[r] for r in rows], layer)

@@ -249,7 +249,8 @@ class LayeredEngine(Engine):
         return {r: torch.stack(out, 1) for r, out in outputs.items()}, batch
 
 
-@pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "keepkv+interval=3", "h2o+interval=3", LEARNED])
+@pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "keepkv+interval=3", "h2o+interval=3", LEARNED,
+                                    "pyramidkv+window=2+kernel=1+interval=8"])
 @pytest.mark.parametrize("budget", [0.5, 3])
 def test_a_steps_layers_compress_as_one_batch(method, budget, monkeypatch):
     """A step whose batch says every layer runs it (``layers``) compresses its layers' due rows at
@@ -495,20 +496,27 @@ def test_a_decode_step_moves_only_what_changed(method):
 
 
 @pytest.mark.parametrize("method", ["pyramidkv+window=2+kernel=1", "pyramidkv+window=2+kernel=1+interval=3",
-                                    LEARNED.replace("+budgets=uniform", "")])
+                                    "pyramidkv+window=2+kernel=1+interval=8", LEARNED.replace("+budgets=uniform", ""),
+                                    LEARNED.replace("+budgets=uniform", "+interval=8")])
 @pytest.mark.parametrize("budget", [6, 0.3])
 def test_per_layer_budgets_decode_as_alone_in_every_layer(method, budget):
     """PyramidKV's layers keep budgets of their own (larger below), as the learned selection's
     trained split (its scorer's shares, larger below here): each layer of paged requests gives that
-    layer's output in a CompressedCache of its own, and holds what ``stored`` says for it.
+    layer's output in a CompressedCache of its own, and holds what ``stored`` says for it. Each
+    layer compresses at its own interval (interval=8 at budget 6: every 8, 6 and 2 steps for
+    PyramidKV's layers), as the Hugging Face cache's layers do.
 
     kernel=1: SnapKV's max-pooling gives random keys' neighbours equal scores, and a batch may
     then keep the other of two tied entries (the Hugging Face path's batches too)."""
     paged = PagedCompression(CONFIG, method, budget)
     kept = [paged.kept(40, layer) for layer in range(CONFIG.num_hidden_layers)]
     assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]  # a pyramid, for a 40-token prompt
-    for layer in range(CONFIG.num_hidden_layers):
-        for engine, request, _, reference in decode_beside_alone(paged, method, budget, layer, layer, 7):
+    layers = range(CONFIG.num_hidden_layers)
+    intervals = [paged.interval(40, layer) for layer in layers]
+    assert intervals == [min(paged.method.interval, each) for each in kept]
+    for layer in layers:
+        for engine, request, _, reference in decode_beside_alone(paged, method, budget, layer, layer, 7 + max(intervals)):
+            assert reference.layers[layer].interval == paged.interval(engine.prompt[request], layer)
             held = int(reference.layers[layer].live_counts().max())
             assert held == paged.stored(engine.prompt[request], engine.computed[request], layer)
             assert held <= paged.capacity(engine.prompt[request])
