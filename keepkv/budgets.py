@@ -238,7 +238,7 @@ class RequestSizes:
     def __init__(self, method, budget, config, keep_prompt: bool):
         self.method, self.budget, self.config, self.keep_prompt = method, budget, config, keep_prompt
         self.decoding = "keep_prompt" if keep_prompt else "compress"
-        self._kept: dict[int, list[int]] = {}  # prompt length -> entries each layer keeps
+        self._kept: dict[int, tuple[list[int], int]] = {}  # prompt length -> (entries each layer keeps, mean)
         self._intervals: dict[int, list[int]] = {}  # prompt length -> each layer's decode steps between compressions
 
     @functools.cached_property
@@ -251,12 +251,21 @@ class RequestSizes:
         """Entries per head ``layer`` keeps once compressed (:func:`keepkv.budgets.prompt_budgets`, the
         Hugging Face cache's rule; the same for every head of a layer, and for every layer but
         PyramidKV's), fixed by the prompt's length."""
+        return self._budgets(prompt_length)[0][layer]
+
+    def mean(self, prompt_length: int) -> int:
+        """The request's mean budget per layer (what a recent window is a share of: the second of
+        :func:`keepkv.budgets.prompt_budgets`), fixed by the prompt's length."""
+        return self._budgets(prompt_length)[1]
+
+    def _budgets(self, prompt_length: int) -> tuple[list[int], int]:
         if prompt_length not in self._kept:
-            budgets, _ = prompt_budgets(self.method, self.budget, self.decoding, self.config.num_hidden_layers,
-                                        self.config.num_key_value_heads, torch.tensor([prompt_length]))
+            budgets, mean = prompt_budgets(self.method, self.budget, self.decoding, self.config.num_hidden_layers,
+                                           self.config.num_key_value_heads, torch.tensor([prompt_length]))
             layers = self.config.num_hidden_layers
-            self._kept[prompt_length] = [MAX_BUDGET] * layers if budgets is None else budgets[:, 0, 0].tolist()
-        return self._kept[prompt_length][layer]
+            self._kept[prompt_length] = ([MAX_BUDGET] * layers if budgets is None else budgets[:, 0, 0].tolist(),
+                                         int(mean[0]))
+        return self._kept[prompt_length]
 
     def interval(self, prompt_length: int, layer: int = 0) -> int:
         """Decode steps between ``layer``'s compressions (:func:`keepkv.budgets.decode_interval`: the

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .budgets import RequestSizes, prompt_budgets
+from .budgets import RequestSizes
 from .kernels.paged import PagedGeometry
 from .paged_layout import PagedLayout
 from .paged_requests import PagedBatch, PagedRequests
@@ -137,14 +137,17 @@ class StepPlan:
         key = ("budgets", tuple(rows), layer)
         if key not in self.cache:
             sizes = self.sizes
-            prompts = torch.tensor([self.batch.prompt[r] for r in rows])  # every row but a chunk's knows its prompt
-            budgets, mean = prompt_budgets(sizes.method, sizes.budget, sizes.decoding, sizes.config.num_hidden_layers,
-                                           sizes.config.num_key_value_heads, prompts)
+            prompts = [self.batch.prompt[r] for r in rows]  # every row but a chunk's knows its prompt
+            # A row's budgets are its prompt's alone (its share, the allocation and its fit are per
+            # row): the request's sizes, known per prompt length, the same for every head.
+            budget = torch.tensor([sizes.kept(prompt, layer) for prompt in prompts])
+            mean = torch.tensor([sizes.mean(prompt) for prompt in prompts])
             frozen = held = None
             if sizes.keep_prompt:
                 frozen = torch.tensor([self.batch.frozen[r] for r in rows]).to(device)
-                held = prompts.to(device) if any(self.batch.offsets[r] for r in rows) else None
-            self.cache[key] = (budgets[layer].to(device), mean.to(device), frozen, held)
+                held = torch.tensor(prompts).to(device) if any(self.batch.offsets[r] for r in rows) else None
+            kv_heads = sizes.config.num_key_value_heads
+            self.cache[key] = (budget[:, None].repeat(1, kv_heads).to(device), mean.to(device), frozen, held)
         return self.cache[key]
 
     def interval(self, rows: list[int], layer: int) -> int:
@@ -218,10 +221,17 @@ class StepPlan:
         key = ("new", sizes)
         if key not in self.cache:
             row, within, lengths, table, tokens, positions = self._new_tokens()
-            slot = (torch.tensor(sizes) - lengths)[row] + within  # each new token's slot: after what its row held
-            block = table[row, slot // self.block_size]
-            self.cache[key] = ((block * self.block_size + slot % self.block_size).to(self.decode_tokens.device),
-                               tokens, positions)
+            size = self.block_size
+            if len(row) == len(self.attending):  # a token a row (a decode step): its slot is its row's last
+                if "tables" not in self.cache:
+                    self.cache["tables"] = table.tolist()
+                tables = self.cache["tables"]
+                slots = torch.tensor([tables[index][(held - 1) // size] * size + (held - 1) % size
+                                      for index, held in enumerate(sizes)])
+            else:
+                slot = (torch.tensor(sizes) - lengths)[row] + within  # each new token's slot: after what its row held
+                slots = table[row, slot // size] * size + slot % size
+            self.cache[key] = (slots.to(self.decode_tokens.device), tokens, positions)
         return self.cache[key]
 
     def _new_tokens(self) -> tuple:
