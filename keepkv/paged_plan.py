@@ -1,7 +1,8 @@
 """A paged step's plan: the rows and index tensors one engine step shares among its layers.
 
 :class:`StepPlan` sorts a step's requests by what they do (:class:`~keepkv.paged_requests.PagedBatch`'s
-phases) and builds, once per step (per layer where layers hold different sizes, PyramidKV's), the
+phases) and builds, once per step (per layer where layers hold different sizes or compress at
+intervals of their own, PyramidKV's), the
 index tensors the layers read, on the host, from token counts
 (:class:`keepkv.budgets.RequestSizes`: what a layer of a request holds after any token).
 """
@@ -93,7 +94,7 @@ class StepPlan:
         closing, dense, ending, chunks, attending, decoding = [], [], [], [], [], []
         layers = range(sizes.config.num_hidden_layers)
         for row, phase in enumerate(batch.phases):
-            length, done = batch.query_lengths[row], batch.computed[row]
+            length = batch.query_lengths[row]
             if phase == "prefill":
                 if length > min(sizes.stored(length, length, layer) for layer in layers):
                     dense.append([row])
@@ -226,8 +227,8 @@ class StepPlan:
                 if "tables" not in self.cache:
                     self.cache["tables"] = table.tolist()
                 tables = self.cache["tables"]
-                slots = torch.tensor([tables[index][(held - 1) // size] * size + (held - 1) % size
-                                      for index, held in enumerate(sizes)])
+                slots = torch.tensor([tables[index][(count - 1) // size] * size + (count - 1) % size
+                                      for index, count in enumerate(sizes)])
             else:
                 slot = (torch.tensor(sizes) - lengths)[row] + within  # each new token's slot: after what its row held
                 slots = table[row, slot // size] * size + slot % size
