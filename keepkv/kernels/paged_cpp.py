@@ -140,7 +140,7 @@ _MODULES: dict = {}  # $KEEPKV_CPP_ISA as set at the call -> the built module
 
 def _cpp_decode(query, kv_cache, block_table, seq_lens, scaling, geometry, max_len: int, logits: bool, probs: bool):
     """:func:`keepkv.kernels.paged.paged_decode` on the C++ kernel (its arguments already checked
-    by ``paged._check``): fp32, bf16 and fp16 caches on CPU. ValueError, in one line, for a cache or
+    by ``paged_geometry.check_call``): fp32, bf16 and fp16 caches on CPU. ValueError, in one line, for a cache or
     query off the CPU, a request longer than ``max_len`` or a block outside the cache (both checked
     in the kernel, before it reads anything)."""
     if kv_cache.device.type != "cpu" or query.device.type != "cpu":

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from .paged import PagedGeometry, _check
+from .paged_geometry import PagedGeometry, check_call
 
 try:  # the optional extra: pip install -e ".[gpu]"
     import triton
@@ -147,7 +147,7 @@ def triton_paged_decode(query, kv_cache, block_table, seq_lens, scaling: float, 
     """
     if triton is None:
         raise ImportError('keepkv\'s paged Triton kernel needs Triton: pip install -e ".[gpu]"')
-    _check(query, kv_cache, block_table, seq_lens, geometry, max_len)
+    check_call(query, kv_cache, block_table, seq_lens, geometry, max_len)
     size = geometry.block_size
     if size < 16 or size & (size - 1):
         raise ValueError(f"the triton backend needs block_size a power of 2 >= 16 (tl.dot's smallest tile); got {size}")
