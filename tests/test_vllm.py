@@ -765,6 +765,7 @@ def test_a_spec_of_another_layer_group_never_merges_and_the_line_counts_every_gr
     size = len(groups[0])
     stock_tokens = 329 * 128 * content * size // (256 * 30)
     assert f"layers in {len(groups)} groups of {size} with blocks of their own" in line
+    assert f"KV cache of {329 * 128:,} slots, each of one group's {size} layers (" in line
     assert f"(stock vLLM would hold {stock_tokens:,} tokens" in line
     for prompt, generated in ((7680, 512), (1024, 1024)):
         blocks = sum(math.ceil(min(prompt + generated, paged.capacity(prompt, group)) / 128) for group in groups)

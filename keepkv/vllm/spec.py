@@ -143,7 +143,8 @@ class KeepKVSpec(FullAttentionSpec):
         if self.layer_groups:
             budget += (f", layers in {len(self.layer_groups)} groups of {group_layers} with blocks of their own "
                        f"(by their budgets)")
-        of_group = " of one group" if self.layer_groups else ""  # a slot of each of the group's layers
+        # a block serves one group at a time: its slots hold that group's layers only
+        of_group = f", each of one group's {group_layers} layers" if self.layer_groups else ""
         line = (f"keepkv: {self.method} at {budget}: KV cache of {slots:,} slots{of_group} (stock vLLM would hold "
                 f"{stock_tokens:,} tokens in the same memory: each slot also holds {self.state_content_bytes - stock_bytes} "
                 f"bytes of scores and votes per KV head); requests at once: {'; '.join(counted)}")
