@@ -175,3 +175,19 @@ def test_compiled_step_counts_its_launches_without_syncs():
     assert 0 < compiled["method_ops"] < eager["method_ops"]
     assert compiled["method_syncs"] == 0 and compiled["syncs"] == {}
     assert compiled["model_ops"] == eager["model_ops"] and compiled["append_ops"] == eager["append_ops"]
+
+
+def test_the_embedded_models_shape_counts_the_learned_selection_with_its_shipped_scorer():
+    """The bench's random stand-in of the embedded model (``--config smollm2-135m``, its depth) is
+    keyed as the model (architecture included), so the learned selection's shipped scorer runs on
+    it and its decode step is counted; at another depth the scorer is refused, in the errors."""
+    from keepkv.bench.configs import build_config, random_model
+    from keepkv.scorer import cached_scorer, config_key, default_scorer
+
+    assert config_key(build_config("smollm2-135m")) == cached_scorer(default_scorer()).key
+    model = random_model(build_config("smollm2-135m"), seed=0)
+    result = run_ops(model, ["snapkv+selection=learned"], 0.25, prompt_len=48, batch=1, warm_steps=1, progress=False)
+    assert not result["errors"] and result["methods"][0]["method_ops"] > 0
+    shallow = run_ops(random_model(build_config("smollm2-135m", layers=2), seed=0), ["snapkv+selection=learned"], 0.25,
+                      prompt_len=48, batch=1, warm_steps=1, progress=False)
+    assert "snapkv+selection=learned" in shallow["errors"] and not shallow["methods"]

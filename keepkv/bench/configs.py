@@ -27,15 +27,20 @@ def _shape(vocab, hidden, intermediate, layers, heads, kv_heads, positions, eps,
     )
 
 
-# name -> (config class, kwargs). The public shapes of each model family.
+# name -> (config class, kwargs). The public shapes of each model family, with the architecture
+# their hub configs name (a learned scorer is keyed to it: keepkv.scorer.config_key).
+LLAMA, MISTRAL, QWEN2 = (dict(architectures=[name]) for name in ("LlamaForCausalLM", "MistralForCausalLM",
+                                                                   "Qwen2ForCausalLM"))
 CONFIGS: dict[str, tuple[type, dict]] = {
     #                              vocab   hidden inter  layers heads kv  positions eps    rope theta
-    "llama2-7b": (LlamaConfig, _shape(32000, 4096, 11008, 32, 32, 32, 4096, 1e-5, 10000.0)),
-    "llama3-8b": (LlamaConfig, _shape(128256, 4096, 14336, 32, 32, 8, 8192, 1e-5, 500000.0)),
+    "llama2-7b": (LlamaConfig, _shape(32000, 4096, 11008, 32, 32, 32, 4096, 1e-5, 10000.0, **LLAMA)),
+    "llama3-8b": (LlamaConfig, _shape(128256, 4096, 14336, 32, 32, 8, 8192, 1e-5, 500000.0, **LLAMA)),
     # v0.2 shape: no sliding window
-    "mistral-7b": (MistralConfig, _shape(32000, 4096, 14336, 32, 32, 8, 32768, 1e-5, 1000000.0, sliding_window=None)),
-    "qwen2-7b": (Qwen2Config, _shape(152064, 3584, 18944, 28, 28, 4, 32768, 1e-6, 1000000.0, use_sliding_window=False)),
-    "smollm2-135m": (LlamaConfig, _shape(49152, 576, 1536, 30, 9, 3, 8192, 1e-5, 100000.0, tied=True)),
+    "mistral-7b": (MistralConfig, _shape(32000, 4096, 14336, 32, 32, 8, 32768, 1e-5, 1000000.0, sliding_window=None,
+                                         **MISTRAL)),
+    "qwen2-7b": (Qwen2Config, _shape(152064, 3584, 18944, 28, 28, 4, 32768, 1e-6, 1000000.0, use_sliding_window=False,
+                                     **QWEN2)),
+    "smollm2-135m": (LlamaConfig, _shape(49152, 576, 1536, 30, 9, 3, 8192, 1e-5, 100000.0, tied=True, **LLAMA)),
 }
 
 
