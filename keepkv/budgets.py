@@ -171,13 +171,16 @@ def prompt_budgets(
     return layer_budgets(method, layers, kv_heads, budget, prompt_lengths, scores), per_row
 
 
-def decode_interval(interval: int, budgets: torch.Tensor, frozen: torch.Tensor | None = None) -> int:
+def decode_interval(interval: int, budgets: torch.Tensor, frozen: torch.Tensor | None = None,
+                    protected: int = 0) -> int:
     """Every how many decode steps a layer of budgets ``budgets`` [B, H_kv] compresses: the
-    method's ``interval``, but no more than its smallest budget (beyond a kept prompt, ``frozen``
-    [B]), so that a compression keeps at least one entry (``LayerStep.set_budget``: budget -
-    (interval - 1)). One host read: at a prompt's end, never in a decode step."""
+    method's ``interval``, but no more than half its smallest budget (beyond a kept prompt,
+    ``frozen`` [B]) less its ``protected`` entries (``Method.protected_entries``: sinks, a recent
+    window), so that a compression (``LayerStep.set_budget``: to budget - (interval - 1)) keeps
+    them and at least half of its scored entries; 1 where the budget holds no more than them.
+    One host read: at a prompt's end, never in a decode step."""
     open_budget = budgets if frozen is None else budgets - frozen[:, None].to(budgets.device)
-    return max(1, min(interval, int(open_budget.min())))
+    return max(1, min(interval, (int(open_budget.min()) - protected) // 2))
 
 
 def held_entries(kept: int, prompt_length: int, computed: int, interval: int) -> int:
@@ -275,7 +278,8 @@ class RequestSizes:
             layers = self.config.num_hidden_layers
             frozen = prompt_length if self.keep_prompt else 0
             self._intervals[prompt_length] = [
-                decode_interval(self.method.interval, torch.tensor([self.kept(prompt_length, each) - frozen]))
+                decode_interval(self.method.interval, torch.tensor([self.kept(prompt_length, each) - frozen]),
+                                protected=self.method.protected_entries())
                 for each in range(layers)]
         return self._intervals[prompt_length][layer]
 

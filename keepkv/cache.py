@@ -578,7 +578,8 @@ class CompressedCache(Cache):
             budget = None if self.layer_budgets is None else self.layer_budgets[layer.layer_idx]
             # each layer its own interval: a small budget's does not slow the others' (decode_interval)
             interval = 1 if budget is None else decode_interval(self.method.interval, budget,
-                                                                 frozen if held is None else held)
+                                                                 frozen if held is None else held,
+                                                                 self.method.protected_entries())
             self.step.close_prompt(layer, budget, self.row_budgets, frozen, layer.prefill_stats, interval, held)
             if self.record is None:
                 layer.prefill_stats = None

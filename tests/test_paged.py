@@ -463,19 +463,20 @@ def test_an_uncompressed_request_holds_what_stock_vllm_holds(method, budget):
 
 
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "keepkv", "keepkv+threshold=-1.0+protect=0+max_value_change=None+min_mass=0",
-                                    "snapkv+interval=4", "keepkv+interval=4"])
+                                    "snapkv+window=2+interval=4", "keepkv+selection.window=2+interval=4"])
 def test_a_decode_step_moves_only_what_changed(method):
     """A decode step writes the key and value of its new token only (one slot per request); a step
     that compresses also writes the slots whose entry or votes changed, a few per request. An
     entry that stays keeps its slot, with its key and value bytes as they were unless its votes
     changed (a merge into it). A short prompt beside longer ones fills its own slots in order."""
     generator = torch.Generator().manual_seed(3)
-    paged = PagedCompression(CONFIG, method, 8)
+    paged = PagedCompression(CONFIG, method, 10)  # interval 4 (at most half of 10 less a window of 2)
     engine = Engine(paged)
     prompts = {0: 3, 1: 25, 2: 60}
     engine.step({r: tokens(generator, n) for r, n in prompts.items()})
     writes = CacheWrites(paged)
-    interval = paged.method.interval
+    interval = paged.interval(60)
+    assert interval == paged.method.interval
     for step in range(9):
         before = {r: held_slots(engine, r) for r in prompts}
         writes.slots.clear()
@@ -503,8 +504,9 @@ def test_per_layer_budgets_decode_as_alone_in_every_layer(method, budget):
     """PyramidKV's layers keep budgets of their own (larger below), as the learned selection's
     trained split (its scorer's shares, larger below here): each layer of paged requests gives that
     layer's output in a CompressedCache of its own, and holds what ``stored`` says for it. Each
-    layer compresses at its own interval (interval=8 at budget 6: every 8, 6 and 2 steps for
-    PyramidKV's layers), as the Hugging Face cache's layers do.
+    layer compresses at its own interval (interval=8 at budget 6: every 4, 2 and 1 steps for
+    PyramidKV's layers of 10, 6 and 2 entries, at most half of what each holds beyond its 2
+    protected ones), as the Hugging Face cache's layers do.
 
     kernel=1: SnapKV's max-pooling gives random keys' neighbours equal scores, and a batch may
     then keep the other of two tied entries (the Hugging Face path's batches too)."""
@@ -513,7 +515,8 @@ def test_per_layer_budgets_decode_as_alone_in_every_layer(method, budget):
     assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]  # a pyramid, for a 40-token prompt
     layers = range(CONFIG.num_hidden_layers)
     intervals = [paged.interval(40, layer) for layer in layers]
-    assert intervals == [min(paged.method.interval, each) for each in kept]
+    protected = paged.method.protected_entries()
+    assert intervals == [max(1, min(paged.method.interval, (each - protected) // 2)) for each in kept]
     for layer in layers:
         for engine, request, _, reference in decode_beside_alone(paged, method, budget, layer, layer, 7 + max(intervals)):
             assert reference.layers[layer].interval == paged.interval(engine.prompt[request], layer)
@@ -542,7 +545,7 @@ def test_keepkv_merges_and_keeps_its_state_per_request(method):
 
 
 @pytest.mark.parametrize("cpp", [True, False])
-@pytest.mark.parametrize("method", ["snapkv+interval=3", "keepkv+interval=3", "h2o+interval=3"])
+@pytest.mark.parametrize("method", ["snapkv+window=2+interval=3", "keepkv+selection.window=2+interval=3", "h2o+interval=3"])
 def test_compressions_read_the_kept_queries_softmax_on_either_backend(method, cpp, monkeypatch):
     """A compression's kept queries get their softmax from keepkv's C++ pass where it builds, else
     from torch's (keepkv.kernels.kept): either way every request decodes as alone."""
@@ -555,8 +558,9 @@ def test_compressions_read_the_kept_queries_softmax_on_either_backend(method, cp
     calls = []
     in_cpp = keepkv.kernels.kept._kept_cpp
     monkeypatch.setattr(keepkv.kernels.kept, "_kept_cpp", lambda *args: calls.append(args[0].shape) or in_cpp(*args))
-    paged = PagedCompression(CONFIG, method, 6)
-    for _ in decode_beside_alone(paged, method, 6, 1, 7, 8):
+    paged = PagedCompression(CONFIG, method, 8)  # interval 3 (at most half of 8 less a window of 2)
+    assert paged.interval(60) == 3
+    for _ in decode_beside_alone(paged, method, 8, 1, 7, 8):
         pass
     assert bool(calls) == cpp
     assert all(shape[3] == 3 for shape in calls)  # the interval's kept queries
