@@ -256,10 +256,10 @@ class PagedCompression:
     def batch(
         self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
         prefilling: list[bool] | None = None, block_size: int | None = None, prompts: list[int] | None = None,
-        layers: int | None = None,
+        layers: int | None = None, due: list | None = None,
     ) -> PagedBatch:
         """The step's :class:`PagedBatch`, each request in its phase (:meth:`keepkv.paged_requests.PagedRequests.batch`)."""
-        return self.requests.batch(query_start, seq_lens, block_table, prefilling, block_size, prompts, layers)
+        return self.requests.batch(query_start, seq_lens, block_table, prefilling, block_size, prompts, layers, due)
 
     def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float, layer: int = 0):
         """One attention call of every request in ``batch``, for the model's layer ``layer``.
@@ -311,7 +311,7 @@ class PagedCompression:
                 plan.due.append(self._gather_due(slots, plan, rows, query, scaling, layer))
         if plan.due and runs_due(plan, layer, self.method):  # the step's last layer, or stores of many bytes
             with _threads(STEP_THREADS):
-                compress_due(plan, self.step, self.requests)
+                compress_due(plan, self.step)
         return output
 
     # -- writes and the kernels --------------------------------------------------------------------
@@ -374,8 +374,8 @@ class PagedCompression:
         store.resume(state=self.requests.states([batch.first_block[r] for r in rows], layer),
                      pending=plan.interval(rows, layer))
         stats = self._decode_stats(plan, rows, store, query, scaling, layer, first)
-        return DueCompression(layer, slots, rows, store, stats, (store.positions.clone(), store.bias.clone()), first,
-                              (budget, mean, frozen, held))
+        return DueCompression(layer, plan, self.requests, slots, rows, store, stats,
+                              (store.positions.clone(), store.bias.clone()), first, (budget, mean, frozen, held))
 
     def _decode_stats(self, plan: StepPlan, rows, store: LayerStore, query, scaling, layer, prompt: int = 0) -> StepStats:
         """What the attention of the ``interval`` decoding queries since the last compression gave:

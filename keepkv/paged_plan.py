@@ -76,7 +76,9 @@ class StepPlan:
     block_size: int
     keeps_queries: bool = False  # the method reads every decoding query since a compression (PagedRequests.query_rows)
     cache: dict = field(default_factory=dict)
-    due: list = field(default_factory=list)  # keepkv.paged_compress.DueCompression, waiting for the method
+    # keepkv.paged_compress.DueCompression, waiting for the method: the batch's list where it has one
+    # (PagedBatch.due, every layer group's), else the plan's own
+    due: list = field(default_factory=list)
     # Attending rows by wave (keepkv.paged_chunks: a chunk ended by one wave is compressed before the
     # next attends); [None]: every attending row at once.
     waves: list = field(default_factory=lambda: [None])
@@ -111,6 +113,8 @@ class StepPlan:
         slab_rows = requests.slab_rows([batch.first_block[r] for r in decoding])
         plan = cls(batch, sizes, closing, dense, ending, chunks, attending, decoding, tokens.to(device),
                    slab_rows.to(device), block_size, bool(requests.query_rows))
+        if batch.due is not None:
+            plan.due = batch.due
         if batch.waves is not None and max(batch.waves, default=0) > 0:
             plan.waves = [[row for row in attending if batch.waves[row] == wave] for wave in range(max(batch.waves) + 1)]
         return plan

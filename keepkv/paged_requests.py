@@ -50,10 +50,14 @@ class PagedBatch:
     closed: list[int] | None = None
     # The model's layers that run this batch, each once and in order (an engine's step), are among
     # the first ``layers``, the last of them layer ``layers - 1`` (an engine's group of layers with
-    # blocks of their own passes its last layer + 1): a layer's due compressions then wait for that
-    # layer, which runs them as one batch. None: each layer runs its own (a caller that may run only
-    # some layers).
+    # blocks of their own passes its last layer + 1, or the model's with ``due``): a layer's due
+    # compressions then wait for that layer, which runs them as one batch. None: each layer runs its
+    # own (a caller that may run only some layers).
     layers: int | None = None
+    # The step's gathered compressions (keepkv.paged_compress), where the batches of an engine's layer
+    # groups share one list: each group's layers then gather into it and the model's last layer
+    # (``layers`` - 1, whichever group holds it) compresses them together. None: the batch's own.
+    due: list | None = None
     # A prompt compressed chunk by chunk (``chunk_blocks``: keepkv.paged_chunks): [R] position - slot
     # of each row's tokens, the prompt's tokens (what a kept prompt freezes, by position), the
     # first slot of the chunk the row's tokens end (-1: none), and the row's wave (a step's rows
@@ -124,7 +128,7 @@ class PagedRequests:
     # -- a step's phases ---------------------------------------------------------------------------
     def batch(self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
               prefilling: list[bool] | None = None, block_size: int | None = None,
-              prompts: list[int] | None = None, layers: int | None = None) -> PagedBatch:
+              prompts: list[int] | None = None, layers: int | None = None, due: list | None = None) -> PagedBatch:
         """The step's :class:`PagedBatch`: ``query_start`` [R+1] where each request's new tokens start,
         ``seq_lens`` [R] the tokens each holds after the step, ``block_table`` [R, max_blocks].
 
@@ -142,7 +146,8 @@ class PagedRequests:
         A request's prompt length is filed under its first block, which it holds until it ends;
         with ``keep_prompt`` (whose requests may share leading blocks) under the block of its first
         generated slot (``block_size``: the engine's, needed then). ``layers``: the model's layers
-        that run the batch, each once and in order (:attr:`PagedBatch.layers`), or None.
+        that run the batch, each once and in order (:attr:`PagedBatch.layers`), or None; ``due``:
+        a list the batches of an engine's other layer groups share (:attr:`PagedBatch.due`), or None.
         """
         layers = as_int("layers", layers, low=1, none_ok=True)  # before the step is planned
         lengths = [end - start for start, end in zip(query_start, query_start[1:])]
@@ -159,7 +164,7 @@ class PagedRequests:
             if self.chunked and prefilling is None:
                 raise ValueError("a chunked PagedCompression needs each request's prefilling flag")
             batch = self._prompt_batch(query_start, lengths, computed, block_table, prefilling)
-        batch.layers = layers
+        batch.layers, batch.due = layers, due
         with self._lock:
             self.steps += 1
             for key in batch.first_block:

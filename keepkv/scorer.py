@@ -181,13 +181,17 @@ class Scorer:
             self._placed[device] = {name: t.to(device, torch.float32) for name, t in self.tensors.items()}
         return self._placed[device]
 
-    def predict(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+    def predict(self, layer_idx: int | tuple[int, ...], keys: torch.Tensor, values: torch.Tensor,
                 positions: torch.Tensor | None = None, first_head: int = 0) -> torch.Tensor:
-        """[B, H_kv, S] fp32 predicted log KVzip scores of layer ``layer_idx``'s entries: keys
-        (after RoPE), values [B, H_kv, S, D], positions [B, H_kv, S] (read by the feature sets that
-        un-rotate the keys); the H_kv heads are the model's from ``first_head`` (a rank's)."""
+        """[B, H_kv, S] fp32 predicted log KVzip scores of layer ``layer_idx``'s entries (or, a tuple
+        [B], of each row's layer: a store of several layers' rows): keys (after RoPE), values
+        [B, H_kv, S, D], positions [B, H_kv, S] (read by the feature sets that un-rotate the keys);
+        the H_kv heads are the model's from ``first_head`` (a rank's)."""
         kv_heads = keys.shape[1]
-        if not self.fits(layer_idx, kv_heads, keys.shape[-1], first_head):
+        rows = isinstance(layer_idx, tuple)
+        if rows and len(layer_idx) != keys.shape[0]:
+            raise ValueError(f"predict: {len(layer_idx)} row layers for {keys.shape[0]} rows")
+        if not self.fits(max(layer_idx) if rows else layer_idx, kv_heads, keys.shape[-1], first_head):
             heads = f"{kv_heads} heads" + (f" from head {first_head}" if first_head else "")
             raise ValueError(
                 f"this scorer scores {self.layers} layers of {self.kv_heads} KV heads of {self.head_dim}; got layer "
@@ -198,11 +202,14 @@ class Scorer:
         tensors = self._on(keys.device)
         if kv_heads != self.kv_heads:  # every tensor is [L, H, ...]
             tensors = {name: t[:, first_head : first_head + kv_heads] for name, t in tensors.items()}
-        return self._predict(tensors, layer_idx, x)
+        # each row's layer's tensors [B, H, ...]: one gather each, by an index copied to the device (a
+        # compression's; it reads the host anyway: keepkv.paged_slots)
+        layer = torch.tensor(layer_idx, device=keys.device) if rows else layer_idx
+        return self._predict(tensors, layer, x)
 
     def _predict(self, t: dict, layer, x: torch.Tensor) -> torch.Tensor:
-        """x [B, H, S, F] raw features of layer ``layer`` (an int, or a slice/index of layers when
-        x is [L', H, N, F]) -> predictions [B, H, S]."""
+        """x [B, H, S, F] raw features of layer ``layer`` (an int; or an index [B] of each row's
+        layer, or a slice of layers when x is [L', H, N, F]) -> predictions [B, H, S]."""
         x = (x - t["mean"][layer].unsqueeze(-2)) / t["std"][layer].unsqueeze(-2)
         out = (x * t["weight"][layer].unsqueeze(-2)).sum(-1) + t["bias"][layer][..., None]
         if self.kind == "mlp":

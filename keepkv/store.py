@@ -114,6 +114,9 @@ class LayerStore(CacheLayerMixin):
         # Not CacheLayerMixin.__init__: it assigns keys and values, which are read-only here.
         self.is_initialized = False
         self.layer_idx = layer_idx
+        # [B] the model's layer of each row, on the host, where stack() joined rows of several layers
+        # (the paged step compresses a step's layers as one batch); None: every row is layer_idx's.
+        self.row_layers: tuple[int, ...] | None = None
         # The method's per-cache objects, one dict shared by every layer of a cache (KVReviver's
         # rebuild tracker): not per row, not per layer, and not counted as cache bytes.
         self.shared = {} if shared is None else shared
@@ -610,6 +613,8 @@ class LayerStore(CacheLayerMixin):
             for name, how in joins.items()
         }
         out.pending = first.pending
+        if any(layer.row_layers is not None or layer.layer_idx != first.layer_idx for layer in layers):
+            out.row_layers = sum((layer.layers_of_rows() for layer in layers), ())
         if first.budget is not None:
             row_budgets = [layer.row_budget for layer in layers]
             frozen = [layer.frozen for layer in layers]
@@ -642,9 +647,18 @@ class LayerStore(CacheLayerMixin):
                           if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows else value
                           for name, value in self.state.items()}
             part.pending = self.pending
+            if self.row_layers is not None:
+                part.row_layers = self.row_layers[start: start + count]
+                part.layer_idx = part.row_layers[0]
+                if len(set(part.row_layers)) == 1:  # one layer's rows, as stacked
+                    part.row_layers = None
             parts.append(part)
             start += count
         return parts
+
+    def layers_of_rows(self) -> tuple[int, ...]:
+        """[B] the model's layer of each row (``row_layers``, or ``layer_idx`` for every row)."""
+        return self.row_layers if self.row_layers is not None else (self.layer_idx,) * self.keys.shape[0]
 
     # -- memory ----------------------------------------------------------------------------
     def entry_nbytes(self) -> int:

@@ -149,6 +149,39 @@ def test_save_and_load_round_trip(tmp_path, scorer_file):
         assert torch.equal(copy.predict(layer, keys, values), scorer.predict(layer, keys, values))
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_a_store_of_several_layers_rows_scores_each_row_by_its_layer(scorer_file, kind):
+    """Rows of several layers in one store (the paged step's stacked compressions) are scored each
+    by its own layer's weights, as alone; their layers are kept through a stack and a split."""
+    from keepkv.store import LayerStore
+
+    scorer = load_scorer(scorer_file)
+    if kind == "linear":
+        scorer = Scorer("linear", scorer.features, scorer.key, {n: scorer.tensors[n] for n in ("mean", "std", "weight", "bias")})
+    generator = torch.Generator().manual_seed(3)
+    heads, dim = scorer.kv_heads, scorer.head_dim
+    rows = (1, 0, 1, 1 % scorer.layers)
+    keys, values = (torch.randn(len(rows), heads, 7, dim, generator=generator) for _ in range(2))
+    together = scorer.predict(rows, keys, values)
+    for row, layer in enumerate(rows):
+        alone = scorer.predict(layer, keys[row:row + 1], values[row:row + 1])[0]
+        torch.testing.assert_close(together[row], alone, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="3 row layers for 4 rows") as raised:
+        scorer.predict(rows[:3], keys, values)
+    assert "\n" not in str(raised.value)
+
+    def store(layer, count):
+        part = LayerStore(layer)
+        part.lazy_initialization(keys[:count], values[:count])
+        return part
+
+    stacked = LayerStore.stack([store(1, 2), store(0, 1), store(1, 1)])
+    assert stacked.row_layers == (1, 1, 0, 1)
+    parts = stacked.split([2, 1, 1])
+    assert [(p.layer_idx, p.row_layers) for p in parts] == [(1, None), (0, None), (1, None)]
+    assert LayerStore.stack([store(1, 2), store(1, 1)]).row_layers is None
+
+
 def test_another_models_config_is_refused_in_one_line(scorer_file):
     for other in (tiny_model("llama-mha").config, tiny_model("qwen2").config, tiny_model("llama-gqa", layers=3).config):
         with pytest.raises(ValueError, match="trained on another model") as error:

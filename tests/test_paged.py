@@ -249,14 +249,92 @@ class LayeredEngine(Engine):
         return {r: torch.stack(out, 1) for r, out in outputs.items()}, batch
 
 
+class GroupedEngine(LayeredEngine):
+    """A LayeredEngine whose layers are in ``groups``, each group served by a PagedCompression of its
+    own (``make()``), as an engine's layer groups with blocks of their own are; the groups' batches
+    share one list of due compressions (:attr:`PagedBatch.due`), which the model's last layer runs."""
+
+    def __init__(self, make, groups: tuple[tuple[int, ...], ...]):
+        super().__init__(make(), CONFIG.num_hidden_layers)
+        self.group_of = {layer: index for index, group in enumerate(groups) for layer in group}
+        self.compressions = [make() for _ in groups]
+        self.due: list = []
+
+    def forward(self, new: dict, layer: int = 0) -> tuple[dict, PagedBatch]:
+        requests = list(new)
+        width = max(len(self.tables[r]) for r in requests)
+        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests], dtype=torch.int32)
+        starts = [0]
+        for request in requests:
+            starts.append(starts[-1] + new[request][0].shape[0])
+        seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
+        self.due = []
+        batches = [paged.batch(starts, seq_lens, table, layers=self.layers, due=self.due) for paged in self.compressions]
+        outputs = {r: [] for r in requests}
+        for layer, kv_cache in enumerate(self.caches):
+            group = self.group_of[layer]
+            query, key, value = (torch.cat([new[r][i][:, layer] for r in requests]) for i in range(3))
+            output = self.compressions[group].forward(kv_cache, query, key, value, batches[group], SCALING, layer)
+            for i, r in enumerate(requests):
+                outputs[r].append(output[starts[i] : starts[i + 1]])
+        return {r: torch.stack(out, 1) for r, out in outputs.items()}, batches[0]
+
+
+@pytest.mark.parametrize("method", ["snapkv", "keepkv", "pyramidkv+window=2+kernel=1+interval=8",
+                                    LEARNED.replace("+budgets=uniform", "+interval=8"), LEARNED])
+@pytest.mark.parametrize("budget", [0.5, 3])
+def test_layer_groups_compress_as_one_batch(method, budget, monkeypatch):
+    """Layer groups, each a PagedCompression of its own whose batch shares the step's list of due
+    compressions, run every group's due rows at the model's last layer, stacked across groups where
+    rows and sizes agree (no more method calls than the groups alone, fewer for a uniform budget),
+    and every layer's outputs and kept positions are those of each layer compressed alone."""
+    layers = CONFIG.num_hidden_layers
+    calls = {}
+    decode = LayerStep.decode
+
+    def counted(self, layer, stats):
+        calls[key] = calls.get(key, 0) + 1
+        return decode(self, layer, stats)
+
+    monkeypatch.setattr(LayerStep, "decode", counted)
+    groups = ((0, layers - 1), tuple(range(1, layers - 1)))  # the last layer's group holds the first too
+    engines = {"alone": LayeredEngine(PagedCompression(CONFIG, method, budget), None),
+               "groups": GroupedEngine(lambda: PagedCompression(CONFIG, method, budget), groups)}
+    generator = torch.Generator().manual_seed(11)
+    prompts = {0: 70, 1: 90}
+    for step in range(36):
+        new = {r: tuple(torch.randn(prompts[r] if step == 0 else 1, layers, heads, HEAD_DIM, generator=generator)
+                        for heads in (HEADS, KV_HEADS, KV_HEADS)) for r in prompts}
+        if step == 4:
+            new[2] = tuple(torch.randn(60, layers, heads, HEAD_DIM, generator=generator)
+                           for heads in (HEADS, KV_HEADS, KV_HEADS))
+        outputs = {}
+        for key, engine in engines.items():
+            outputs[key] = engine.step(new)
+        alone, grouped = engines["alone"], engines["groups"]
+        assert grouped.due == []  # the last layer ran every group's
+        for request in new:
+            assert_equal_up_to_rounding(outputs["groups"][request], outputs["alone"][request], msg=f"step {step}")
+            for layer in range(layers):
+                held = alone.paged.stored(alone.prompt[request], alone.computed[request], layer)
+                table = torch.tensor(alone.tables[request])
+                assert torch.equal(slot_positions(grouped.paged, grouped.caches[layer], table, held, HEAD_DIM),
+                                   slot_positions(alone.paged, alone.caches[layer], table, held, HEAD_DIM))
+    assert 0 < calls["groups"] <= calls["alone"]
+    if not alone.paged.method.selection.layered:
+        assert calls["groups"] * layers == calls["alone"]
+
+
 @pytest.mark.parametrize("method", [*SERVED_METHODS, PAPER_KEEPKV, "keepkv+interval=3", "h2o+interval=3", LEARNED,
-                                    "pyramidkv+window=2+kernel=1+interval=8"])
+                                    "pyramidkv+window=2+kernel=1+interval=8",
+                                    LEARNED.replace("+budgets=uniform", "+interval=8")])
 @pytest.mark.parametrize("budget", [0.5, 3])
 def test_a_steps_layers_compress_as_one_batch(method, budget, monkeypatch):
     """A step whose batch says every layer runs it (``layers``) compresses its layers' due rows at
     the last layer, in one store per group of rows (one call of the method where each layer would
-    make one, unless the method ranks by the layer, as the learned selection's per-layer scorer does,
-    or its layers hold unequal entries, as PyramidKV's may), and
+    make one, unless the method reads its store's layer as one, or its layers hold unequal entries,
+    as PyramidKV's and the learned selection's trained split's may; the learned scorer reads each
+    row's layer), and
     every layer's outputs and kept positions are those of each layer compressed alone, step after
     step, for requests of unequal prompts, one joining mid-way."""
     layers = CONFIG.num_hidden_layers

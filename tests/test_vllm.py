@@ -341,6 +341,31 @@ def test_layers_of_different_budgets_hold_blocks_of_their_own(hf_model, prompts,
     assert sum(held * len(run.groups[group]) for group, held in run.group_peaks[long].items()) < one_table
 
 
+def test_layer_groups_share_a_steps_due_compressions(model_dir, prompts, hf_model, monkeypatch):
+    """The learned selection's trained split, its layers in groups with blocks of their own: every
+    group's batch of a step holds the step's one list of due compressions, which the model's last
+    layer empties (keepkv.paged_compress: the groups' compressions run as one batch)."""
+    made = []
+    batch = PagedCompression.batch
+
+    def recording(self, *args, **kwargs):
+        out = batch(self, *args, **kwargs)
+        made.append((self, out))
+        return out
+
+    monkeypatch.setattr(PagedCompression, "batch", recording)
+    engine = Engine(model_dir, {"method": "snapkv+selection=learned", "budget": 0.3})
+    engine.run(prompts, new_tokens=40)
+    groups = len(engine.groups)
+    engine.close()
+    assert groups > 1
+    steps: dict = {}  # the step's list -> the compressions (groups) whose batch held it
+    for paged, step in made:
+        assert step.due == [] and step.layers == hf_model.config.num_hidden_layers  # the last layer ran them
+        steps.setdefault(id(step.due), set()).add(id(paged))
+    assert len(steps) * groups == len(made) and all(len(held) == groups for held in steps.values())
+
+
 @pytest.mark.parametrize("method", SERVED)
 def test_chunked_prefill_matches_hf_paths_chunked_prefill_and_frees_the_prompts_blocks(
     model_dir, prompts, hf_model, method, monkeypatch

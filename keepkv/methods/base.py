@@ -415,9 +415,10 @@ class Selection:
     learned selection's scorer): a cache holding some of the model's heads (a tensor-parallel
     rank's) gives it the first of them (:meth:`for_heads`)."""
     per_layer: ClassVar[bool] = False
-    """Whether its ranking reads parameters of the store's own layer (``layer.layer_idx``: the learned
-    selection's per-layer scorer). Otherwise a store may hold the rows of several layers at once (the
-    paged step compresses a step's layers as one batch), each ranked as in a store of its own."""
+    """Whether its ranking reads the store's own layer (``layer.layer_idx``) as one layer. Otherwise a
+    store may hold the rows of several layers at once (the paged step compresses a step's layers as
+    one batch), each ranked as in a store of its own; a ranking with per-layer parameters reads
+    each row's layer (``layer.row_layers``: the learned selection's scorer)."""
     scores_alone: ClassVar[bool] = False
     """Whether an entry's priority is a function of that entry alone (its key, value and position,
     not the other entries nor any query), and ``observe`` at a prefill reads nothing but the tokens

@@ -82,7 +82,8 @@ class LearnedScores(ScoredSelection):
     name = "learned"
     served = True  # the paged adapter gathers the keys, values and positions it scores ("uniform", "trained")
     per_model_head = True  # one scorer per KV head of the model
-    per_layer = True  # and per layer
+    # Per layer too, but a store of several layers' rows names each row's (LayerStore.row_layers),
+    # so the paged step compresses a step's layers as one batch.
     scores_alone = True  # a prompt read in chunks is compressed chunk by chunk ("uniform", "trained")
     sinks: int = 4
     window: int = 32
@@ -160,9 +161,10 @@ class LearnedScores(ScoredSelection):
 
     def scores(self, layer) -> torch.Tensor:
         """[B, H_kv, S] the scorer's predicted log KVzip scores of the layer's entries (empty slots
-        included: the plan leaves them out), by the scorer's heads from ``first_head``, rounded to
-        :data:`SCORE_STEP`."""
-        predicted = self._scorer().predict(layer.layer_idx, layer.keys, layer.values, layer.positions, self.first_head)
+        included: the plan leaves them out), each row by its layer's and the scorer's heads from
+        ``first_head``, rounded to :data:`SCORE_STEP`."""
+        layers = layer.row_layers if layer.row_layers is not None else layer.layer_idx
+        predicted = self._scorer().predict(layers, layer.keys, layer.values, layer.positions, self.first_head)
         return torch.round(predicted / SCORE_STEP) * SCORE_STEP
 
     def priority(self, layer, merge_scores=None) -> torch.Tensor:

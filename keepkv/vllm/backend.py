@@ -124,7 +124,9 @@ _WORKER: dict = {}
 # While vLLM's model runner builds a step's attention metadata: "prompts", its [max_num_reqs] int32
 # host tensor of each batch row's prompt length (InputBatch.num_prompt_tokens_cpu_tensor, the
 # length of the prompt_token_ids the scheduler handed the worker with the request, which a
-# replay after a preemption keeps), which CommonAttentionMetadata carries only as is_prefilling.
+# replay after a preemption keeps), which CommonAttentionMetadata carries only as is_prefilling;
+# "due", the step's list of gathered compressions that every layer group's batch shares
+# (PagedBatch.due: the model's last layer runs them together).
 _STEP: dict = {}
 
 
@@ -141,12 +143,14 @@ def _wrap_runner(name: str, wrap) -> None:
 
 
 def _hand_prompt_lengths() -> None:
-    """Wrap vLLM's CPU model runner's ``_build_attention_metadata`` so that the metadata builder
-    finds each row's prompt length in ``_STEP`` while it builds a step. Idempotent."""
+    """Wrap vLLM's CPU model runner's ``_build_attention_metadata`` (which builds every layer group's
+    metadata of a step) so that the metadata builders find in ``_STEP`` each row's prompt length
+    and the step's one list of due compressions while they build a step. Idempotent."""
 
     def wrap(original):
         def build(self, *args, **kwargs):
             _STEP["prompts"] = self.input_batch.num_prompt_tokens_cpu_tensor
+            _STEP["due"] = []
             try:
                 return original(self, *args, **kwargs)
             finally:
@@ -248,11 +252,14 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.paged = compression(vllm_config, getattr(kv_cache_spec, "group", 0))
-        # The group's last layer runs its step's due compressions (every layer: PagedBatch.layers).
+        # The model's last layer runs the step's due compressions (every layer: PagedBatch.layers),
+        # every layer group's together: their batches share one list (PagedBatch.due), which the
+        # model runner's wrap hands them. A step built otherwise runs a group's at its own last layer.
         layers = getattr(kv_cache_spec, "layers", None)
+        self.grouped = bool(layers)
         self.last_layer = None if self.paged is None else (
             max(layers) if layers else self.paged.config.num_hidden_layers - 1)
-        if self.paged is not None and self.paged.keep_prompt:
+        if self.paged is not None and (self.paged.keep_prompt or self.grouped):
             _hand_prompt_lengths()
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
@@ -273,9 +280,10 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
             prefilling = common.is_prefilling[:rows].tolist()
         starts, lengths = common.query_start_loc_cpu[: rows + 1].tolist(), seq_lens[:rows].tolist()
         # Every layer of the model runs this batch, in order: the step's compressions wait for the last.
+        due = _STEP.get("due") if self.grouped else None
+        last = self.paged.config.num_hidden_layers - 1 if due is not None else self.last_layer
         batch = self.paged.batch(starts, lengths, common.block_table_tensor[:rows], prefilling,
-                                 block_size=self.kv_cache_spec.block_size, prompts=prompts,
-                                 layers=self.last_layer + 1)
+                                 block_size=self.kv_cache_spec.block_size, prompts=prompts, layers=last + 1, due=due)
         return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch, paged=self.paged)
 
 
