@@ -150,6 +150,9 @@ class PagedRequests:
         a list the batches of an engine's other layer groups share (:attr:`PagedBatch.due`), or None.
         """
         layers = as_int("layers", layers, low=1, none_ok=True)  # before the step is planned
+        if due is not None and not isinstance(due, list):
+            raise ValueError(f"due must be a list (the step's, shared by an engine's layer groups) or None, got "
+                             f"{type(due).__name__}")
         lengths = [end - start for start, end in zip(query_start, query_start[1:])]
         computed = [seq - length for seq, length in zip(seq_lens, lengths)]
         if self.keep_prompt:

@@ -189,8 +189,8 @@ class Scorer:
         the H_kv heads are the model's from ``first_head`` (a rank's)."""
         kv_heads = keys.shape[1]
         rows = isinstance(layer_idx, tuple)
-        if rows and len(layer_idx) != keys.shape[0]:
-            raise ValueError(f"predict: {len(layer_idx)} row layers for {keys.shape[0]} rows")
+        if rows and (len(layer_idx) != keys.shape[0] or min(layer_idx, default=0) < 0):
+            raise ValueError(f"predict: row layers {layer_idx} for {keys.shape[0]} rows (one layer >= 0 a row)")
         if not self.fits(max(layer_idx) if rows else layer_idx, kv_heads, keys.shape[-1], first_head):
             heads = f"{kv_heads} heads" + (f" from head {first_head}" if first_head else "")
             raise ValueError(

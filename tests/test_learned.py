@@ -166,9 +166,10 @@ def test_a_store_of_several_layers_rows_scores_each_row_by_its_layer(scorer_file
     for row, layer in enumerate(rows):
         alone = scorer.predict(layer, keys[row:row + 1], values[row:row + 1])[0]
         torch.testing.assert_close(together[row], alone, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="3 row layers for 4 rows") as raised:
-        scorer.predict(rows[:3], keys, values)
-    assert "\n" not in str(raised.value)
+    for wrong in (rows[:3], (1, 0, -1, 1)):
+        with pytest.raises(ValueError, match="row layers .* for 4 rows") as raised:
+            scorer.predict(wrong, keys, values)
+        assert "\n" not in str(raised.value)
 
     def store(layer, count):
         part = LayerStore(layer)

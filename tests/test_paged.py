@@ -376,6 +376,15 @@ def test_a_steps_layers_compress_as_one_batch(method, budget, monkeypatch):
         assert calls[layers] * layers == calls[None]
 
 
+def test_a_batch_refuses_a_due_list_that_is_not_a_list():
+    """``due`` (the step's list of compressions an engine's layer groups share) is checked where the
+    batch is built, in one line, before the step is counted."""
+    paged = PagedCompression(CONFIG, "snapkv", 3)
+    with pytest.raises(ValueError, match="due must be a list .* got tuple") as raised:
+        paged.batch([0, 4], [4], torch.tensor([[1]], dtype=torch.int32), due=())
+    assert "\n" not in str(raised.value) and paged.requests.steps == 0
+
+
 @pytest.mark.parametrize("layers", [0, -1, 1.5, "3", True])
 def test_a_batch_refuses_a_layer_count_that_is_not_a_positive_int(layers):
     """``layers`` is checked where the batch is built, in one line, before any step is planned."""
