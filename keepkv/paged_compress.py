@@ -24,7 +24,6 @@ from .attention import StepStats
 from .store import LayerStore
 
 if TYPE_CHECKING:
-    from .paged_plan import StepPlan
     from .paged_requests import PagedRequests
     from .paged_slots import PagedSlots
     from .step import LayerStep
@@ -44,7 +43,7 @@ class DueCompression:
     and requests of the ``PagedCompression`` that gathered it (its layer group's)."""
 
     layer: int
-    plan: StepPlan
+    plan: object  # its keepkv.paged_plan.StepPlan (a layer above: not imported)
     requests: PagedRequests
     slots: PagedSlots
     rows: list[int]
