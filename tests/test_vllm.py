@@ -30,6 +30,26 @@ SERVED = ["window", "streamingllm", "snapkv", "h2o", "pyramidkv", "keepkv", "key
           "snapkv+selection=learned+budgets=uniform", "snapkv+selection=learned"]
 
 
+@pytest.fixture(autouse=True)
+def no_workers_outlive_their_test():
+    """After each test, the tensor-parallel workers its engines spawned are gone: a test that failed
+    in a hung step (vLLM's RPC timeout, or .ci/vllm's --timeout) leaves its engine referenced by the
+    failure's traceback and its workers bound to this host's cores, which would slow every later
+    test and .ci/vllm's one rerun of it. A test that closes its engines leaves none to stop."""
+    yield
+    import psutil
+
+    workers = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name().startswith("VLLM::") or "spawn_main" in " ".join(child.cmdline()):
+                child.kill()
+                workers.append(child)
+        except psutil.NoSuchProcess:  # it ended while we looked
+            pass
+    psutil.wait_procs(workers, timeout=30)
+
+
 def test_every_served_method_is_checked_against_the_hugging_face_path():
     """The tests parametrized by SERVED cover every method the engine serves."""
     assert set(SERVED_METHODS) <= set(SERVED), sorted(set(SERVED_METHODS) - set(SERVED))
