@@ -270,6 +270,20 @@ class RequestSizes:
                                          int(mean[0]))
         return self._kept[prompt_length]
 
+    @functools.cached_property
+    def compresses_chunks(self) -> bool:
+        """Whether a prompt read in chunks is compressed after each chunk but its last, to its whole
+        prompt's budget (the method ``compresses_chunks``; prompts compressed, not kept whole), as
+        ``CompressedCache.start_prefill`` compresses it: :meth:`read`."""
+        return not self.keep_prompt and self.method.compresses_chunks
+
+    def read(self, prompt_length: int, computed: int, layer: int = 0) -> int:
+        """Entries ``layer`` holds per head after its first ``computed`` tokens of a prompt of
+        ``prompt_length`` read in chunks, each chunk before the one that ends the prompt compressed
+        to the whole prompt's budget (:attr:`compresses_chunks`): min(computed, budget), since a
+        layer under its budget is never compressed and one over it keeps its budget."""
+        return min(computed, self.kept(prompt_length, layer))
+
     def interval(self, prompt_length: int, layer: int = 0) -> int:
         """Decode steps between ``layer``'s compressions (:func:`keepkv.budgets.decode_interval`: the
         method's, but no more than the layer's budget beyond a kept prompt), as the Hugging Face

@@ -8,7 +8,8 @@ so to the engine's kernel a compressed request is an ordinary shorter sequence w
 table, and an uncompressed one is exactly what stock vLLM holds. One layer's step over a batch of
 requests (:meth:`PagedCompression.forward`):
 
-1. the prompts that ended are compressed (a prompt read in chunks, at its first decode step);
+1. the prompts that ended are compressed (a prompt read in chunks, at its first decode step; one
+   whose method scores each entry alone, also after each of its chunks: :attr:`PagedCompression.compresses_chunks`);
 2. the step's keys and values go in through the engine's own cache write, at each request's
    next slots, with their words (position, the method's extras at their fill);
 3. every request is attended over its slots, in place: the compressed decoding ones by keepkv's
@@ -151,8 +152,9 @@ class PagedCompression:
     chunked : bool
         The engine may split a prompt over several steps (vLLM's chunked prefill). Every prompt
         then goes through :meth:`batch`'s "chunk" rows: its entries are written whole, and it is
-        compressed at its first decode step, when it is known to be whole (the engine says only
-        whether a prompt is still being read, so its last chunk is not known while it runs).
+        compressed at its first decode step, when it is known to be whole. Where the engine gives
+        where each prompt ends (:meth:`batch`'s ``ends``) and the method scores each entry alone
+        (:attr:`compresses_chunks`), each chunk but the last is compressed as it is attended.
     keep_prompt : bool
         As ``CompressedCache(decoding="keep_prompt")``: a prompt is never compressed (its slots
         are never written after its own steps wrote them, so an engine may share its blocks:
@@ -252,14 +254,38 @@ class PagedCompression:
         alone when given)."""
         return self.sizes.capacity(prompt_length, layers)
 
+    def reading(self, prompt_length: int, computed: int, layers: tuple[int, ...] | None = None) -> int:
+        """Slots a request holds (the largest layer's; of ``layers`` alone when given) after its first
+        ``computed`` tokens of a prompt of ``prompt_length`` read in chunks: every token, or, where
+        prompts are compressed chunk by chunk (:attr:`compresses_chunks`), at most the whole
+        prompt's budget (:meth:`keepkv.budgets.RequestSizes.read`)."""
+        if not self.compresses_chunks:
+            return computed
+        return max(self.sizes.read(prompt_length, computed, layer)
+                   for layer in (range(self.config.num_hidden_layers) if layers is None else layers))
+
     # -- one step's phases ------------------------------------------------------------------------
     def batch(
         self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
         prefilling: list[bool] | None = None, block_size: int | None = None, prompts: list[int] | None = None,
-        layers: int | None = None, due: list | None = None,
+        layers: int | None = None, due: list | None = None, ends: list[int] | None = None,
     ) -> PagedBatch:
-        """The step's :class:`PagedBatch`, each request in its phase (:meth:`keepkv.paged_requests.PagedRequests.batch`)."""
-        return self.requests.batch(query_start, seq_lens, block_table, prefilling, block_size, prompts, layers, due)
+        """The step's :class:`PagedBatch`, each request in its phase (:meth:`keepkv.paged_requests.PagedRequests.batch`).
+        ``ends`` [R]: where each request's prompt read in chunks ends (the engine's prefill end);
+        given, a method that :attr:`compresses_chunks` compresses it after each chunk but the last."""
+        ends = ends if self.compresses_chunks else None
+        return self.requests.batch(query_start, seq_lens, block_table, prefilling, block_size, prompts, layers, due,
+                                   ends)
+
+    @property
+    def compresses_chunks(self) -> bool:
+        """Whether a prompt read in chunks, whose end the engine gives (:meth:`batch`'s ``ends``), is
+        compressed after each chunk but its last, to its whole prompt's budget, as
+        ``CompressedCache.start_prefill`` compresses it: a method that scores each entry alone and
+        only evicts (``snapkv+selection=learned``, ``"uniform"`` and ``"trained"`` budgets), prompts
+        compressed (not ``keep_prompt``), a budget below 1.0. A request then holds at most its
+        budget plus one chunk while it reads its prompt (:meth:`keepkv.budgets.RequestSizes.read`)."""
+        return self.chunked and self.sizes.compresses_chunks and not self.keeps_everything
 
     def forward(self, kv_cache: torch.Tensor, query, key, value, batch: PagedBatch, scaling: float, layer: int = 0):
         """One attention call of every request in ``batch``, for the model's layer ``layer``.

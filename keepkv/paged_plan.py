@@ -24,8 +24,12 @@ def held(sizes: RequestSizes, batch: PagedBatch, row: int, layer: int, after: bo
     """Entries ``row`` of ``batch`` holds in ``layer`` once the step's tokens are in (``after``:
     after the step's compressions too)."""
     phase, done, length = batch.phases[row], batch.computed[row], batch.query_lengths[row]
-    if phase == "chunk":  # a prompt read in chunks is held whole until its close
-        return done + length
+    if phase == "chunk":  # a prompt read in chunks is held whole until its close, unless compressed chunk by chunk
+        end = batch.ends[row] if batch.ends is not None else 0
+        if not end:
+            return done + length
+        written = sizes.read(end, done, layer) + length
+        return sizes.read(end, written, layer) if after and done + length < end else written
     if phase == "prefill":  # a whole prompt, compressed in its own step
         return sizes.stored(length, length, layer) if after else length
     prompt, closed = batch.prompt[row], batch.closed[row]
@@ -154,6 +158,24 @@ class StepPlan:
             kv_heads = sizes.config.num_key_value_heads
             self.cache[key] = (budget[:, None].repeat(1, kv_heads).to(device), mean.to(device), frozen, held)
         return self.cache[key]
+
+    def compresses_chunk(self, row: int, layer: int) -> bool:
+        """Whether chunk row ``row`` is compressed in ``layer`` once attended: its prompt is
+        compressed chunk by chunk (:attr:`PagedBatch.ends`), the row does not end it, and the layer
+        then holds more than the whole prompt's budget (:meth:`keepkv.budgets.RequestSizes.read`)."""
+        batch = self.batch
+        if batch.ends is None or not batch.ends[row]:
+            return False
+        if batch.computed[row] + batch.query_lengths[row] >= batch.ends[row]:
+            return False
+        return held(self.sizes, batch, row, layer, True) < held(self.sizes, batch, row, layer, False)
+
+    def chunk_budgets(self, row: int, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([1, H_kv] entries, [1] mean budget) of chunk row ``row``'s whole prompt in ``layer``, as
+        the Hugging Face cache compresses a chunk (``LayerStep.compress_chunk``)."""
+        end = self.batch.ends[row]
+        budget = torch.full((1, self.sizes.config.num_key_value_heads), self.sizes.kept(end, layer), device=device)
+        return budget, torch.tensor([self.sizes.mean(end)], device=device)
 
     def interval(self, rows: list[int], layer: int) -> int:
         """The decode interval of ``layer`` for rows compressed together: the rows due together

@@ -1,5 +1,6 @@
-"""A paged request's prompt, phase by phase: its chunks as they are read, its end, a whole prompt
-read in one step over its budget, and a chunk compressed alone (:class:`PagedPrompts`).
+"""A paged request's prompt, phase by phase: its chunks as they are read (each compressed to its
+whole prompt's budget where the method scores each entry alone), its end, a whole prompt read in
+one step over its budget, and a chunk compressed alone (:class:`PagedPrompts`).
 
 The engine's kernel attends a prompt in place, over its slots (:mod:`keepkv.paged`); what the method
 reads of it is filed between steps (:class:`~keepkv.paged_requests.PagedRequests`: the newest query
@@ -60,9 +61,13 @@ class PagedPrompts:
         if not self.sums or self.keep_prompt:  # a kept prompt is unscored: its newest rows do
             if before is not None and before.queries is not None:
                 rows_query = torch.cat([before.queries, rows_query], dim=2)
-            self.requests.file_chunk(chunk_key, layer, before.state if before is not None else {}, None,
-                                     rows_query[:, :, -self.end_rows :].clone(),
-                                     before.extras if before is not None else ())
+            newest = rows_query[:, :, -self.end_rows :].clone()
+            if plan.compresses_chunk(row, layer):
+                self._compress_read_chunk(slots, plan, row, before, newest, scaling, layer)
+                return
+            self.requests.file_chunk(chunk_key, layer, before.state if before is not None else {}, None, newest,
+                                     before.extras if before is not None else (),
+                                     plan.held([row], layer, "after")[0] if plan.batch.ends is not None else 0)
             return
         # Statistics of every query row: this chunk's queries over the prompt so far (its slots).
         held = batch.computed[row] + stop - start
@@ -76,6 +81,29 @@ class PagedPrompts:
             stats = join_prefill_stats(before.stats, stats, self.needs.window)
         stats = StepStats(**{**vars(stats), "query": stats.query[:, :, :, -self.end_rows :]})
         self.requests.file_chunk(chunk_key, layer, dict(store.state), stats, None, tuple(store.extras))
+
+    def _compress_read_chunk(self, slots: PagedSlots, plan: StepPlan, row: int, before, newest, scaling: float,
+                             layer: int) -> None:
+        """A chunk of a prompt compressed chunk by chunk (:meth:`StepPlan.compresses_chunk`), attended
+        in place: the row's slots read into a store, observed through its newest query rows
+        ``newest`` [1, H, r, D] and compressed to its whole prompt's budget
+        (``LayerStep.compress_chunk``, as the Hugging Face cache's ``start_prefill``), the kept
+        entries written back compact, and what its next chunk or its close needs filed."""
+        batch = plan.batch
+        written, kept = plan.held([row], layer, "written"), plan.held([row], layer, "after")
+        store = slots.gather(plan.blocks_of([row], written[0]), written,
+                             (batch.computed[row] + batch.query_lengths[row],), layer)
+        if before is None:
+            self.step.start(store)
+        else:
+            store.resume(state=before.state)
+        stats = prompt_window_stats(group_queries(newest, slots.layout.kv_heads), store.keys, store.bias,
+                                    store.positions, scaling, self.needs.window)
+        read = (store.positions.clone(), store.bias.clone())
+        self.step.compress_chunk(store, *plan.chunk_budgets(row, layer, store.device), stats)
+        slots.write_back(plan.blocks_of([row], kept[0]), (0,), store, kept, read)
+        self.requests.file_chunk(batch.chunk_keys[row][1], layer, dict(store.state), None, newest,
+                                 tuple(store.extras), kept[0])
 
     def closing_groups(self, plan: StepPlan, layer: int) -> list[list[int]]:
         """The step's close rows in groups that close as one store: kept prompts (``keep_prompt``,
@@ -102,6 +130,8 @@ class PagedPrompts:
         filed = [None] if query is not None else [self.requests.take_chunk(batch.chunk_keys[r][0], layer) for r in rows]
         prompt = filed[0]
         length = batch.query_lengths[row] if query is not None else batch.computed[row]
+        # a prompt compressed chunk by chunk holds fewer entries than its tokens (one row: not a kept prompt)
+        held = prompt.held if prompt is not None and prompt.held else length
         if query is not None:  # [1, H, r, D]: the prompt's query rows, or its newest ones its chunks kept
             newest = query[batch.query_start[row] : batch.query_start[row + 1]].transpose(0, 1)[None]
         else:  # [R, H, r, D]
@@ -109,7 +139,7 @@ class PagedPrompts:
         first = 0
         if self.keep_prompt:  # kept whole and unscored: its end reads only the slots of its newest query rows
             first = length - max(1, 0 if newest is None else newest.shape[2])
-        store = slots.gather(plan.blocks_of(rows, length), (length - first,) * len(rows),
+        store = slots.gather(plan.blocks_of(rows, held), (held - first,) * len(rows),
                              tuple(length + batch.offsets[r] for r in rows), layer, first)
         if prompt is None or (prompt.stats is None and not prompt.state):  # its first chunk's store, or a prefix
             self.step.start(store)

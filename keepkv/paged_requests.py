@@ -67,6 +67,10 @@ class PagedBatch:
     chunk_starts: list[int] | None = None
     waves: list[int] | None = None
     after_tables: torch.Tensor | None = None  # [R, W] each row's table once the chunk it ends is compressed
+    # A prompt compressed chunk by chunk to its whole prompt's budget (RequestSizes.compresses_chunks):
+    # [R] the token where each "chunk" row's prompt ends (the engine's prefill end; 0 for other rows).
+    # None: prompts read in chunks are held whole until their close.
+    ends: list[int] | None = None
 
     def __post_init__(self):
         if self.first_block is None:
@@ -96,6 +100,7 @@ class PromptSoFar:
     queries: torch.Tensor | None  # [1, H, r, D]
     extras: tuple[str, ...]
     step: int  # the step that filed it: a prompt aborted mid-way leaves it behind, dropped once stale
+    held: int = 0  # entries per head its slots hold, where its chunks were compressed (0: every token read)
 
 
 class PagedRequests:
@@ -128,7 +133,8 @@ class PagedRequests:
     # -- a step's phases ---------------------------------------------------------------------------
     def batch(self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor,
               prefilling: list[bool] | None = None, block_size: int | None = None,
-              prompts: list[int] | None = None, layers: int | None = None, due: list | None = None) -> PagedBatch:
+              prompts: list[int] | None = None, layers: int | None = None, due: list | None = None,
+              ends: list[int] | None = None) -> PagedBatch:
         """The step's :class:`PagedBatch`: ``query_start`` [R+1] where each request's new tokens start,
         ``seq_lens`` [R] the tokens each holds after the step, ``block_table`` [R, max_blocks].
 
@@ -148,6 +154,9 @@ class PagedRequests:
         generated slot (``block_size``: the engine's, needed then). ``layers``: the model's layers
         that run the batch, each once and in order (:attr:`PagedBatch.layers`), or None; ``due``:
         a list the batches of an engine's other layer groups share (:attr:`PagedBatch.due`), or None.
+        ``ends`` [R]: where each request's prompt read in chunks ends (vLLM's prefill end: its
+        prompt, or a resumed request's replay), for prompts compressed chunk by chunk
+        (:attr:`PagedBatch.ends`); None: they are held whole until their close.
         """
         layers = as_int("layers", layers, low=1, none_ok=True)  # before the step is planned
         if due is not None and not isinstance(due, list):
@@ -166,7 +175,7 @@ class PagedRequests:
         else:
             if self.chunked and prefilling is None:
                 raise ValueError("a chunked PagedCompression needs each request's prefilling flag")
-            batch = self._prompt_batch(query_start, lengths, computed, block_table, prefilling)
+            batch = self._prompt_batch(query_start, lengths, computed, block_table, prefilling, ends)
         batch.layers, batch.due = layers, due
         with self._lock:
             self.steps += 1
@@ -177,7 +186,12 @@ class PagedRequests:
                     del self.chunks[key]
         return batch
 
-    def _prompt_batch(self, query_start, lengths, computed, block_table, prefilling) -> PagedBatch:
+    def _prompt_batch(self, query_start, lengths, computed, block_table, prefilling, ends=None) -> PagedBatch:
+        if ends is not None and (len(ends) < len(lengths) or any(  # before any request's phase is filed
+                0 < end < done + length for end, done, length, reading in zip(ends, computed, lengths, prefilling)
+                if reading or length > 1 or done == 0)):
+            raise ValueError(f"paged: a prompt read in chunks must end at or after the tokens read so far, got ends "
+                             f"{ends} for {computed} tokens read and {lengths} new")
         first_blocks = block_table[: len(lengths), 0].tolist()
         phases = []
         with self._lock:
@@ -208,7 +222,10 @@ class PagedRequests:
                 else:
                     phases.append("decode")
             prompts = [self._prompts[block] or 0 for block in first_blocks]
-        return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], first_blocks, phases)
+        if ends is not None:
+            ends = [end if phase == "chunk" else 0 for end, phase in zip(ends, phases)]
+        return PagedBatch(list(query_start), computed, prompts, block_table[: len(lengths)], first_blocks, phases,
+                          ends=ends)
 
     def _chunked_prompt_batch(self, query_start, seq_lens, block_table, prompts, block_size) -> PagedBatch:
         """:meth:`batch` with ``keep_prompt`` and ``chunk_blocks``: the engine's rows in slots, a step
@@ -284,10 +301,11 @@ class PagedRequests:
 
     # -- a prompt read in chunks ---------------------------------------------------------------------
     def file_chunk(self, key, layer: int, state: dict, stats: StepStats | None, queries: torch.Tensor | None,
-                   extras: tuple) -> None:
+                   extras: tuple, held: int = 0) -> None:
         """What a prompt's chunks gave so far, for its next chunk or its close (``key``: the chunk
-        key the step's batch gave it)."""
-        self.chunks[key, layer] = PromptSoFar(state, stats, queries, extras, self.steps)
+        key the step's batch gave it; ``held``: the entries its slots hold, where its chunks were
+        compressed, else 0)."""
+        self.chunks[key, layer] = PromptSoFar(state, stats, queries, extras, self.steps, held)
 
     def peek_chunk(self, key, layer: int) -> PromptSoFar | None:
         """What the prompt's earlier chunks filed under ``key`` (None: nothing), left filed."""

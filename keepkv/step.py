@@ -68,7 +68,13 @@ class LayerStep:
         stay as they are, so ``budget`` is theirs plus what the chunk keeps."""
         self.method.observe(layer, stats)
         layer.set_budget(budget, row_budget, frozen, 1, frozen_held)
+        # The kept entries are copied out in slot order (no headroom: LayerStore.keep's select), as a
+        # paged adapter's store, read for this one call, keeps them: ties rank by slot, so the next
+        # chunk's compression then ranks alike on both paths.
+        headroom = layer.headroom
+        layer.reserve(0)
         self.method.compress(layer, stats)
+        layer.reserve(headroom)
 
     def close_prompt(self, layer, budget: torch.Tensor | None, row_budget: torch.Tensor | None,
                      frozen: torch.Tensor | None = None, stats=None, interval: int = 1,

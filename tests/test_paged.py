@@ -58,16 +58,18 @@ class Engine:
             if request not in self.tables:
                 self.tables[request], self.computed[request] = [], 0
                 self.prompt = getattr(self, "prompt", {}) | {request: (prompts or {}).get(request, length)}
-            tokens, prompt = self.computed[request] + length, self.prompt[request]
-            capacity = self.paged.capacity(prompt)
-            needed = math.ceil((tokens if self.paged.chunked and tokens <= prompt else min(tokens, capacity)) / BLOCK)
+            done, prompt = self.computed[request], self.prompt[request]
+            tokens, capacity = done + length, self.paged.capacity(prompt)
+            reading = self.paged.reading(prompt, done) + length  # a prompt compressed chunk by chunk holds its budget
+            needed = math.ceil((reading if self.paged.chunked and tokens <= prompt else min(tokens, capacity)) / BLOCK)
             while len(self.tables[request]) < needed:
                 self.tables[request].append(self.free.pop())
         outputs, batch = self.forward(new, layer)
         for request, length in zip(requests, batch.query_lengths):
             self.computed[request] += length
-            keep = math.ceil(self.paged.capacity(self.prompt[request]) / BLOCK)
-            if self.paged.chunked and self.computed[request] > self.prompt[request] and len(self.tables[request]) > keep:
+            done, prompt = self.computed[request], self.prompt[request]
+            keep = math.ceil((self.paged.capacity(prompt) if done > prompt else self.paged.reading(prompt, done)) / BLOCK)
+            if self.paged.chunked and done != prompt and len(self.tables[request]) > keep:
                 surplus = self.tables[request][keep:]
                 del self.tables[request][keep:]
                 self.kv_cache[surplus] = torch.randn_like(self.kv_cache[surplus])  # a later read of them shows
@@ -86,7 +88,8 @@ class Engine:
         seq_lens = [self.computed[r] + new[r][0].shape[0] for r in requests]
         prefilling = [self.computed[r] < self.prompt[r] for r in requests]
         keep_prompt = {"block_size": BLOCK} if self.paged.keep_prompt else {}  # requests may share blocks
-        batch = self.paged.batch(starts, seq_lens, table, prefilling if self.paged.chunked else None, **keep_prompt)
+        batch = self.paged.batch(starts, seq_lens, table, prefilling if self.paged.chunked else None, **keep_prompt,
+                                 ends=[self.prompt[r] for r in requests])  # vLLM's prefill ends
         query, key, value = (torch.cat([new[r][i] for r in requests]) for i in range(3))
         output = self.paged.forward(self.kv_cache, query, key, value, batch, SCALING, layer)
         return {r: output[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}, batch
@@ -395,6 +398,18 @@ def test_a_batch_refuses_a_layer_count_that_is_not_a_positive_int(layers):
     assert "\n" not in str(raised.value) and paged.requests.steps == before
 
 
+def test_a_batch_refuses_a_prompt_end_before_the_tokens_read():
+    """``ends`` (where each prompt read in chunks ends) before the tokens a reading row has read is
+    refused in one line, before any request's phase is filed; a decoding row's is not read."""
+    paged = PagedCompression(CONFIG, LEARNED, 0.3, chunked=True)
+    table = torch.tensor([[1], [2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="must end at or after the tokens read so far") as raised:
+        paged.batch([0, 4, 8], [4, 4], table, [True, True], ends=[10, 3])
+    assert "\n" not in str(raised.value) and paged.requests.steps == 0 and not paged.requests._prompts
+    batch = paged.batch([0, 4, 8], [4, 4], table, [True, True], ends=[10, 4])
+    assert batch.ends == [10, 4] and batch.phases == ["chunk", "chunk"]
+
+
 def test_a_rank_holds_whole_query_groups():
     """A rank's query heads are whole groups of its KV heads: a KV head replicated over ranks (each
     holding part of its group) is refused in one line."""
@@ -426,6 +441,19 @@ def test_a_bfloat16_cache_decodes_as_alone(method):
             assert torch.equal(held, live[live >= 0].view(KV_HEADS, -1).sort(-1).values.float())
 
 
+def chunked_step(generator, plans: dict, fed: dict, step: int) -> dict:
+    """One step's new tokens of requests ``plans`` {request: (prompt, chunk)}: each prompt's next
+    chunk, then a token a step; request 3 joins at step 2. ``fed`` counts what each was fed."""
+    new = {}
+    for request, (prompt, chunk) in plans.items():
+        if request == 3 and step < 2:
+            continue
+        length = min(chunk, prompt - fed[request]) if fed[request] < prompt else 1
+        new[request] = tokens(generator, length)
+        fed[request] += length
+    return new
+
+
 @pytest.mark.parametrize("method", [*SERVED_METHODS, "h2o+interval=3", PAPER_KEEPKV, "keepkv+interval=3",
                                     "keepkv+prefill_scores=ema"])
 @pytest.mark.parametrize("budget", [0.5, 3, 1.0])
@@ -445,13 +473,7 @@ def test_prompts_read_in_chunks_decode_as_the_hf_paths_chunked_prefill(method, b
     null_block = engine.kv_cache[0].clone()
     fed = dict.fromkeys(plans, 0)
     for step in range(12):
-        new = {}
-        for request, (prompt, chunk) in plans.items():
-            if request == 3 and step < 2:
-                continue
-            length = min(chunk, prompt - fed[request]) if fed[request] < prompt else 1
-            new[request] = tokens(generator, length)
-            fed[request] += length
+        new = chunked_step(generator, plans, fed, step)
         outputs = engine.step(new, prompts={r: plan[0] for r, plan in plans.items()})
         for request, (query, key, value) in new.items():
             expected = alone(references[request], query, key, value)
@@ -462,6 +484,44 @@ def test_prompts_read_in_chunks_decode_as_the_hf_paths_chunked_prefill(method, b
     assert all(fed[r] > plans[r][0] + 3 for r in plans)  # every request decoded past its close step
     assert not paged.requests.chunks  # nothing of a prompt's statistics kept past its compression
     assert torch.equal(engine.kv_cache[0], null_block)  # nothing written past a request's blocks
+
+
+@pytest.mark.parametrize("method", [LEARNED, LEARNED.replace("+budgets=uniform", ""),
+                                    f"{LEARNED.replace('+budgets=uniform', '')}+prompt_window=2+interval=3"])
+@pytest.mark.parametrize("budget", [0.3, 5, 1])
+def test_prompts_compressed_chunk_by_chunk_decode_as_the_hf_paths_chunked_prefill(method, budget):
+    """A method that scores each entry alone and only evicts (the learned selection, uniform and
+    trained budgets) compresses a prompt read in chunks after each chunk but its last, to its whole
+    prompt's budget, as ``CompressedCache.start_prefill`` does: in every layer each output equals the
+    request's own CompressedCache fed the same chunks, and the layer holds what ``reading`` says
+    while the prompt is read (then what ``stored`` says). The engine holds blocks for that plus
+    one chunk, the rest freed and overwritten, so a read of a slot past it would show."""
+    for layer in range(CONFIG.num_hidden_layers):
+        generator = torch.Generator().manual_seed(11 + layer)
+        paged = PagedCompression(CONFIG, method, budget, chunked=True)
+        assert paged.compresses_chunks
+        engine = Engine(paged, blocks=128)
+        plans = {0: (90, 25), 1: (9, 9), 2: (130, 40), 3: (60, 50)}  # request: (prompt, chunk); 3 joins at step 2
+        references = {r: CompressedCache(CONFIG, method, budget) for r in plans}
+        for request, (prompt, _) in plans.items():  # compressed chunk by chunk (the default)
+            references[request].start_prefill(torch.ones(1, prompt, dtype=torch.bool))
+        fed, shrank = dict.fromkeys(plans, 0), False
+        for step in range(10):
+            new = chunked_step(generator, plans, fed, step)
+            outputs = engine.step(new, layer, prompts={r: plan[0] for r, plan in plans.items()})
+            for request, (query, key, value) in new.items():
+                expected = alone(references[request], query, key, value, layer)
+                torch.testing.assert_close(outputs[request], expected, rtol=1e-5, atol=1e-5)
+                prompt, done = plans[request][0], engine.computed[request]
+                held = int(references[request].layers[layer].live_counts().max())
+                if done < prompt:  # read so far, each chunk compressed to the whole prompt's budget
+                    assert held == paged.reading(prompt, done, (layer,)) == min(done, paged.kept(prompt, layer))
+                    shrank |= len(engine.tables[request]) < math.ceil(done / BLOCK)
+                elif done > prompt:  # closed at its first decode step (the Hugging Face cache at its last chunk)
+                    assert held == paged.stored(prompt, done, layer)
+        assert all(fed[r] > plans[r][0] + 3 for r in plans)  # every request decoded past its close step
+        assert shrank  # some prompt held fewer blocks than it had read
+        assert not paged.requests.chunks  # nothing of a prompt's chunks kept past its close
 
 
 def decode_beside_alone(paged, method, budget, layer, seed, steps):

@@ -368,6 +368,10 @@ def test_the_serving_bench_reports_each_engine_as_it_finishes(tmp_path, capsys):
     assert table[2] == "| full (stock vLLM) | 36 | 4 | 1,400 | 20.0 | 1.00× |"
     assert table[3] == "| snapkv | 35 | 4 | 1,400 | 30.0 | 1.50× |"
     assert results[1]["tokens_per_s_vs_full"] == 1.5
+    for row, mib in zip(results, (64.0, 12.5)):  # rows that measured the KV memory in use
+        row["peak_kv_mib"] = mib
+    assert bench.table(results).splitlines()[2:] == ["| full (stock vLLM) | 36 | 4 | 64.0 | 1,400 | 20.0 | 1.00× |",
+                                                     "| snapkv | 35 | 4 | 12.5 | 1,400 | 30.0 | 1.50× |"]
 
 
 def test_the_serving_bench_spreads_ragged_prompts_around_the_length():

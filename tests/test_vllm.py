@@ -184,9 +184,8 @@ def hf_greedy(model, prompt, method, budget, new_tokens=NEW_TOKENS, chunks=None,
     tokens, step = [], torch.tensor([prompt])
     with torch.no_grad(), keepkv.enabled(model):
         if chunks:
-            # the engine compresses a prompt at its end, also a learned selection's (which the
-            # Hugging Face cache could compress chunk by chunk)
-            cache.start_prefill(torch.ones(1, len(prompt), dtype=torch.bool), compress_chunks=False)
+            # a learned selection's prompt is compressed chunk by chunk on both paths, any other at its end
+            cache.start_prefill(torch.ones(1, len(prompt), dtype=torch.bool))
             ends = torch.tensor(chunks).cumsum(0).tolist()
             for start, end in zip([0, *ends[:-1]], ends[:-1]):
                 model(input_ids=step[:, start:end], past_key_values=cache, use_cache=True)
@@ -291,6 +290,14 @@ def test_uncompressed_requests_answer_as_stock_vllm(model_dir, prompts, chat_pro
         assert shown == dropped == []
 
 
+CHUNK_TOKENS = 128  # tokens a step of a chunked engine reads: the longer prompts come in several chunks
+
+
+def chunking(chunked: bool) -> dict:
+    """An engine's overrides: chunked prefill of CHUNK_TOKENS a step, or each prompt in one step."""
+    return {"enable_chunked_prefill": True, "max_num_batched_tokens": CHUNK_TOKENS} if chunked else {}
+
+
 @dataclass
 class Run:
     """One engine's run of the three prompts (:meth:`Engine.run` with ``kept`` and ``logprobs``)."""
@@ -309,17 +316,18 @@ class Run:
 @pytest.fixture(scope="module")
 def single_process(model_dir, prompts):
     """keepkv's single-process engine (TP=1, fp32) of a method at budget 0.3 over the three prompts,
-    run once per module, whichever test asks first: ``single_process(method)`` -> :class:`Run`."""
+    run once per module, whichever test asks first: ``single_process(method)`` -> :class:`Run`;
+    ``single_process(method, chunked=True)``: with chunked prefill, :data:`CHUNK_TOKENS` a step."""
     runs = {}
 
-    def run(method):
-        if method not in runs:
-            engine = Engine(model_dir, {"method": method, "budget": 0.3}, worker_extension_cls=KEPT)
+    def run(method, chunked=False):
+        if (method, chunked) not in runs:
+            engine = Engine(model_dir, {"method": method, "budget": 0.3}, worker_extension_cls=KEPT, **chunking(chunked))
             tokens, blocks = engine.run(prompts, kept=True, logprobs=2)
-            runs[method] = Run(tokens, blocks, engine.manager().block_size, engine.kept, engine.logprobs, engine.ranks,
-                               engine.priorities, engine.groups, engine.group_peaks)
+            runs[method, chunked] = Run(tokens, blocks, engine.manager().block_size, engine.kept, engine.logprobs,
+                                        engine.ranks, engine.priorities, engine.groups, engine.group_peaks)
             engine.close()
-        return runs[method]
+        return runs[method, chunked]
 
     return run
 
@@ -393,7 +401,9 @@ def test_chunked_prefill_matches_hf_paths_chunked_prefill_and_frees_the_prompts_
     """vLLM's chunked prefill on, 128 tokens a step: the prompts come in pieces (the engine
     decides where), are compressed at their first decode step, and each request's greedy tokens
     are the Hugging Face path's for that prompt fed in the same pieces; a long prompt's blocks,
-    held whole while it is read, are freed down to its capacity once it is compressed."""
+    held whole while it is read, are freed down to its capacity once it is compressed. The
+    learned selection compresses each piece but the last to the prompt's budget (the Hugging
+    Face path's ``start_prefill``): its blocks grow only to that budget plus one piece."""
     budget = 0.3
     pieces = {}  # first block -> the prompt's pieces, in tokens
     batch = PagedCompression.batch
@@ -412,13 +422,20 @@ def test_chunked_prefill_matches_hf_paths_chunked_prefill_and_frees_the_prompts_
     engine.close()
     by_length = {sum(chunks): chunks for chunks in pieces.values()}
     paged = PagedCompression(hf_model.config, served(method), budget, chunked=True)
-    for prompt, got, peak, last in zip(prompts, tokens, blocks, engine.last_blocks):
+    smaller, layers = [], hf_model.config.num_hidden_layers
+    for prompt, got, peak, last, peaks in zip(prompts, tokens, blocks, engine.last_blocks, engine.group_peaks):
         chunks = by_length[len(prompt)]
         assert got == hf_greedy(hf_model, prompt, method, budget, chunks=chunks)
         whole, capacity = math.ceil(len(prompt) / block_size), math.ceil(paged.capacity(len(prompt) + 1) / block_size)
-        assert whole <= peak <= max(whole, capacity)  # the whole prompt while it is read
+        starts = [sum(chunks[:index]) for index in range(len(chunks))]
+        reading = max(math.ceil((paged.reading(len(prompt), done) + new) / block_size) for done, new in zip(starts, chunks))
+        assert reading == whole or paged.compresses_chunks  # the whole prompt while it is read, unless compressed
+        assert peak <= max(reading, capacity) and (whole <= peak or paged.compresses_chunks)
         assert last <= capacity  # then its capacity
+        # the most blocks each group of layers held (layers grouped by budget: each group's own)
+        smaller.append(sum(held * len(engine.groups[group]) for group, held in peaks.items()) < whole * layers)
     assert max(len(chunks) for chunks in by_length.values()) > 2
+    assert any(smaller) == paged.compresses_chunks  # a long prompt read chunk by chunk held fewer block-layers
 
 
 @pytest.mark.parametrize("method", ["h2o", "keepkv"])
@@ -452,11 +469,14 @@ def bound_threads(monkeypatch):
     monkeypatch.setenv(BIND, thread_binding(3) or "auto")
 
 
-@pytest.mark.parametrize("method", [*SERVED_METHODS, "snapkv+selection=learned+budgets=uniform",
-                                    "snapkv+selection=learned"])
+@pytest.mark.parametrize("method, chunked", [
+    *((method, False) for method in [*SERVED_METHODS, "snapkv+selection=learned+budgets=uniform",
+                                     "snapkv+selection=learned"]),
+    ("snapkv+selection=learned", True)])
 def test_tensor_parallel_ranks_keep_their_heads_entries_as_one_process(model_dir, prompts, single_process, method,
-                                                                       bound_threads):
-    """TP=3 in fp32, one KV head and its three query heads per rank, no communication but vLLM's own:
+                                                                       chunked, bound_threads):
+    """TP=3 in fp32, one KV head and its three query heads per rank, no communication but vLLM's own
+    (``chunked``: both engines read prompts in chunks, the learned selection's compressed chunk by chunk):
     after every step, the positions each rank holds in each layer, slot by slot, are the
     single-process engine's for that KV head, and the requests hold its blocks. TP=3 sums the heads'
     outputs in another order, so two runs may part at a rounding tie: the greedy tokens are the
@@ -468,11 +488,11 @@ def test_tensor_parallel_ranks_keep_their_heads_entries_as_one_process(model_dir
     from keepkv.methods.learned import SCORE_STEP
 
     engine = Engine(model_dir, {"method": method, "budget": 0.3}, tensor_parallel_size=3,
-                    worker_extension_cls=KEPT)
+                    worker_extension_cls=KEPT, **chunking(chunked))
     tokens, blocks = engine.run(prompts, kept=True)
     kept, ranks = engine.kept, engine.ranks
     engine.close()
-    one = single_process(method)
+    one = single_process(method, chunked)
     assert ranks == [(0, 1), (1, 1), (2, 1)] and one.ranks == [(0, 3)]
     assert blocks == one.blocks
     compared, ties = 0, []

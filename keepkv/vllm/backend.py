@@ -125,7 +125,9 @@ _WORKER: dict = {}
 # host tensor of each batch row's prompt length (InputBatch.num_prompt_tokens_cpu_tensor, the
 # length of the prompt_token_ids the scheduler handed the worker with the request, which a
 # replay after a preemption keeps), which CommonAttentionMetadata carries only as is_prefilling;
-# "due", the step's list of gathered compressions that every layer group's batch shares
+# "tokens", each row's tokens (prompt and output, InputBatch.num_tokens_no_spec; with the prompt,
+# where the scheduler's prefill ends: max(prompt, tokens - 1), a resumed request replaying its
+# outputs too); "due", the step's list of gathered compressions that every layer group's batch shares
 # (PagedBatch.due: the model's last layer runs them together).
 _STEP: dict = {}
 
@@ -150,6 +152,7 @@ def _hand_prompt_lengths() -> None:
     def wrap(original):
         def build(self, *args, **kwargs):
             _STEP["prompts"] = self.input_batch.num_prompt_tokens_cpu_tensor
+            _STEP["tokens"] = self.input_batch.num_tokens_no_spec
             _STEP["due"] = []
             try:
                 return original(self, *args, **kwargs)
@@ -259,7 +262,7 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
         self.grouped = bool(layers)
         self.last_layer = None if self.paged is None else (
             max(layers) if layers else self.paged.config.num_hidden_layers - 1)
-        if self.paged is not None and (self.paged.keep_prompt or self.grouped):
+        if self.paged is not None and (self.paged.keep_prompt or self.grouped or self.paged.compresses_chunks):
             _hand_prompt_lengths()
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
@@ -270,7 +273,7 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
         # Host copies vLLM keeps (exact without speculative decoding, which keepkv refuses):
         # nothing waits on the device to build the step.
         seq_lens = common.seq_lens_cpu_upper_bound if common.seq_lens_cpu_upper_bound is not None else common.seq_lens.cpu()
-        prefilling = prompts = None
+        prefilling = prompts = ends = None
         if self.paged.keep_prompt:  # the prompt's length itself: a replay after a preemption may span its end
             if "prompts" not in _STEP:
                 raise RuntimeError("keepkv.vllm: the model runner handed no prompt lengths (keep_prompt reads them "
@@ -278,12 +281,20 @@ class KeepKVMetadataBuilder(CPUAttentionMetadataBuilder):
             prompts = _STEP["prompts"][:rows].tolist()
         elif self.paged.chunked:  # is_prefilling: computed < prompt before the step (a host tensor)
             prefilling = common.is_prefilling[:rows].tolist()
+            if self.paged.compresses_chunks:  # where each prompt's chunks end: the scheduler's prefill end
+                if "prompts" not in _STEP:
+                    raise RuntimeError("keepkv.vllm: the model runner handed no prompt lengths (a prompt compressed "
+                                       "chunk by chunk reads them from vLLM's V1 CPU model runner: "
+                                       "VLLM_USE_V2_MODEL_RUNNER=0)")
+                ends = [max(prompt, tokens - 1) for prompt, tokens in
+                        zip(_STEP["prompts"][:rows].tolist(), _STEP["tokens"][:rows].tolist())]
         starts, lengths = common.query_start_loc_cpu[: rows + 1].tolist(), seq_lens[:rows].tolist()
         # Every layer of the model runs this batch, in order: the step's compressions wait for the last.
         due = _STEP.get("due") if self.grouped else None
         last = self.paged.config.num_hidden_layers - 1 if due is not None else self.last_layer
         batch = self.paged.batch(starts, lengths, common.block_table_tensor[:rows], prefilling,
-                                 block_size=self.kv_cache_spec.block_size, prompts=prompts, layers=last + 1, due=due)
+                                 block_size=self.kv_cache_spec.block_size, prompts=prompts, layers=last + 1, due=due,
+                                 ends=ends)
         return KeepKVMetadata(num_actual_tokens=common.num_actual_tokens, batch=batch, paged=self.paged)
 
 

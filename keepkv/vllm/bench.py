@@ -31,6 +31,15 @@ and shares the compressed chunks through the prefix cache (``keepkv serve --shar
 
 With ``--tensor-parallel-size N`` every engine runs N ranks, each with the blocks above for its
 share of the heads; each engine's start time (building ``LLM``) is reported beside its tokens/s.
+
+Each engine also reports the most KV memory its requests held at once (``peak KV in use``, MiB
+on all ranks: the blocks taken from the pool, whichever group of layers holds them). With
+``--chunk-tokens N`` vLLM's chunked prefill reads at most N tokens a step (its
+``max_num_batched_tokens``), so a long prompt comes in chunks; a method that compresses a prompt
+chunk by chunk (the learned selection) then holds its budget plus one chunk while it reads::
+
+    python -m keepkv.vllm.bench --requests 1 --prompt-len 4096 --gen-len 16 --full-requests 2 \
+        --chunk-tokens 512 --methods snapkv,snapkv+selection=learned --budget 0.1
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ BLOCK_SIZE = 128  # vLLM's CPU default
 PROGRESS_EVERY = 10.0  # seconds between progress lines of one engine
 COLUMNS = [("engine", "engine"), ("KV blocks", "blocks"), ("peak concurrent requests", "peak_running"),
            ("scheduler steps", "steps"), ("tokens/s", "tokens_per_s"), ("vs stock", "tokens_per_s_vs_full")]
+PEAK_KV = ("peak KV in use (MiB)", "peak_kv_mib")
 START = ("start (s)", "start_seconds")
 COMPUTED = ("prompt tokens computed", "prompt_tokens_computed")
 FIRST_TOKEN = ("first token on a cached document (ms)", "first_token_ms")
@@ -100,7 +110,7 @@ def stdlib_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict | None, progress=None,
                chunked_prefill: bool = True, prefix_caching: bool = False, tensor_parallel_size: int = 1,
-               probes=None, repeats: int = 1, block_size: int = BLOCK_SIZE) -> dict:
+               probes=None, repeats: int = 1, block_size: int = BLOCK_SIZE, chunk_tokens: int | None = None) -> dict:
     """Serve every prompt at once with ``blocks`` KV blocks of ``block_size`` slots (on each rank);
     the engine's start time, tokens/s and peak concurrency. ``progress(finished, total, generated, seconds)`` is called every
     few seconds while it runs. ``chunked_prefill``: vLLM's chunked prefill (its default), with its
@@ -109,7 +119,10 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     the document (it ends at its second token), then each other's time to first token is timed
     (``first_token_ms``: their median, on a prefix-cache hit where the engine has one).
     ``repeats``: the workload served that many times on the engine, its prefix cache reset between
-    them; the figures are the repeat of median time's, and ``repeats`` lists each one's."""
+    them; the figures are the repeat of median time's, and ``repeats`` lists each one's.
+    ``chunk_tokens``: with chunked prefill, the most tokens a step reads (vLLM's
+    ``max_num_batched_tokens``; None: its default). ``peak_kv_mib``: the most blocks the requests
+    held at once, in MiB on all ranks."""
     import vllm
 
     args = dict(
@@ -122,6 +135,8 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     )
     if not chunked_prefill:  # each prompt in one step
         args["max_num_batched_tokens"] = args["max_model_len"]
+    elif chunk_tokens is not None:
+        args["max_num_batched_tokens"] = chunk_tokens
     if keepkv:
         args["additional_config"] = {"keepkv": keepkv}
     began = time.perf_counter()
@@ -129,6 +144,7 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
     started = time.perf_counter() - began
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
     params = vllm.SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     computed = [0]
     schedule = scheduler.schedule
@@ -146,7 +162,7 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}.{repeat}", {"prompt_token_ids": prompt}, params)
-        peak, steps, generated, finished, cached, shown = 0, 0, 0, 0, 0, start
+        peak, steps, generated, finished, cached, shown, in_use = 0, 0, 0, 0, 0, start, 0
         so_far: dict[str, int] = {}  # request -> tokens generated so far (for progress)
         while engine.has_unfinished_requests():
             for output in engine.step():
@@ -156,12 +172,13 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
                     cached += output.num_cached_tokens or 0  # vLLM's prefix-cache hits
                     finished += 1
             peak = max(peak, len(scheduler.running))
+            in_use = max(in_use, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())  # vLLM's null block is never free
             steps += 1
             if progress is not None and time.perf_counter() - shown >= PROGRESS_EVERY:
                 shown = time.perf_counter()
                 progress(finished, len(prompts), sum(so_far.values()), shown - start)
         return {"seconds": time.perf_counter() - start, "peak": peak, "steps": steps, "generated": generated,
-                "cached": cached, "computed": computed[0]}
+                "cached": cached, "computed": computed[0], "in_use": in_use}
 
     runs = []
     for repeat in range(repeats):
@@ -194,7 +211,8 @@ def run_engine(model_dir: str, prompts, gen_len: int, blocks: int, keepkv: dict 
         "method": keepkv["method"] if keepkv else "full (stock vLLM)",
         "prefix_cache_hit_tokens": cached if prefix_caching else None, "prompt_tokens_computed": median["computed"],
         "tensor_parallel_size": tensor_parallel_size,
-        "blocks": blocks, "kv_bytes": blocks * block_bytes * tensor_parallel_size, "peak_running": peak, "steps": steps,
+        "blocks": blocks, "kv_bytes": blocks * block_bytes * tensor_parallel_size, "peak_running": peak,
+        "peak_kv_mib": round(median["in_use"] * block_bytes * tensor_parallel_size / 2**20, 1), "steps": steps,
         "start_seconds": round(started, 2), "seconds": round(seconds, 2), "generated_tokens": generated,
         "tokens_per_s": round(generated / seconds, 2),
     } | ({"first_token_ms": first_token} if probes else {}) | (
@@ -249,6 +267,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                         help="vLLM's chunked prefill off, for every engine (default: on, vLLM's default; each prompt "
                         "then comes in one step)")
+    parser.add_argument("--chunk-tokens", type=int, default=None, metavar="N",
+                        help="with chunked prefill, the most tokens a step reads (vLLM's max_num_batched_tokens; "
+                        "default: vLLM's), so that a long prompt comes in chunks")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="vLLM's tensor parallelism, for every engine: N ranks, each with --full-requests' KV "
                         "bytes for its share of the heads (default 1)")
@@ -266,6 +287,8 @@ def main(argv=None) -> None:
         parser.error("--share-blocks (the blocks of a chunk) must be >= 2")
     if not args.shared_prefix and (args.documents > 1 or modes != ["keep"]):
         parser.error("--documents and --prompt-modes need --shared-prefix")
+    if args.chunk_tokens is not None and (args.chunk_tokens < 1 or not args.chunked_prefill):
+        parser.error("--chunk-tokens must be >= 1, with chunked prefill on")
     if args.block_size < 16 or args.block_size % 16:
         parser.error(f"--block-size must be a multiple of 16 (vLLM's CPU attention), got {args.block_size}")
     if args.blocks is not None and args.blocks < 2:
@@ -342,7 +365,7 @@ def main(argv=None) -> None:
         # prefix caching on with shared prefixes, but for a method that compresses prompts (it refuses it)
         caching = keep_prompt and (keepkv is None or bool(keepkv.get("keep_prompt")))
         row = run_engine(model_dir, prompts, args.gen_len, blocks, engine, progress, args.chunked_prefill, caching,
-                         args.tensor_parallel_size, probes, args.repeats, args.block_size)
+                         args.tensor_parallel_size, probes, args.repeats, args.block_size, args.chunk_tokens)
         return row | {"engine": engine_name(keepkv)}
 
     run_all(engines, run, vars(args), args.json)
@@ -375,9 +398,12 @@ def run_all(engines, run, settings: dict, json_path: str | None, out=None, err=N
 
 
 def table(results: list[dict]) -> str:
-    """The results as a Markdown table (docs/serving.md's columns, the prompt tokens computed where a
-    row counted them, and each engine's start time when every row has one); stock's ratio is 1.00×."""
-    columns = COLUMNS + [COMPUTED] * any(row.get(COMPUTED[1]) is not None for row in results)
+    """The results as a Markdown table (docs/serving.md's columns, the peak KV in use where every row
+    has it, the prompt tokens computed where a row counted them, and each engine's start time when every row has one); stock's ratio is 1.00×."""
+    columns = list(COLUMNS)
+    if all(PEAK_KV[1] in row for row in results):  # after the peak concurrency
+        columns.insert(3, PEAK_KV)
+    columns += [COMPUTED] * any(row.get(COMPUTED[1]) is not None for row in results)
     columns += [FIRST_TOKEN] * all(row.get(FIRST_TOKEN[1]) is not None for row in results)
     columns += [START] * all(START[1] in row for row in results)
     lines = ["| " + " | ".join(title for title, _ in columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]

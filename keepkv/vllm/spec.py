@@ -14,6 +14,11 @@ manager and a block table of its own, capped at the group's largest layer.
   worker compresses it; once that step is processed, the blocks past its capacity are freed
   (:meth:`KeepKVManager.remove_skipped_blocks`, which vLLM calls before every allocation), and
   it never grows past its capacity again.
+- A method that compresses a prompt chunk by chunk (``PagedCompression.compresses_chunks``: the
+  learned selection, merge none): the worker compresses each chunk but the last to the whole
+  prompt's budget, so a request's blocks grow only to that budget plus one chunk
+  (``KeepKVSpec.reading_tokens``); the worker fills them by slot, not by position (its table
+  holds no null block while it reads), and the close frees the rest as above.
 """
 
 from __future__ import annotations
@@ -85,8 +90,19 @@ class KeepKVSpec(FullAttentionSpec):
     @functools.cached_property
     def compression(self) -> PagedCompression:
         config = SimpleNamespace(num_hidden_layers=self.num_layers, num_key_value_heads=self.num_kv_heads)
-        return PagedCompression(config, self.method, self.budget, keep_prompt=self.keep_prompt,
+        return PagedCompression(config, self.method, self.budget, chunked=self.chunked, keep_prompt=self.keep_prompt,
                                 chunk_blocks=self.chunk_blocks)
+
+    @property
+    def compresses_chunks(self) -> bool:
+        """Whether the worker compresses a prompt read in chunks after each chunk but its last, to its
+        whole prompt's budget (``PagedCompression.compresses_chunks``)."""
+        return self.compression.compresses_chunks
+
+    def reading_tokens(self, prompt_length: int, computed: int) -> int:
+        """Slots a request holds in this spec's group after its first ``computed`` tokens of a prompt
+        of ``prompt_length`` read in chunks (``PagedCompression.reading``)."""
+        return _reading(self.compression, prompt_length, computed, self.layers)
 
     @property
     def layers(self) -> tuple[int, ...] | None:
@@ -156,6 +172,11 @@ class KeepKVSpec(FullAttentionSpec):
 
 
 @functools.lru_cache(maxsize=4096)
+def _reading(compression: PagedCompression, prompt_length: int, computed: int, layers: tuple[int, ...] | None) -> int:
+    return compression.reading(prompt_length, computed, layers)
+
+
+@functools.lru_cache(maxsize=4096)
 def _capacity(compression: PagedCompression, prompt_length: int, layers: tuple[int, ...] | None = None) -> int:
     return compression.capacity(prompt_length, layers)
 
@@ -213,6 +234,7 @@ class KeepKVManager(FullAttentionManager):
         super().__init__(kv_cache_spec, **kwargs)
         self.prompt_tokens: dict[str, int] = {}  # request -> its prompt's tokens
         self._requests: dict = {}  # chunk_blocks: request id -> the request, until it is freed
+        self._computed: dict[str, int] = {}  # request -> its computed tokens at its latest allocation
         if kv_cache_spec.max_model_len and kv_cache_spec.group == 0:  # one line for every group
             logger.info(kv_cache_spec.capacity_line(self.block_pool.num_gpu_blocks))
 
@@ -229,16 +251,23 @@ class KeepKVManager(FullAttentionManager):
         if request_id not in self.prompt_tokens:  # a whole prompt's first allocation
             return min(num_tokens, self.kv_cache_spec.capacity_tokens(num_tokens))
         if self.kv_cache_spec.chunked and num_tokens <= self.prompt_tokens[request_id]:
+            if self.kv_cache_spec.compresses_chunks:  # its chunks so far hold at most the prompt's budget
+                computed = self._computed.get(request_id, 0)
+                held = self.kv_cache_spec.reading_tokens(self.prompt_tokens[request_id], computed)
+                return min(num_tokens, held + num_tokens - computed)
             return num_tokens  # the prompt's chunks are written whole until it is compressed
         return min(num_tokens, self._capacity(request_id))
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, prefill_end: int = 0, **kwargs) -> int:
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
+                                   total_computed_tokens: int, *args, prefill_end: int = 0, **kwargs) -> int:
         if self.kv_cache_spec.chunked and not self.req_to_blocks.get(request_id):
             if prefill_end <= 0:  # vLLM passes it unless prefix-cache retention is on (refused for full attention)
                 raise RuntimeError("keepkv.vllm: the scheduler gave no prefill end for a chunked prompt")
             self.prompt_tokens[request_id] = prefill_end  # the scheduler's: where its chunks end
+        self._computed[request_id] = total_computed_tokens  # allocate_new_blocks follows, for the same step
         return super().get_num_blocks_to_allocate(
-            request_id, self._capped(request_id, num_tokens), *args, prefill_end=prefill_end, **kwargs
+            request_id, self._capped(request_id, num_tokens), new_computed_blocks, total_computed_tokens, *args,
+            prefill_end=prefill_end, **kwargs
         )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
@@ -324,6 +353,7 @@ class KeepKVManager(FullAttentionManager):
         that they go to the prefix cache with the others (a request that ends at its first token
         would otherwise never hash its last chunk)."""
         self.prompt_tokens.pop(request_id, None)
+        self._computed.pop(request_id, None)
         request = self._requests.pop(request_id, None)
         if request is not None and request_id in self.req_to_blocks:
             self._cache_chunks(request)
