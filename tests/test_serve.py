@@ -421,7 +421,10 @@ def test_the_serving_bench_refuses_flags_it_cannot_honour(capsys):
                        (["--block-size", "8"], "--block-size must be a multiple of 16"),
                        (["--block-size", "100"], "--block-size must be a multiple of 16"),
                        (["--block-size", "0"], "--block-size must be a multiple of 16"),
-                       (["--repeats", "0"], "--repeats must be >= 1")]:
+                       (["--repeats", "0"], "--repeats must be >= 1"),
+                       (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1, with chunked prefill on"),
+                       (["--chunk-tokens", "512", "--no-chunked-prefill"],
+                        "--chunk-tokens must be >= 1, with chunked prefill on")]:
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert says in capsys.readouterr().err.strip().splitlines()[-1]
